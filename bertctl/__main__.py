@@ -1,0 +1,3 @@
+from bertctl.cli.app import main
+
+main()

