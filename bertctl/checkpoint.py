@@ -1,0 +1,156 @@
+"""Hugging Face-compatible checkpoint directories: read and write.
+
+A directory holds ``config.json``, ``model.safetensors`` (``pytorch_model.bin`` is read
+too), and the tokenizer files (``vocab.txt``, ``tokenizer_config.json``,
+``special_tokens_map.json``).  All renaming between checkpoint tensor names and
+bertctl's parameter names lives here, in ``_normalise_names`` and ``_match``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from bertctl.config import BertConfig
+from bertctl.errors import BertctlError
+from bertctl.io import atomic_dir
+from bertctl.model import MODEL_CLASSES, BertModel, BertPreTrainedModel
+
+M = TypeVar("M", bound=BertPreTrainedModel)
+
+WEIGHTS = "model.safetensors"
+LEGACY_WEIGHTS = "pytorch_model.bin"
+# Buffers some writers save that carry no learned state.
+IGNORED_SUFFIXES = ("position_ids", "token_type_ids")
+# Every task head bertctl or transformers may put beside the encoder: dropping one is always
+# safe (loading a fine-tuned or pretraining checkpoint as a plain encoder, say).
+ALL_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
+
+
+def load_config(directory: str | Path, **overrides) -> BertConfig:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise BertctlError(f"{directory}: model directory not found")
+    return BertConfig.from_json_file(directory / "config.json", **overrides)
+
+
+def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of ``model.safetensors`` (preferred) or ``pytorch_model.bin``."""
+    directory = Path(directory)
+    path = directory / WEIGHTS
+    try:
+        if path.exists():
+            return load_file(path)
+        legacy = directory / LEGACY_WEIGHTS
+        if legacy.exists():
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+    except (SafetensorError, RuntimeError, OSError) as e:
+        raise BertctlError(f"{path}: unreadable weights ({str(e).splitlines()[0]})") from None
+    raise BertctlError(f"{directory}: no {WEIGHTS} or {LEGACY_WEIGHTS}")
+
+
+def _normalise_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """TF-era names (LayerNorm.gamma/beta) to current ones; drop non-learned buffers."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        out[name] = tensor
+    return out
+
+
+def _match(model: BertPreTrainedModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename checkpoint tensors to ``model``'s parameter names (adding or removing ``bert.``)."""
+    wants_prefix = not isinstance(model, BertModel)
+    out = {}
+    for name, tensor in state.items():
+        has_prefix = name.startswith("bert.")
+        is_head = name.startswith(ALL_HEAD_PREFIXES)
+        if wants_prefix and not has_prefix and not is_head:
+            name = "bert." + name
+        elif not wants_prefix and has_prefix:
+            name = name[len("bert."):]
+        out[name] = tensor
+    # The MLM decoder is tied to the word embeddings, and its bias to cls.predictions.bias.
+    out.pop("cls.predictions.decoder.weight", None)
+    bias = out.pop("cls.predictions.decoder.bias", None)
+    if bias is not None:
+        out.setdefault("cls.predictions.bias", bias)
+    return out
+
+
+def load_state(model: M, state: dict[str, torch.Tensor], *, fresh_heads: bool = False, source: str = "checkpoint") -> M:
+    """Copy ``state`` into ``model`` with full checking; one error lists every problem."""
+    state = _match(model, _normalise_names(state))
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("decoder.weight")}
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    # Tensors the caller may initialise fresh: this class's head (e.g. a classifier on a base model).
+    if fresh_heads:
+        missing = [k for k in missing if not k.startswith(model.head_prefixes)]
+    # Tensors safe to drop: another class's head, or a pooler this class does not have.
+    pooler = "pooler." if isinstance(model, BertModel) else "bert.pooler."
+    unexpected = [
+        k for k in unexpected
+        if not (k.startswith(ALL_HEAD_PREFIXES) and not k.startswith(model.head_prefixes))
+        and not (k.startswith(pooler) and not model.has_pooler)
+    ]
+    misshaped = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own if k in state and state[k].shape != own[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped {', '.join(misshaped)}")
+    if problems:
+        raise BertctlError(f"{source}: weights do not fit {type(model).__name__}: " + "; ".join(problems))
+    loadable = {k: v for k, v in state.items() if k in own}
+    model.load_state_dict(loadable, strict=False)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def load_pretrained(model_cls: type[M], directory: str | Path, *, fresh_heads: bool = False, **config_overrides) -> M:
+    """Build ``model_cls`` from a checkpoint directory (bertctl's or Hugging Face's).
+
+    ``fresh_heads=True`` initialises this class's task head when the checkpoint has none;
+    any other missing, unexpected or mis-shaped tensor is an error listing them all.
+    """
+    directory = Path(directory)
+    config = load_config(directory, **config_overrides)
+    state = read_state_dict(directory)
+    model = model_cls(config)
+    return load_state(model, state, fresh_heads=fresh_heads, source=str(directory))
+
+
+def save_pretrained(model: BertPreTrainedModel, directory: str | Path, tokenizer=None) -> None:
+    """Write ``config.json``, ``model.safetensors`` (and tokenizer files) as one atomic directory."""
+    config = model.config
+    architectures = [type(model).__name__]
+    state = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in model.state_dict().items()
+        if not k.endswith("decoder.weight")  # tied to the word embeddings, as transformers saves it
+    }
+    d = config.to_dict()
+    d["architectures"] = architectures
+    with atomic_dir(directory) as tmp:
+        (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+
+def model_class(name: str) -> type[BertPreTrainedModel]:
+    if name not in MODEL_CLASSES:
+        raise BertctlError(f"unknown model class {name!r}; one of {', '.join(MODEL_CLASSES)}")
+    return MODEL_CLASSES[name]

@@ -1,0 +1,128 @@
+"""Model configuration: one dataclass with Hugging Face's field names.
+
+``config.json`` written from it loads as a ``transformers.BertConfig`` and vice
+versa.  Runtime choices (attention backend, kernels) are not architecture and
+are never written to ``config.json``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bertctl.errors import BertctlError
+from bertctl.io import write_json
+
+# (layers, hidden, heads): BERT-Base/Large from the paper (§3), the small sizes from
+# Turc et al. 2019 ("Well-Read Students Learn Better").  Intermediate = 4 * hidden.
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (2, 128, 2),
+    "mini": (4, 256, 4),
+    "small": (4, 512, 8),
+    "medium": (8, 512, 8),
+    "base": (12, 768, 12),
+    "large": (24, 1024, 16),
+}
+
+ATTENTION_BACKENDS = ("sdpa", "explicit")
+KERNEL_CHOICES = ("auto", "fused", "torch")
+# hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
+GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+RUNTIME_FIELDS = ("attn_implementation", "kernels")
+
+
+@dataclass
+class BertConfig:
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    classifier_dropout: float | None = None
+    # Task heads (Hugging Face semantics).
+    num_labels: int = 2
+    id2label: dict[int, str] | None = None
+    label2id: dict[str, int] | None = None
+    problem_type: str | None = None
+    architectures: list[str] | None = None
+    # Runtime (not saved): attention backend over the same weights, and which ops run it.
+    attn_implementation: str = "sdpa"
+    kernels: str = "auto"
+    # Unknown keys from a config.json, kept so a round trip loses nothing.
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise BertctlError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        if self.attn_implementation not in ATTENTION_BACKENDS:
+            raise BertctlError(f"attention backend must be one of {ATTENTION_BACKENDS}, not {self.attn_implementation!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise BertctlError(f"kernels must be one of {KERNEL_CHOICES}, not {self.kernels!r}")
+        if self.id2label is not None:
+            self.id2label = {int(k): v for k, v in self.id2label.items()}
+            self.num_labels = len(self.id2label)
+            if self.label2id is None:
+                self.label2id = {v: k for k, v in self.id2label.items()}
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "BertConfig":
+        if name not in PRESETS:
+            raise BertctlError(f"unknown model size {name!r}; choose one of {', '.join(PRESETS)}")
+        layers, hidden, heads = PRESETS[name]
+        base = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden)
+        return cls(**{**base, **overrides})
+
+    def to_dict(self, runtime: bool = False) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        if not runtime:
+            for name in RUNTIME_FIELDS:
+                d.pop(name)
+        for key in ("id2label", "label2id", "architectures", "problem_type"):
+            if d[key] is None:
+                d.pop(key)
+        if "id2label" in d:
+            d["id2label"] = {str(k): v for k, v in d["id2label"].items()}
+        d = {**self.extra, **d}
+        d["model_type"] = "bert"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, **overrides) -> "BertConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        known = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k not in names and k not in ("model_type", "transformers_version")}
+        model_type = d.get("model_type", "bert")
+        if model_type != "bert":
+            raise BertctlError(f"config model_type is {model_type!r}; bertctl reads BERT checkpoints only")
+        return cls(**{**known, **overrides}, extra=extra)
+
+    def to_json_file(self, path: str | Path) -> None:
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def from_json_file(cls, path: str | Path, **overrides) -> "BertConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise BertctlError(f"{path}: config file not found") from None
+        except json.JSONDecodeError as e:
+            raise BertctlError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise BertctlError(f"{path}: expected a JSON object")
+        return cls.from_dict(d, **overrides)

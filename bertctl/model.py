@@ -1,0 +1,507 @@
+"""BERT (Devlin et al., 2018) in one file: embeddings, post-LN encoder, pooler and heads.
+
+Module and parameter names are Hugging Face's (``bert.encoder.layer.N.attention.self.query``,
+``attention.output.LayerNorm``, ``intermediate.dense``, ``output.dense``,
+``cls.predictions.transform``, ``cls.seq_relationship``, ...), so a state dict moves
+between bertctl and ``transformers`` unchanged.
+
+Two choices are made per config, over the same weights:
+- ``attn_implementation``: ``sdpa`` (torch's scaled_dot_product_attention) or ``explicit``
+  (materialised scores, the path the fused softmax serves);
+- ``kernels``: ``fused`` (bertctl's softmax / LayerNorm+residual / bias+GELU ops),
+  ``torch`` (plain PyTorch), or ``auto`` (fused when the compiled module loaded).
+
+Shapes: B batch, S sequence, H hidden, nh heads, hs head size, I intermediate, V vocab,
+P masked positions per sequence, C choices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bertctl import ops
+from bertctl.config import GELU_APPROXIMATION, BertConfig
+
+IGNORE_INDEX = -100
+
+
+def use_fused(config: BertConfig) -> bool:
+    if config.kernels == "torch":
+        return False
+    available = ops.fused_available() if hasattr(ops, "fused_available") else False
+    return available or config.kernels == "fused"
+
+
+def activation(name: str):
+    if name in GELU_APPROXIMATION:
+        return lambda x: F.gelu(x, approximate=GELU_APPROXIMATION[name])
+    if name == "relu":
+        return F.relu
+    if name == "tanh":
+        return torch.tanh
+    if name in ("silu", "swish"):
+        return F.silu
+    raise ValueError(f"unsupported hidden_act {name!r}")
+
+
+def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor | None, fused: bool) -> torch.Tensor:
+    """LN(x + residual): one fused op, or the add then torch's LayerNorm."""
+    if fused:
+        return ops.layer_norm(x, ln.weight, ln.bias, ln.eps, residual=residual)
+    return ln(x if residual is None else x + residual)
+
+
+def dense_act(dense: nn.Linear, act_name: str, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """act(x W^T + b): with fused kernels the bias add and GELU are one op after the matmul."""
+    if fused and act_name in GELU_APPROXIMATION:
+        return ops.bias_gelu(F.linear(x, dense.weight), dense.bias, approximate=GELU_APPROXIMATION[act_name])
+    return activation(act_name)(dense(x))
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class BertOutput:
+    last_hidden_state: torch.Tensor  # (B, S, H)
+    pooler_output: torch.Tensor | None  # (B, H)
+    hidden_states: tuple[torch.Tensor, ...] | None = None  # L+1 of (B, S, H): embeddings, then each layer
+
+
+@dataclass
+class PreTrainingOutput:
+    loss: torch.Tensor | None
+    mlm_loss: torch.Tensor | None
+    nsp_loss: torch.Tensor | None
+    prediction_logits: torch.Tensor  # (B, P, V) at masked_positions, else (B, S, V)
+    seq_relationship_logits: torch.Tensor  # (B, 2)
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class TaskOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class QAOutput:
+    loss: torch.Tensor | None
+    start_logits: torch.Tensor  # (B, S)
+    end_logits: torch.Tensor  # (B, S)
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+# --------------------------------------------------------------------------- encoder
+
+
+class BertEmbeddings(nn.Module):
+    """Token + segment + position embeddings, then LayerNorm and dropout (paper §3, Figure 2)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        S = input_ids.shape[1]
+        if S > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {S} exceeds max_position_embeddings {self.config.max_position_embeddings}")
+        positions = torch.arange(S, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None]
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        x = layer_norm(self.LayerNorm, x, None, use_fused(self.config))
+        return self.dropout(x)  # (B, S, H)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        return x.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, S, hs)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """x (B, S, H); key_mask (B, S) bool, True = a real token that may be attended to."""
+        B, S, H = x.shape
+        q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        p = self.dropout_p if self.training else 0.0
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.config.attn_implementation == "sdpa":
+            mask = None if key_mask is None else key_mask[:, None, None, :]  # broadcast over heads, queries
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)
+        else:
+            scores = q @ k.transpose(-1, -2)  # (B, nh, S, S), unscaled: the softmax applies the scale
+            if use_fused(self.config):
+                probs = ops.softmax(scores, key_mask, scale)
+            else:
+                scores = scores * scale
+                if key_mask is not None:
+                    scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+                probs = torch.softmax(scores, dim=-1)
+            probs = F.dropout(probs, p, self.training)
+            ctx = probs @ v  # (B, nh, S, hs)
+        return ctx.transpose(1, 2).reshape(B, S, H)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, ctx: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # Post-LN (the original Transformer and BERT): LN(x + Dropout(Sublayer(x))).
+        return layer_norm(self.LayerNorm, self.dropout(self.dense(ctx)), residual, use_fused(self.config))
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self.self(x, key_mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_act(self.dense, self.config.hidden_act, x, use_fused(self.config))  # (B, S, I)
+
+
+class BertOutputLayer(nn.Module):
+    """The FFN's second projection, dropout, residual add and LayerNorm (HF calls it ``BertOutput``)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return layer_norm(self.LayerNorm, self.dropout(self.dense(h)), residual, use_fused(self.config))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutputLayer(config)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.attention(x, key_mask)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None, output_hidden_states: bool = False):
+        states = [x] if output_hidden_states else None
+        for layer in self.layer:
+            x = layer(x, key_mask)
+            if states is not None:
+                states.append(x)
+        return x, (tuple(states) if states is not None else None)
+
+
+class BertPooler(nn.Module):
+    """tanh(W h_[CLS] + b): the sentence representation the NSP and classification heads read (§3)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden[:, 0]))
+
+
+class BertPreTrainedModel(nn.Module):
+    """Weight initialisation shared by every model class (truncation-free normal, as HF and the reference)."""
+
+    config: BertConfig
+    # Parameter-name prefixes of this class's task head: may be initialised fresh when a checkpoint lacks them.
+    head_prefixes: tuple[str, ...] = ()
+    has_pooler: bool = True
+
+    def init_weights(self) -> None:
+        self.apply(self._init_module)
+        if hasattr(self, "tie_weights"):
+            self.tie_weights()
+
+    def _init_module(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, BertLMPredictionHead):
+            nn.init.zeros_(module.bias)
+
+
+class BertModel(BertPreTrainedModel):
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+        super().__init__()
+        self.config = config
+        self.has_pooler = add_pooling_layer
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.init_weights()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> BertOutput:
+        """input_ids, token_type_ids, attention_mask: (B, S); attention_mask 1 = token, 0 = padding."""
+        key_mask = None if attention_mask is None else attention_mask.bool()
+        x = self.embeddings(input_ids, token_type_ids)
+        x, states = self.encoder(x, key_mask, output_hidden_states)
+        pooled = self.pooler(x) if self.pooler is not None else None
+        return BertOutput(x, pooled, states)
+
+
+# --------------------------------------------------------------------------- heads
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = use_fused(self.config)
+        return layer_norm(self.LayerNorm, dense_act(self.dense, self.config.hidden_act, x, fused), None, fused)
+
+
+class BertLMPredictionHead(nn.Module):
+    """MLM head: transform, then a decoder tied to the word embeddings plus an output bias (§3.1)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.transform(x), self.decoder.weight, self.bias)  # (..., V)
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+
+class BertForPreTraining(BertPreTrainedModel):
+    """Masked LM + next-sentence prediction (paper §3.1, Task #1 and Task #2)."""
+
+    head_prefixes = ("cls.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        masked_positions: torch.Tensor | None = None,
+        masked_lm_labels: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> PreTrainingOutput:
+        """masked_positions (B, P): where the MLM head runs (gathered before the V-way projection,
+        so its cost is P rather than S per sequence); masked_lm_labels (B, P), or (B, S) without
+        positions, with -100 in slots that carry no prediction; next_sentence_label (B,), 0 = IsNext."""
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        hidden = out.last_hidden_state
+        if masked_positions is not None:
+            index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            hidden = hidden.gather(1, index)  # (B, P, H)
+        mlm_logits = self.cls.predictions(hidden)
+        nsp_logits = self.cls.seq_relationship(out.pooler_output)
+        mlm_loss = nsp_loss = loss = None
+        if masked_lm_labels is not None:
+            mlm_loss = F.cross_entropy(mlm_logits.flatten(0, 1).float(), masked_lm_labels.flatten(), ignore_index=IGNORE_INDEX)
+            loss = mlm_loss
+        if next_sentence_label is not None:
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
+            loss = nsp_loss if loss is None else loss + nsp_loss
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, mlm_logits, nsp_logits, out.hidden_states)
+
+
+def _classifier_dropout(config: BertConfig) -> float:
+    return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+
+
+class BertForSequenceClassification(BertPreTrainedModel):
+    """[CLS] pooled output -> labels (GLUE, §4.1); regression (MSE) with one label or problem_type='regression'."""
+
+    head_prefixes = ("classifier.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights()
+
+    @property
+    def is_regression(self) -> bool:
+        return self.config.problem_type == "regression" or self.config.num_labels == 1
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        logits = self.classifier(self.dropout(out.pooler_output))  # (B, num_labels)
+        loss = None
+        if labels is not None:
+            if self.is_regression:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            else:
+                loss = F.cross_entropy(logits.float(), labels)
+        return TaskOutput(loss, logits, out.hidden_states)
+
+
+class BertForTokenClassification(BertPreTrainedModel):
+    """Per-token labels (NER, §4.3 of the paper's CoNLL experiment); -100 labels are ignored."""
+
+    head_prefixes = ("classifier.",)
+    has_pooler = False
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.init_weights()
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, S, num_labels)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        return TaskOutput(loss, logits, out.hidden_states)
+
+
+class BertForQuestionAnswering(BertPreTrainedModel):
+    """Span QA (SQuAD, §4.2): a start vector S and end vector E dotted with every token."""
+
+    head_prefixes = ("qa_outputs.",)
+    has_pooler = False
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.init_weights()
+
+    def forward(
+        self, input_ids, token_type_ids=None, attention_mask=None, start_positions=None, end_positions=None,
+        output_hidden_states=False,
+    ) -> QAOutput:
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        start, end = self.qa_outputs(out.last_hidden_state).float().unbind(-1)  # (B, S) each
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # Positions outside the window are clamped to S and ignored, as in the reference.
+            S = start.shape[1]
+            loss = (
+                F.cross_entropy(start, start_positions.clamp(0, S), ignore_index=S)
+                + F.cross_entropy(end, end_positions.clamp(0, S), ignore_index=S)
+            ) / 2
+        return QAOutput(loss, start.contiguous(), end.contiguous(), out.hidden_states)
+
+
+class BertForMultipleChoice(BertPreTrainedModel):
+    """SWAG (§4.4): one [CLS] score per (context, ending) pair, softmax across the C choices."""
+
+    head_prefixes = ("classifier.",)
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.init_weights()
+
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
+        """input_ids etc. (B, C, S); labels (B,) index of the right choice."""
+        B, C, S = input_ids.shape
+        flat = lambda t: None if t is None else t.reshape(B * C, S)  # noqa: E731
+        out = self.bert(flat(input_ids), flat(token_type_ids), flat(attention_mask), output_hidden_states)
+        logits = self.classifier(self.dropout(out.pooler_output)).view(B, C)
+        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        return TaskOutput(loss, logits, out.hidden_states)
+
+
+MODEL_CLASSES = {
+    cls.__name__: cls
+    for cls in (
+        BertModel,
+        BertForPreTraining,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+        BertForQuestionAnswering,
+        BertForMultipleChoice,
+    )
+}
