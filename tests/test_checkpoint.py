@@ -1,0 +1,137 @@
+"""Checkpoint directories move between bertctl and transformers in both directions."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from bertctl.checkpoint import load_pretrained, save_pretrained
+from bertctl.config import BertConfig
+from bertctl.errors import BertctlError
+from bertctl.model import (
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
+
+
+def tiny_config(**kw) -> BertConfig:
+    return BertConfig.preset("tiny", vocab_size=257, max_position_embeddings=64, **kw)
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 257, (2, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    return ids, mask
+
+
+def test_ours_to_transformers_every_class(tmp_path):
+    torch.manual_seed(0)
+    ids, mask = batch()
+    cases = [
+        (BertForPreTraining(tiny_config()), transformers.BertForPreTraining, "prediction_logits"),
+        (BertForSequenceClassification(tiny_config(id2label={0: "a", 1: "b", 2: "c"})),
+         transformers.BertForSequenceClassification, "logits"),
+        (BertForTokenClassification(tiny_config(num_labels=4)), transformers.BertForTokenClassification, "logits"),
+        (BertForQuestionAnswering(tiny_config()), transformers.BertForQuestionAnswering, "start_logits"),
+        (BertModel(tiny_config()), transformers.AutoModel, "last_hidden_state"),
+    ]
+    for ours, ref_cls, field in cases:
+        ours.eval()
+        path = tmp_path / type(ours).__name__
+        save_pretrained(ours, path)
+        ref = ref_cls.from_pretrained(str(path)).eval()
+        with torch.no_grad():
+            a = getattr(ours(ids, attention_mask=mask), field)
+            b = getattr(ref(input_ids=ids, attention_mask=mask), field)
+        assert (a - b).abs().max() <= 1e-5, type(ours).__name__
+    assert ref.config.hidden_size == 128
+    assert transformers.AutoConfig.from_pretrained(str(tmp_path / "BertForSequenceClassification")).id2label[2] == "c"
+
+
+def test_transformers_to_ours_with_and_without_prefix(tmp_path):
+    torch.manual_seed(1)
+    hf = transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64)).eval()
+    hf.save_pretrained(str(tmp_path / "pt"))
+    ids, mask = batch()
+    ours = load_pretrained(BertForPreTraining, tmp_path / "pt").eval()
+    with torch.no_grad():
+        assert (ours(ids, attention_mask=mask).prediction_logits
+                - hf(input_ids=ids, attention_mask=mask).prediction_logits).abs().max() <= 1e-5
+    # The same weights as a plain encoder: the pretraining heads are dropped, the prefix stripped.
+    enc = load_pretrained(BertModel, tmp_path / "pt").eval()
+    with torch.no_grad():
+        assert (enc(ids, attention_mask=mask).last_hidden_state
+                - hf.bert(input_ids=ids, attention_mask=mask).last_hidden_state).abs().max() <= 1e-5
+    # A legacy pytorch_model.bin with TF-era LayerNorm.gamma/beta names and a position_ids buffer.
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "config.json").write_text((tmp_path / "pt" / "config.json").read_text())
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+             for k, v in hf.state_dict().items()}
+    state["bert.embeddings.position_ids"] = torch.arange(64)[None]
+    torch.save(state, legacy / "pytorch_model.bin")
+    again = load_pretrained(BertForPreTraining, legacy).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids, attention_mask=mask).prediction_logits, ours(ids, attention_mask=mask).prediction_logits)
+
+
+def test_base_model_into_task_head_needs_fresh_heads(minilm_dir):
+    with pytest.raises(BertctlError, match="missing classifier.weight, classifier.bias"):
+        load_pretrained(BertForSequenceClassification, minilm_dir)
+    model = load_pretrained(BertForSequenceClassification, minilm_dir, fresh_heads=True, num_labels=3)
+    assert model.classifier.weight.shape == (3, 384)
+    # QA has no pooler (as in transformers): the checkpoint's pooler is dropped, not an error.
+    load_pretrained(BertForQuestionAnswering, minilm_dir, fresh_heads=True)
+
+
+def test_bad_checkpoints_give_one_clear_error(tmp_path):
+    model = BertModel(tiny_config())
+    save_pretrained(model, tmp_path / "ok")
+    state = load_file(tmp_path / "ok" / "model.safetensors")
+
+    def variant(name, mutate):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+        s = dict(state)
+        mutate(s)
+        save_file(s, str(path / "model.safetensors"))
+        return path
+
+    missing = variant("missing", lambda s: s.pop("encoder.layer.1.output.dense.weight"))
+    with pytest.raises(BertctlError, match=r"missing encoder\.layer\.1\.output\.dense\.weight"):
+        load_pretrained(BertModel, missing)
+    shaped = variant("shaped", lambda s: s.update({"pooler.dense.bias": torch.zeros(7)}))
+    with pytest.raises(BertctlError, match=r"mis-shaped pooler\.dense\.bias \(7,\) vs \(128,\)"):
+        load_pretrained(BertModel, shaped)
+    extra = variant("extra", lambda s: s.update({"encoder.layer.9.foo": torch.zeros(1)}))
+    with pytest.raises(BertctlError, match=r"unexpected encoder\.layer\.9\.foo"):
+        load_pretrained(BertModel, extra)
+    with pytest.raises(BertctlError, match="model directory not found"):
+        load_pretrained(BertModel, tmp_path / "nowhere")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(BertctlError, match="unreadable weights"):
+        load_pretrained(BertModel, broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(BertctlError, match=r"config.json:1: invalid JSON"):
+        load_pretrained(BertModel, broken)
+
+
+def test_save_is_atomic_and_replaces(tmp_path):
+    a, b = BertModel(tiny_config()), BertModel(tiny_config())
+    save_pretrained(a, tmp_path / "m")
+    save_pretrained(b, tmp_path / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary debris
+    loaded = load_pretrained(BertModel, tmp_path / "m")
+    assert torch.equal(loaded.pooler.dense.weight, b.pooler.dense.weight)

@@ -1,0 +1,171 @@
+"""The model against the reference implementation (transformers) on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from bertctl.checkpoint import load_pretrained, load_state
+from bertctl.config import PRESETS, BertConfig
+from bertctl.model import (
+    BertForMultipleChoice,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertModel,
+)
+
+TOL = 1e-5  # fp32, same math in a different order
+
+
+def padded_batch(vocab_size: int, generator: torch.Generator, B: int = 3, S: int = 19):
+    ids = torch.randint(1000 % vocab_size, vocab_size, (B, S), generator=generator)
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, 11:] = 0  # right padding, two different lengths
+    mask[B - 1, 4:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    types = torch.zeros(B, S, dtype=torch.long)
+    types[:, 7:] = 1
+    types = types * mask
+    return ids, types, mask
+
+
+@pytest.fixture(scope="module")
+def minilm_pair(minilm_dir):
+    ours = load_pretrained(BertModel, minilm_dir).eval()
+    ref = transformers.BertModel.from_pretrained(str(minilm_dir), attn_implementation="eager").eval()
+    return ours, ref
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "explicit"])
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_minilm_every_layer_matches_transformers(minilm_pair, attn, kernels):
+    ours, ref = minilm_pair
+    ours.config.attn_implementation = attn
+    ours.config.kernels = kernels
+    ids, types, mask = padded_batch(ours.config.vocab_size, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = ours(ids, types, mask, output_hidden_states=True)
+        b = ref(input_ids=ids, token_type_ids=types, attention_mask=mask, output_hidden_states=True)
+    assert len(a.hidden_states) == len(b.hidden_states) == ours.config.num_hidden_layers + 1
+    for layer, (x, y) in enumerate(zip(a.hidden_states, b.hidden_states)):
+        diff = (x - y).abs().max().item()
+        assert diff <= TOL, f"layer {layer}: max abs diff {diff:.3g}"
+    assert (a.pooler_output - b.pooler_output).abs().max().item() <= TOL
+    ours.config.attn_implementation, ours.config.kernels = "sdpa", "auto"
+
+
+def test_presets_follow_the_papers():
+    assert PRESETS["base"] == (12, 768, 12) and PRESETS["large"] == (24, 1024, 16)
+    c = BertConfig.preset("mini")
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.intermediate_size) == (4, 256, 4, 1024)
+    assert c.layer_norm_eps == 1e-12
+
+
+def test_config_json_round_trip(tmp_path):
+    c = BertConfig.preset("tiny", vocab_size=1000, id2label={0: "neg", 1: "pos"}, attn_implementation="explicit")
+    c.to_json_file(tmp_path / "config.json")
+    back = BertConfig.from_json_file(tmp_path / "config.json")
+    assert back.to_dict() == c.to_dict()
+    assert back.attn_implementation == "sdpa"  # runtime choices are not architecture: not saved
+    hf = transformers.BertConfig.from_json_file(str(tmp_path / "config.json"))
+    assert hf.hidden_size == 128 and hf.id2label == {0: "neg", 1: "pos"}
+
+
+def _tiny_hf_config(**kw) -> transformers.BertConfig:
+    return transformers.BertConfig(
+        vocab_size=211, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw,
+    )
+
+
+def _ours_from(hf_model, cls):
+    config = BertConfig.from_dict(hf_model.config.to_dict())
+    return load_state(cls(config), hf_model.state_dict(), source="test").eval()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "explicit"])
+def test_pretraining_heads_and_loss_match(attn):
+    torch.manual_seed(0)
+    ref = transformers.BertForPreTraining(_tiny_hf_config()).eval()
+    ours = _ours_from(ref, BertForPreTraining)
+    ours.config.attn_implementation = attn
+    g = torch.Generator().manual_seed(1)
+    ids, types, mask = padded_batch(211, g, B=4, S=20)
+    positions = torch.tensor([[1, 3, 5], [2, 4, 6], [1, 2, 3], [5, 6, 7]])
+    labels = torch.randint(0, 211, (4, 3), generator=g)
+    labels[2, 2] = -100  # an unused slot
+    full_labels = torch.full_like(ids, -100).scatter(1, positions, labels)
+    nsp = torch.tensor([0, 1, 1, 0])
+    with torch.no_grad():
+        a = ours(ids, types, mask, masked_positions=positions, masked_lm_labels=labels, next_sentence_label=nsp)
+        b = ref(input_ids=ids, token_type_ids=types, attention_mask=mask, labels=full_labels, next_sentence_label=nsp)
+    gathered = b.prediction_logits.gather(1, positions[..., None].expand(-1, -1, 211))
+    assert (a.prediction_logits - gathered).abs().max() <= TOL
+    assert (a.seq_relationship_logits - b.seq_relationship_logits).abs().max() <= TOL
+    assert abs(a.loss.item() - b.loss.item()) <= TOL
+    # Without positions the MLM head runs on every token, as the reference does.
+    with torch.no_grad():
+        c = ours(ids, types, mask)
+    assert (c.prediction_logits - b.prediction_logits).abs().max() <= TOL
+
+
+@pytest.mark.parametrize(
+    "ours_cls,ref_cls,kw",
+    [
+        (BertForSequenceClassification, transformers.BertForSequenceClassification, {"num_labels": 3}),
+        (BertForSequenceClassification, transformers.BertForSequenceClassification, {"num_labels": 1}),
+        (BertForTokenClassification, transformers.BertForTokenClassification, {"num_labels": 5}),
+        (BertForQuestionAnswering, transformers.BertForQuestionAnswering, {}),
+        (BertForMultipleChoice, transformers.BertForMultipleChoice, {}),
+    ],
+)
+def test_task_heads_logits_and_loss_match(ours_cls, ref_cls, kw):
+    torch.manual_seed(0)
+    ref = ref_cls(_tiny_hf_config(**kw)).eval()
+    ours = _ours_from(ref, ours_cls)
+    assert set(ours.state_dict()) == set(ref.state_dict()), "parameter names differ from transformers"
+    g = torch.Generator().manual_seed(2)
+    ids, types, mask = padded_batch(211, g, B=4, S=16)
+    inputs = dict(input_ids=ids, token_type_ids=types, attention_mask=mask)
+    if ours_cls is BertForMultipleChoice:
+        inputs = {k: v.view(2, 2, 16) for k, v in inputs.items()}
+        labels = {"labels": torch.tensor([1, 0])}
+    elif ours_cls is BertForQuestionAnswering:
+        labels = {"start_positions": torch.tensor([1, 2, 3, 40]), "end_positions": torch.tensor([2, 5, 3, 41])}
+    elif ours_cls is BertForTokenClassification:
+        lab = torch.randint(0, 5, (4, 16), generator=g).masked_fill(mask == 0, -100)
+        labels = {"labels": lab}
+    elif kw.get("num_labels") == 1:
+        labels = {"labels": torch.rand(4, generator=g) * 5}
+    else:
+        labels = {"labels": torch.tensor([0, 2, 1, 2])}
+    with torch.no_grad():
+        a = ours(**inputs, **labels)
+        b = ref(**inputs, **labels)
+    if ours_cls is BertForQuestionAnswering:
+        assert (a.start_logits - b.start_logits).abs().max() <= TOL
+        assert (a.end_logits - b.end_logits).abs().max() <= TOL
+    else:
+        assert (a.logits - b.logits).abs().max() <= TOL
+    assert abs(a.loss.item() - b.loss.item()) <= TOL
+
+
+def test_gradients_flow_through_both_backends():
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=300, hidden_dropout_prob=0.0,
+                                                 attention_probs_dropout_prob=0.0))
+    ids, types, mask = padded_batch(300, torch.Generator().manual_seed(3), B=2, S=12)
+    grads = {}
+    for attn in ("sdpa", "explicit"):
+        model.zero_grad()
+        model.config.attn_implementation = attn
+        out = model(ids, types, mask, masked_positions=torch.tensor([[1, 2], [3, 1]]),
+                    masked_lm_labels=torch.tensor([[5, 6], [7, -100]]), next_sentence_label=torch.tensor([0, 1]))
+        out.loss.backward()
+        grads[attn] = model.bert.encoder.layer[0].attention.self.query.weight.grad.clone()
+    assert grads["sdpa"].abs().sum() > 0
+    torch.testing.assert_close(grads["sdpa"], grads["explicit"], atol=1e-6, rtol=1e-4)
+    # The decoder is tied to the word embeddings (§3.1 uses the input embedding matrix for the output).
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
