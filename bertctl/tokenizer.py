@@ -1,0 +1,621 @@
+"""BERT's tokenizer: basic tokenizer + greedy WordPiece (Devlin et al., 2018, section 3 and appendix A.2).
+
+The pipeline is the one of google-research/bert's ``FullTokenizer`` as Hugging Face's fast
+``BertTokenizerFast`` (the ``tokenizers`` library) implements it, and ids *and* character offsets
+equal that implementation's:
+
+1. special tokens (``[CLS] [SEP] [PAD] [MASK] [UNK]``) written in the raw text stay whole;
+2. text cleaning: NUL, U+FFFD and control/format/unassigned characters are dropped, every other
+   white space character becomes a word boundary;
+3. CJK ideographs become single-character words;
+4. accent stripping (NFD, then drop the non-spacing marks, category Mn) and lower-casing; accents are
+   stripped when ``strip_accents`` is True, or when it is None and ``do_lower_case`` is True;
+5. words are split at white space and around every punctuation character (ASCII 33-47, 58-64,
+   91-96, 123-126 and Unicode P*), each punctuation character its own word;
+6. each word becomes the longest vocabulary prefix, then ``##``-continuations, greedily; a word that
+   cannot be covered, or is longer than 100 characters, becomes one ``[UNK]``.
+
+Speed: text is cut at ASCII white space into chunks, and each distinct chunk's (ids, offsets) is
+computed once and cached (natural text repeats chunks such as ``the`` or ``said,`` heavily), so the
+per-chunk cost of the full Unicode pipeline is paid only on the first occurrence.
+
+Character classes follow ``tokenizers`` (whose Unicode tables are older than Python's): see
+``bertctl/_wordpiece_tables.py`` for the differences.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import re
+import unicodedata
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from bertctl import _wordpiece_tables as _tables
+from bertctl.errors import BertctlError
+
+SPECIAL_TOKENS = {
+    "pad_token": "[PAD]",
+    "unk_token": "[UNK]",
+    "cls_token": "[CLS]",
+    "sep_token": "[SEP]",
+    "mask_token": "[MASK]",
+}
+MAX_INPUT_CHARS_PER_WORD = 100  # longer words become [UNK] (google-research/bert, WordpieceTokenizer)
+TRUNCATION_STRATEGIES = ("longest_first", "only_first", "only_second")
+
+# ASCII punctuation as BERT defines it (33-47, 58-64, 91-96, 123-126), as a regex class.
+_ASCII_PUNCT = r"!-/:-@\[-`{-~"
+# An ASCII chunk without control characters splits into words with one regex.
+_ASCII_WORD = re.compile(rf"[^{_ASCII_PUNCT}]+|[{_ASCII_PUNCT}]")
+_ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# Chunks are cut at ASCII white space only: other white space (and characters Python treats as
+# white space but BERT drops as control characters, e.g. U+0085) is handled inside a chunk.
+_CHUNK = re.compile(r"[^ \t\n\r]+")
+_CACHE_LIMIT = 1 << 20  # chunks; the cache is cleared when it grows past this
+
+
+def _table_lookup(starts: list[int], runs: list[tuple], cp: int):
+    k = bisect.bisect_right(starts, cp) - 1
+    if k >= 0 and runs[k][0] <= cp <= runs[k][1]:
+        return runs[k]
+    return None
+
+
+_CLASS_STARTS = [r[0] for r in _tables.CLASS_RUNS]
+_MARK_STARTS = [r[0] for r in _tables.MARK_RUNS]
+
+
+def _char_class(c: str) -> str:
+    """'x' dropped by cleaning, ' ' white space, 'p' punctuation, 'c' CJK ideograph, 'w' other."""
+    run = _table_lookup(_CLASS_STARTS, _tables.CLASS_RUNS, ord(c))
+    return run[2] if run else "w"
+
+
+def _is_mark(c: str) -> bool:
+    """Non-spacing mark (Mn) as ``tokenizers`` sees it: removed by accent stripping."""
+    return _table_lookup(_MARK_STARTS, _tables.MARK_RUNS, ord(c)) is not None
+
+
+def _nfd(c: str) -> str:
+    return _tables.NFD.get(ord(c)) or unicodedata.normalize("NFD", c)
+
+
+def _lower(c: str) -> str:
+    return _tables.LOWER.get(ord(c), c)
+
+
+@dataclass
+class Encoding:
+    """One encoded text or pair: lists of equal length (the padded length when padded)."""
+
+    input_ids: list[int]
+    token_type_ids: list[int]
+    attention_mask: list[int]
+    offsets: list[tuple[int, int]] | None = None  # (start, end) chars into the original text; (0, 0) for specials/padding
+    sequence_ids: list[int | None] = field(default_factory=list)  # None for specials/padding, 0 text, 1 pair
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class BertTokenizer:
+    """BERT WordPiece tokenizer; ids and offsets equal Hugging Face's ``BertTokenizerFast``.
+
+    ``vocab`` is the token list in id order (a ``vocab.txt``); it must contain the five special
+    tokens. ``strip_accents=None`` follows ``do_lower_case``, as in BERT and Hugging Face.
+    """
+
+    def __init__(
+        self,
+        vocab: list[str],
+        do_lower_case: bool = True,
+        strip_accents: bool | None = None,
+        tokenize_chinese_chars: bool = True,
+        model_max_length: int = 512,
+    ):
+        if not vocab:
+            raise BertctlError("vocabulary is empty")
+        self.ids_to_tokens: list[str] = list(vocab)
+        # A token listed twice maps to its last line, as Hugging Face's vocab loader does.
+        self.vocab: dict[str, int] = {tok: i for i, tok in enumerate(self.ids_to_tokens)}
+        missing = [t for t in SPECIAL_TOKENS.values() if t not in self.vocab]
+        if missing:
+            raise BertctlError(f"vocabulary lacks the special token(s) {' '.join(missing)}")
+        self.do_lower_case = bool(do_lower_case)
+        self.strip_accents = strip_accents
+        self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
+        self.model_max_length = int(model_max_length)
+        self._strip = self.do_lower_case if strip_accents is None else bool(strip_accents)
+        self.pad_token_id = self.vocab["[PAD]"]
+        self.unk_token_id = self.vocab["[UNK]"]
+        self.cls_token_id = self.vocab["[CLS]"]
+        self.sep_token_id = self.vocab["[SEP]"]
+        self.mask_token_id = self.vocab["[MASK]"]
+        self.all_special_ids = frozenset(self.vocab[t] for t in SPECIAL_TOKENS.values())
+        # Special tokens in raw text are matched before any normalisation, longest first.
+        specials = sorted(SPECIAL_TOKENS.values(), key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(t) for t in specials))
+        self._chunk_cache: dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]] = {}
+        self._word_cache: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._char_cache: dict[str, tuple[str, str]] = {}
+
+    # ------------------------------------------------------------------ construction / files
+    @property
+    def vocab_size(self) -> int:
+        return len(self.ids_to_tokens)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @classmethod
+    def from_vocab_file(cls, path: str | os.PathLike, do_lower_case: bool = True, **kw) -> "BertTokenizer":
+        """Load a ``vocab.txt`` (one token per line, id = line number - 1)."""
+        return cls(read_vocab(path), do_lower_case=do_lower_case, **_checked_kwargs(path, kw))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> "BertTokenizer":
+        """Load ``vocab.txt`` and (if present) ``tokenizer_config.json`` from a model directory."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise BertctlError(f"{directory}: no such model directory")
+        vocab_path = directory / "vocab.txt"
+        if not vocab_path.is_file():
+            raise BertctlError(f"{vocab_path}: missing (a model directory needs vocab.txt)")
+        config_path = directory / "tokenizer_config.json"
+        kw: dict = {}
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise BertctlError(f"{config_path}: not valid JSON ({e})") from None
+            if not isinstance(config, dict):
+                raise BertctlError(f"{config_path}: expected a JSON object")
+            for key in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
+                if key in config:
+                    kw[key] = config[key]
+            max_len = config.get("model_max_length")
+            # Hugging Face writes a huge sentinel (int(1e30)) for "no limit": keep BERT's 512 then.
+            if isinstance(max_len, int) and 0 < max_len < 1_000_000:
+                kw["model_max_length"] = max_len
+        return cls(read_vocab(vocab_path), **_checked_kwargs(config_path, kw))
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write ``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
+
+        The directory loads in ``transformers`` (``AutoTokenizer`` / ``BertTokenizerFast``) with
+        the same ids. Files are written atomically; other files in the directory are kept.
+        """
+        from bertctl.io import atomic_open, write_json
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_open(directory / "vocab.txt", "w", encoding="utf-8", newline="\n") as f:
+            for tok in self.ids_to_tokens:
+                f.write(tok + "\n")
+        write_json(directory / "tokenizer_config.json", self.config())
+        write_json(directory / "special_tokens_map.json", dict(SPECIAL_TOKENS))
+
+    def config(self) -> dict:
+        """The Hugging Face ``tokenizer_config.json`` content (also stored in data manifests)."""
+        return {
+            "tokenizer_class": "BertTokenizer",
+            "do_lower_case": self.do_lower_case,
+            "strip_accents": self.strip_accents,
+            "tokenize_chinese_chars": self.tokenize_chinese_chars,
+            "model_max_length": self.model_max_length,
+            "clean_up_tokenization_spaces": True,
+            **SPECIAL_TOKENS,
+        }
+
+    # ------------------------------------------------------------------ tokenisation core
+    def _chunk(self, chunk: str) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """ids and (start, end) offsets relative to the chunk, for one white-space-free chunk."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        pos = 0
+        if "[" in chunk:
+            for m in self._special_re.finditer(chunk):
+                self._segment(chunk, pos, m.start(), ids, offsets)
+                ids.append(self.vocab[m.group()])
+                offsets.append((m.start(), m.end()))
+                pos = m.end()
+        self._segment(chunk, pos, len(chunk), ids, offsets)
+        return tuple(ids), tuple(offsets)
+
+    def _segment(self, chunk: str, start: int, end: int, ids: list, offsets: list) -> None:
+        """Tokenise ``chunk[start:end]`` (no special tokens in it), appending ids and offsets."""
+        if start >= end:
+            return
+        seg = chunk[start:end]
+        if seg.isascii() and not _ASCII_CONTROL.search(seg):
+            if self.do_lower_case:
+                seg = seg.lower()
+            for m in _ASCII_WORD.finditer(seg):
+                wids, bounds = self._wordpiece(m.group())
+                s = start + m.start()
+                ids.extend(wids)
+                offsets.extend((s + bounds[k], s + bounds[k + 1]) for k in range(len(wids)))
+            return
+        for word, index in self._normalized_words(seg):
+            wids, bounds = self._wordpiece(word)
+            ids.extend(wids)
+            # A piece covers normalised characters [a, b): its offsets run from the original
+            # character of its first to that of its last one.
+            offsets.extend(
+                (start + index[bounds[k]], start + index[bounds[k + 1] - 1] + 1) for k in range(len(wids))
+            )
+
+    def _normalize_char(self, c: str) -> tuple[str, str]:
+        """(class, normalised form) of one character; NFD ordering is fixed up per word."""
+        hit = self._char_cache.get(c)
+        if hit is not None:
+            return hit
+        cls = _char_class(c)
+        if cls == "c" and not self.tokenize_chinese_chars:
+            cls = "w"
+        form = c
+        if cls in ("w", "p", "c") and self._strip:
+            form = _nfd(c)
+        self._char_cache[c] = hit = (cls, form)
+        return hit
+
+    def _normalized_words(self, seg: str) -> list[tuple[str, list[int]]]:
+        """Words of a segment after cleaning, CJK splitting, accent stripping and lower-casing.
+
+        Each word comes with the original index (into ``seg``) of every normalised character.
+        """
+        words: list[tuple[str, list[int]]] = []
+        chars: list[str] = []
+        index: list[int] = []
+
+        def flush() -> None:
+            if chars:
+                words.append(self._finish_word(chars, index))
+                chars.clear()
+                index.clear()
+
+        for i, c in enumerate(seg):
+            cls, form = self._normalize_char(c)
+            if cls == "x":
+                continue
+            if cls == " ":
+                flush()
+            elif cls == "w":
+                for d in form:
+                    chars.append(d)
+                    index.append(i)
+            else:  # punctuation and CJK ideographs are words of their own
+                flush()
+                for d in form:
+                    chars.append(d)
+                    index.append(i)
+                flush()
+        flush()
+        return [w for w in words if w[0]]
+
+    def _finish_word(self, chars: list[str], index: list[int]) -> tuple[str, list[int]]:
+        """Canonical reordering (NFD), dropping of Mn marks, lower-casing, for one word."""
+        pairs = list(zip(chars, index))
+        if self._strip:
+            pairs = _canonical_order(pairs)
+            pairs = [(c, i) for c, i in pairs if not _is_mark(c)]
+        if self.do_lower_case:
+            pairs = [(d, i) for c, i in pairs for d in _lower(c)]
+        return "".join(c for c, _ in pairs), [i for _, i in pairs]
+
+    def _wordpiece(self, word: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Greedy longest-match-first WordPiece: ids and the piece boundaries (len(ids) + 1 of them)."""
+        hit = self._word_cache.get(word)
+        if hit is not None:
+            return hit
+        n = len(word)
+        vocab = self.vocab
+        result: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        if n <= MAX_INPUT_CHARS_PER_WORD:
+            ids: list[int] = []
+            bounds = [0]
+            start = 0
+            while start < n:
+                end = n
+                found = None
+                while start < end:
+                    piece = word[start:end] if start == 0 else "##" + word[start:end]
+                    found = vocab.get(piece)
+                    if found is not None:
+                        break
+                    end -= 1
+                if found is None:
+                    break
+                ids.append(found)
+                bounds.append(end)
+                start = end
+            else:
+                result = (tuple(ids), tuple(bounds))
+        if result is None:
+            result = ((self.unk_token_id,), (0, n))
+        if len(self._word_cache) >= _CACHE_LIMIT:
+            self._word_cache.clear()
+        self._word_cache[word] = result
+        return result
+
+    def _encode_text(self, text: str, with_offsets: bool) -> tuple[list[int], list[tuple[int, int]] | None]:
+        """ids (and offsets into ``text``) of a text, without special tokens."""
+        if not isinstance(text, str):
+            raise BertctlError(f"expected text (str), got {type(text).__name__}")
+        cache = self._chunk_cache
+        ids: list[int] = []
+        if not with_offsets:
+            for chunk in _CHUNK.findall(text):
+                hit = cache.get(chunk)
+                if hit is None:
+                    hit = self._cache_chunk(chunk)
+                ids.extend(hit[0])
+            return ids, None
+        offsets: list[tuple[int, int]] = []
+        for m in _CHUNK.finditer(text):
+            chunk = m.group()
+            hit = cache.get(chunk)
+            if hit is None:
+                hit = self._cache_chunk(chunk)
+            ids.extend(hit[0])
+            s = m.start()
+            offsets.extend((s + a, s + b) for a, b in hit[1])
+        return ids, offsets
+
+    def _cache_chunk(self, chunk: str):
+        hit = self._chunk(chunk)
+        if len(self._chunk_cache) >= _CACHE_LIMIT:
+            self._chunk_cache.clear()
+        self._chunk_cache[chunk] = hit
+        return hit
+
+    # ------------------------------------------------------------------ public token API
+    def tokenize(self, text: str) -> list[str]:
+        """WordPiece tokens of ``text`` (no [CLS]/[SEP])."""
+        ids, _ = self._encode_text(text, False)
+        return self.convert_ids_to_tokens(ids)
+
+    def tokenize_with_offsets(self, text: str) -> tuple[list[str], list[tuple[int, int]]]:
+        """Tokens and their (start, end) character offsets into ``text``."""
+        ids, offsets = self._encode_text(text, True)
+        return self.convert_ids_to_tokens(ids), offsets
+
+    def tokenize_words(self, words: Sequence[str]) -> tuple[list[str], list[int]]:
+        """Tokens of pre-split words (e.g. CoNLL columns) and the word index of each token.
+
+        Each word still goes through the basic tokenizer (``U.S.`` gives four tokens), as Hugging
+        Face does with ``is_split_into_words=True``.
+        """
+        tokens: list[str] = []
+        word_index: list[int] = []
+        for k, word in enumerate(words):
+            ids, _ = self._encode_text(word, False)
+            tokens.extend(self.convert_ids_to_tokens(ids))
+            word_index.extend([k] * len(ids))
+        return tokens, word_index
+
+    def convert_tokens_to_ids(self, tokens: str | Iterable[str]):
+        if isinstance(tokens, str):
+            return self.vocab.get(tokens, self.unk_token_id)
+        return [self.vocab.get(t, self.unk_token_id) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Iterable[int]):
+        table = self.ids_to_tokens
+        if isinstance(ids, int):
+            return table[ids]
+        try:
+            return [table[i] for i in ids]
+        except IndexError:
+            bad = next(i for i in ids if not 0 <= i < len(table))
+            raise BertctlError(f"token id {bad} is outside the vocabulary (size {len(table)})") from None
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(
+        self,
+        text: str,
+        pair: str | None = None,
+        *,
+        max_length: int | None = None,
+        truncation: str | bool | None = "longest_first",
+        padding: bool | str = False,
+        return_offsets: bool = False,
+    ) -> Encoding:
+        """``[CLS] text [SEP]`` or ``[CLS] text [SEP] pair [SEP]`` with segment ids (BERT section 3).
+
+        ``max_length`` (tokens, specials included) applies only when given: ``truncation`` is
+        "longest_first" (drop from the longer sequence, as Hugging Face does), "only_first",
+        "only_second", or False/None (no truncation). ``padding``: False, "longest" (no-op for one
+        text), True / "max_length" (pad to ``max_length``).
+        """
+        a, a_off = self._encode_text(text, return_offsets)
+        b, b_off = (None, None) if pair is None else self._encode_text(pair, return_offsets)
+        return self._build(a, a_off, b, b_off, max_length, truncation, padding, return_offsets)
+
+    def _build(self, a, a_off, b, b_off, max_length, truncation, padding, return_offsets) -> Encoding:
+        if max_length is not None and truncation not in (False, None, "do_not_truncate"):
+            if truncation is True:
+                truncation = "longest_first"
+            n_a, n_b = truncated_lengths(len(a), None if b is None else len(b), max_length, truncation)
+            a = a[:n_a]
+            a_off = a_off[:n_a] if a_off is not None else None
+            if b is not None:
+                b = b[:n_b]
+                b_off = b_off[:n_b] if b_off is not None else None
+        cls, sep = self.cls_token_id, self.sep_token_id
+        ids = [cls, *a, sep]
+        types = [0] * (len(a) + 2)
+        seq: list[int | None] = [None, *([0] * len(a)), None]
+        if b is not None:
+            ids += [*b, sep]
+            types += [1] * (len(b) + 1)
+            seq += [*([1] * len(b)), None]
+        offsets = None
+        if return_offsets:
+            offsets = [(0, 0), *a_off, (0, 0)]
+            if b is not None:
+                offsets += [*b_off, (0, 0)]
+        mask = [1] * len(ids)
+        if padding in (True, "max_length") and max_length is not None and len(ids) < max_length:
+            n = max_length - len(ids)
+            ids += [self.pad_token_id] * n
+            types += [0] * n
+            mask += [0] * n
+            seq += [None] * n
+            if offsets is not None:
+                offsets += [(0, 0)] * n
+        return Encoding(ids, types, mask, offsets, seq)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        pairs: Sequence[str] | None = None,
+        *,
+        max_length: int | None = None,
+        truncation: str | bool | None = "longest_first",
+        padding: bool | str = "longest",
+    ) -> dict:
+        """Encode many texts (and pairs) into right-padded ``(B, S)`` int64 tensors.
+
+        Returns ``input_ids``, ``token_type_ids``, ``attention_mask``. ``padding="longest"`` pads
+        to the longest row, ``"max_length"`` to ``max_length``.
+        """
+        import torch
+
+        if pairs is not None and len(pairs) != len(texts):
+            raise BertctlError(f"{len(texts)} texts but {len(pairs)} pairs")
+        encs = [
+            self._build(
+                self._encode_text(t, False)[0], None,
+                None if pairs is None else self._encode_text(pairs[k], False)[0], None,
+                max_length, truncation, False, False,
+            )
+            for k, t in enumerate(texts)
+        ]
+        width = max((len(e) for e in encs), default=0)
+        if padding in (True, "max_length") and max_length is not None:
+            width = max(width, max_length)
+        ids = torch.full((len(encs), width), self.pad_token_id, dtype=torch.int64)
+        types = torch.zeros((len(encs), width), dtype=torch.int64)
+        mask = torch.zeros((len(encs), width), dtype=torch.int64)
+        for r, e in enumerate(encs):
+            n = len(e)
+            ids[r, :n] = torch.tensor(e.input_ids, dtype=torch.int64)
+            types[r, :n] = torch.tensor(e.token_type_ids, dtype=torch.int64)
+            mask[r, :n] = 1
+        return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ids as Hugging Face decodes it: ``##`` pieces joined to the previous token,
+        others preceded by a space, and the WordPiece decoder's clean-up applied to each token
+        (no space before ``. ? ! ,`` and before ``n't 'm 's 've 're``)."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.all_special_ids]
+        out = []
+        for k, tok in enumerate(self.convert_ids_to_tokens(ids)):
+            if k:
+                tok = tok[2:] if tok.startswith("##") else " " + tok
+            out.append(_cleanup(tok))
+        return "".join(out)
+
+
+def _cleanup(s: str) -> str:
+    """The clean-up of ``tokenizers``' WordPiece decoder, applied per token (as it does)."""
+    return (
+        s.replace(" .", ".").replace(" ?", "?").replace(" !", "!").replace(" ,", ",")
+        .replace(" ' ", "'").replace(" n't", "n't").replace(" 'm", "'m").replace(" 's", "'s")
+        .replace(" 've", "'ve").replace(" 're", "'re")
+    )
+
+
+def _canonical_order(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Unicode canonical ordering: stable-sort each run of combining marks by combining class."""
+    ccc = [unicodedata.combining(c) for c, _ in pairs]
+    if sum(1 for x in ccc if x) < 2:
+        return pairs
+    out: list[tuple[str, int]] = []
+    k = 0
+    while k < len(pairs):
+        if ccc[k] == 0:
+            out.append(pairs[k])
+            k += 1
+            continue
+        j = k
+        while j < len(pairs) and ccc[j]:
+            j += 1
+        out.extend(sorted(pairs[k:j], key=lambda p: unicodedata.combining(p[0])))
+        k = j
+    return out
+
+
+def truncated_lengths(n_a: int, n_b: int | None, max_length: int, strategy: str) -> tuple[int, int | None]:
+    """Lengths (without specials) that fit ``max_length`` tokens with the specials, as Hugging Face cuts."""
+    if strategy not in TRUNCATION_STRATEGIES:
+        raise BertctlError(f"truncation must be one of {', '.join(TRUNCATION_STRATEGIES)}, got {strategy!r}")
+    specials = 2 if n_b is None else 3
+    budget = max_length - specials
+    if budget < 0:
+        raise BertctlError(f"max_length {max_length} leaves no room for the {specials} special tokens")
+    if n_b is None:
+        if strategy == "only_second":
+            if n_a > budget:
+                raise BertctlError("truncation only_second needs a pair of texts")
+            return n_a, None
+        return min(n_a, budget), None
+    excess = n_a + n_b - budget
+    if excess <= 0:
+        return n_a, n_b
+    if strategy == "only_first":
+        if n_a <= excess:
+            raise BertctlError(f"cannot truncate the first text ({n_a} tokens) to fit max_length {max_length}")
+        return n_a - excess, n_b
+    if strategy == "only_second":
+        if n_b <= excess:
+            raise BertctlError(f"cannot truncate the second text ({n_b} tokens) to fit max_length {max_length}")
+        return n_a, n_b - excess
+    # longest_first, as tokenizers computes it: with s the shorter and l the longer length, the
+    # longer keeps budget - s tokens when s <= budget // 2; otherwise the shorter keeps budget // 2
+    # and the longer the rest (the longer one, or the second on a tie, gets the odd token).
+    swap = n_a > n_b
+    short, long_ = (n_b, n_a) if swap else (n_a, n_b)
+    if short > budget // 2:
+        short, long_ = budget // 2, budget - budget // 2
+    else:
+        long_ = budget - short
+    return (long_, short) if swap else (short, long_)
+
+
+def _checked_kwargs(where_, kw: dict) -> dict:
+    for key in ("do_lower_case", "tokenize_chinese_chars"):
+        if key in kw and not isinstance(kw[key], bool):
+            raise BertctlError(f"{where_}: {key} must be true or false, got {kw[key]!r}")
+    if "strip_accents" in kw and kw["strip_accents"] is not None and not isinstance(kw["strip_accents"], bool):
+        raise BertctlError(f"{where_}: strip_accents must be true, false or null, got {kw['strip_accents']!r}")
+    return kw
+
+
+def read_vocab(path: str | os.PathLike) -> list[str]:
+    """Tokens of a ``vocab.txt``, one per line, as Hugging Face reads it (only the newline stripped)."""
+    path = Path(path)
+    if not path.exists():
+        raise BertctlError(f"{path}: vocabulary file not found")
+    if path.is_dir():
+        raise BertctlError(f"{path}: is a directory, expected a vocab.txt file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            tokens = [line.rstrip("\n") for line in f]
+    except UnicodeDecodeError as e:
+        with open(path, "rb") as f:
+            line = f.read()[: e.start].count(b"\n") + 1
+        raise BertctlError(f"{path}:{line}: vocabulary is not valid UTF-8") from None
+    if not tokens:
+        raise BertctlError(f"{path}: vocabulary file is empty")
+    missing = [t for t in SPECIAL_TOKENS.values() if t not in set(tokens)]
+    if missing:
+        raise BertctlError(f"{path}: vocabulary lacks the special token(s) {' '.join(missing)}")
+    return tokens
