@@ -1,0 +1,70 @@
+"""``bertctl build-data``: raw text -> sharded BERT pretraining instances (summary JSON on stdout)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("build-data")
+    def build_data_command(
+        inputs: List[Path] = typer.Argument(..., help="Input files or folders (folders are walked recursively)."),
+        output: Path = typer.Option(..., "--output", "-o", help="Output folder: manifest.json, vocab.txt and shards."),
+        vocab: Path = typer.Option(..., "--vocab", help="WordPiece vocab.txt, or a tokenizer folder."),
+        cased: bool = typer.Option(False, "--cased", help="Keep case and accents (cased vocabularies)."),
+        fmt: str = typer.Option("lines", "--format",
+                                help="lines: one sentence per line, blank line between documents; "
+                                     "text: raw prose, one document per file; jsonl: one document per line."),
+        text_field: str = typer.Option("text", "--text-field", help="jsonl: field holding the document text."),
+        doc_separator: Optional[str] = typer.Option(None, "--doc-separator",
+                                                    help="text: a line equal to this ends a document."),
+        pattern: str = typer.Option("*", "--pattern", help="File-name pattern inside input folders, e.g. '*.txt'."),
+        max_seq_length: int = typer.Option(128, "--max-seq-length"),
+        max_predictions_per_seq: Optional[int] = typer.Option(
+            None, "--max-predictions-per-seq", help="Default: 15% of the length rounded up to 4 (20 at 128, 80 at 512)."),
+        masked_lm_prob: float = typer.Option(0.15, "--masked-lm-prob"),
+        short_seq_prob: float = typer.Option(0.1, "--short-seq-prob"),
+        dupe_factor: Optional[int] = typer.Option(
+            None, "--dupe-factor", help="Passes over the data with different masks/pairs. Default 10 (static), 1 (dynamic)."),
+        whole_word_mask: bool = typer.Option(False, "--whole-word-mask", help="Mask all pieces of a word together."),
+        dynamic_masking: bool = typer.Option(False, "--dynamic-masking",
+                                             help="Store unmasked instances; the loader draws new masks every epoch."),
+        seed: int = typer.Option(12345, "--seed"),
+        shard_size: int = typer.Option(65536, "--shard-size", help="Instances per shard file at most."),
+        unit_mb: float = typer.Option(1.0, "--unit-mb",
+                                      help="Raw text per work unit in MiB (also the pool for random next sentences)."),
+        holdout_fraction: float = typer.Option(0.0, "--holdout-fraction",
+                                               help="Share of documents written to a separate 'eval' split."),
+        workers: int = typer.Option(1, "--workers", help="Worker processes (the output does not depend on it)."),
+        resume: bool = typer.Option(False, "--resume", help="Continue an interrupted build in --output."),
+        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar on stderr."),
+    ) -> None:
+        """Build BERT pretraining data (masked LM + next sentence) as the paper's create_pretraining_data.
+
+        Writes shards and manifest.json to --output; prints summary statistics as JSON on stdout.
+        """
+        from bertctl.data.build import build_data
+        from bertctl.data.config import DataConfig
+        from bertctl.errors import BertctlError
+        from bertctl.tokenizer import BertTokenizer
+
+        if vocab.is_dir():
+            tokenizer = BertTokenizer.from_pretrained(vocab)
+        elif vocab.is_file():
+            tokenizer = BertTokenizer.from_vocab_file(vocab, do_lower_case=not cased)
+        else:
+            raise BertctlError(f"{vocab}: --vocab: no such file or folder")
+        if unit_mb <= 0:
+            raise BertctlError(f"--unit-mb: must be > 0, got {unit_mb}")
+        config = DataConfig(format=fmt, text_field=text_field, doc_separator=doc_separator, pattern=pattern,
+                            max_seq_length=max_seq_length, max_predictions_per_seq=max_predictions_per_seq,
+                            masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, dupe_factor=dupe_factor,
+                            whole_word_mask=whole_word_mask, dynamic_masking=dynamic_masking, seed=seed,
+                            shard_size=shard_size, chunk_bytes=max(1, int(unit_mb * (1 << 20))),
+                            holdout_fraction=holdout_fraction)
+        summary = build_data([str(p) for p in inputs], output, tokenizer, config, workers=workers, resume=resume,
+                             progress=not no_progress)
+        typer.echo(json.dumps(summary, indent=2))

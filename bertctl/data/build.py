@@ -1,0 +1,464 @@
+"""``build_data``: raw text -> shards of pretraining instances, streamed, parallel, resumable.
+
+Pipeline (the main process reads, workers do the rest)::
+
+    files --read_documents--> documents --holdout, chunking--> work units
+          --workers: split sentences, tokenize, create instances, mask, write shards--> records
+          --> manifest.json
+
+Work units ("chunks") are runs of consecutive documents holding about
+``chunk_bytes`` of raw text (at least two documents, so a random next sentence
+can come from another document).  Their boundaries depend only on the inputs
+and the config, and each unit draws from its own generator seeded by
+``(seed, split, unit index)``, so the output does not depend on the number of
+workers or on scheduling: the same inputs and seed give byte-identical shards
+with 1 or N workers.  Each unit writes its shards under temporary names,
+renames them, then writes a small completion record (``.build/<unit>.json``);
+``resume=True`` skips units whose record and shards are complete, which makes
+an interrupted-then-resumed build equal an uninterrupted one byte for byte.
+
+Memory is bounded: the reader holds one document, the chunker two units, and
+at most ``2 * workers`` units are in flight.  The random-next pool is the unit
+(see :mod:`bertctl.data.instances` for this deviation from the reference).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from bertctl.errors import BertctlError
+from bertctl.io import atomic_open, write_json
+
+from .config import DataConfig
+from .documents import Document, ReadStats, list_inputs, read_documents
+from .instances import InstanceStats, SpecialIds, create_instances_from_document
+from .sentences import split_sentences
+from .shards import FORMAT_NAME, FORMAT_VERSION, file_sha256, id_dtype, record_dtype, to_records, vocab_sha256, write_shard
+
+__all__ = ["build_data", "DataConfig", "WordCache", "special_ids", "tokenizer_info"]
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+BUILD_DIR = ".build"
+
+
+# ----------------------------------------------------------------------------- tokenizer side
+
+
+def special_ids(tokenizer) -> SpecialIds:
+    """Special-token ids and the "##" continuation table; BertctlError if the vocabulary lacks one."""
+    vocab = tokenizer.vocab
+    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+    if missing:
+        raise BertctlError(f"vocabulary has no special token(s) {', '.join(missing)}: not a BERT WordPiece vocabulary")
+    tokens = list(tokenizer.ids_to_tokens)
+    return SpecialIds(cls=vocab["[CLS]"], sep=vocab["[SEP]"], mask=vocab["[MASK]"], vocab_size=len(tokens),
+                      continuation=tuple(t.startswith("##") for t in tokens))
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """Tokenizer settings stored in the manifest (the reference never stored do_lower_case)."""
+    tokens = list(tokenizer.ids_to_tokens)
+    info = {"vocab_size": len(tokens), "vocab_sha256": vocab_sha256(tokens)}
+    for name in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
+        if hasattr(tokenizer, name):
+            info[name] = getattr(tokenizer, name)
+    for name in SPECIAL_TOKENS:
+        info[name.strip("[]").lower() + "_token_id"] = tokenizer.vocab[name]
+    return info
+
+
+# BERT's BasicTokenizer deletes these control characters where str.split() would
+# split on them; a text holding one goes through the tokenizer whole.
+_SPLIT_MISMATCH = re.compile("[\x0b\x0c\x1c-\x1f\x85]")
+
+
+class WordCache:
+    """Token ids of a text, with a cache from white-space word to ids.
+
+    BERT's tokenization (clean, lower-case, split punctuation, WordPiece) works
+    word by word once text is split on white space, so the ids of a text are
+    the concatenated ids of its words.  Word frequencies are Zipfian: a few
+    thousand distinct words cover most of a corpus, and the tokenizer runs only
+    on cache misses.  The cache is cleared when it reaches ``max_words``
+    (memory stays bounded).
+    """
+
+    def __init__(self, tokenizer, max_words: int = 1 << 20):
+        self.tokenizer = tokenizer
+        self.max_words = max_words
+        self.cache: dict[str, list[int]] = {}
+        self.hits = self.misses = 0
+
+    def _word(self, word: str) -> list[int]:
+        ids = self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(word))
+        if len(self.cache) >= self.max_words:
+            self.cache.clear()
+        self.cache[word] = ids
+        self.misses += 1
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        if _SPLIT_MISMATCH.search(text):
+            return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
+        out: list[int] = []
+        cache = self.cache
+        for word in text.split():
+            ids = cache.get(word)
+            if ids is None:
+                ids = self._word(word)
+            out += ids
+        return out
+
+
+# ----------------------------------------------------------------------------- work units
+
+
+@dataclass
+class Chunk:
+    split: str  # "train" | "eval"
+    index: int
+    docs: list[tuple[list[str], bool]]  # (pieces, presplit)
+    nbytes: int
+    text_sha256: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.split}-{self.index:05d}"
+
+
+def derive_seed(*parts) -> int:
+    """A 64-bit seed from a tuple (seed, split, index, ...): independent streams per unit."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
+
+
+def _unit_interval(*parts) -> float:
+    return derive_seed(*parts) / 2.0**64
+
+
+def _hash_docs(docs: list[tuple[list[str], bool]]) -> str:
+    h = hashlib.sha256()
+    for pieces, _ in docs:
+        for piece in pieces:
+            h.update(piece.encode("utf-8", "surrogatepass"))
+            h.update(b"\n")
+        h.update(b"\f")
+    return h.hexdigest()
+
+
+def make_chunks(documents: Iterator[Document], cfg: DataConfig) -> Iterator[Chunk]:
+    """Group streamed documents into work units per split (train / held-out eval).
+
+    A unit closes once it holds ``chunk_bytes`` of raw text and two documents;
+    a last unit with a single document is merged into the one before.  A
+    document goes to "eval" with probability ``holdout_fraction``, decided by a
+    hash of (seed, document number), so the split is fixed by the inputs and seed.
+    """
+    splits = ("train", "eval") if cfg.holdout_fraction > 0 else ("train",)
+    current = {s: [] for s in splits}
+    size = {s: 0 for s in splits}
+    pending: dict[str, tuple[list, int] | None] = {s: None for s in splits}
+    counter = {s: 0 for s in splits}
+
+    def emit(split: str, docs: list, nbytes: int) -> Chunk:
+        chunk = Chunk(split, counter[split], docs, nbytes, _hash_docs(docs))
+        counter[split] += 1
+        return chunk
+
+    for n, doc in enumerate(documents):
+        split = "eval" if cfg.holdout_fraction > 0 and _unit_interval(cfg.seed, "holdout", n) < cfg.holdout_fraction else "train"
+        current[split].append((doc.pieces, doc.presplit))
+        size[split] += doc.nbytes
+        if size[split] >= cfg.chunk_bytes and len(current[split]) >= 2:
+            if pending[split] is not None:
+                yield emit(split, *pending[split])
+            pending[split] = (current[split], size[split])
+            current[split], size[split] = [], 0
+    for split in splits:
+        if current[split]:
+            if len(current[split]) < 2 and pending[split] is not None:
+                docs, nbytes = pending[split]
+                pending[split] = (docs + current[split], nbytes + size[split])
+            else:
+                if pending[split] is not None:
+                    yield emit(split, *pending[split])
+                pending[split] = (current[split], size[split])
+        if pending[split] is not None:
+            yield emit(split, *pending[split])
+
+
+class ChunkWorker:
+    """Turns one work unit into shards and a completion record (runs in a worker process)."""
+
+    def __init__(self, tokenizer, cfg: DataConfig, output_dir: Path):
+        self.cfg = cfg
+        self.output_dir = output_dir
+        self.special = special_ids(tokenizer)
+        self.words = WordCache(tokenizer)
+        self.dtype = record_dtype(cfg.max_seq_length, cfg.max_predictions_per_seq, self.special.vocab_size,
+                                  cfg.dynamic_masking)
+
+    def __call__(self, chunk: Chunk) -> dict:
+        cfg, special = self.cfg, self.special
+        counts = {"documents_read": len(chunk.docs), "documents": 0, "sentences": 0, "short_documents": 0}
+        documents: list[list[list[int]]] = []
+        for pieces, presplit in chunk.docs:
+            sentences = pieces if presplit else [s for p in pieces for s in split_sentences(p)]
+            doc = [ids for ids in map(self.words.encode, sentences) if ids]
+            if len(doc) < 2:
+                counts["short_documents"] += 1
+                continue
+            documents.append(doc)
+            counts["documents"] += 1
+            counts["sentences"] += len(doc)
+
+        rng = random.Random(derive_seed(cfg.seed, chunk.split, chunk.index))
+        stats = InstanceStats()
+        masking = None if cfg.dynamic_masking else dict(
+            masked_lm_prob=cfg.masked_lm_prob, max_predictions=cfg.max_predictions_per_seq,
+            whole_word_mask=cfg.whole_word_mask)
+        instances = []
+        if documents:  # the reference: dupe_factor passes over all documents, then one shuffle
+            for _ in range(cfg.dupe_factor):
+                for d in range(len(documents)):
+                    instances.extend(create_instances_from_document(
+                        documents, d, max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob,
+                        special=special, rng=rng, stats=stats, masking=masking))
+            rng.shuffle(instances)
+
+        shards = []
+        for part, start in enumerate(range(0, len(instances), cfg.shard_size)):
+            records = to_records(instances[start : start + cfg.shard_size], self.dtype)
+            shards.append(write_shard(self.output_dir / f"{chunk.name}-{part:03d}.npy", records))
+        record = {"unit": chunk.name, "split": chunk.split, "index": chunk.index, "text_sha256": chunk.text_sha256,
+                  "bytes": chunk.nbytes, "shards": shards, "counts": counts, "stats": vars(stats)}
+        write_json(self.output_dir / BUILD_DIR / f"{chunk.name}.json", record)
+        return record
+
+
+_worker: ChunkWorker | None = None
+
+
+def _init_worker(tokenizer, cfg: DataConfig, output_dir: Path) -> None:
+    global _worker
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _worker = ChunkWorker(tokenizer, cfg, output_dir)
+
+
+def _run_chunk(chunk: Chunk) -> dict:
+    return _worker(chunk)
+
+
+# ----------------------------------------------------------------------------- orchestration
+
+
+def _completed(output_dir: Path, chunk: Chunk) -> dict | None:
+    """The unit's completion record if it and all its shards are intact, else None."""
+    path = output_dir / BUILD_DIR / f"{chunk.name}.json"
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("text_sha256") != chunk.text_sha256:
+        raise BertctlError(f"{output_dir}: --resume: the inputs changed since the interrupted build "
+                           f"(work unit {chunk.name} now holds different text); start a new build")
+    for shard in record["shards"]:
+        f = output_dir / shard["file"]
+        if not f.exists() or f.stat().st_size != shard["bytes"] or file_sha256(f) != shard["sha256"]:
+            return None
+    return record
+
+
+def _prepare_output(output_dir: Path, state: dict, resume: bool) -> dict | None:
+    """Create or check the output folder.  Returns the manifest when a resumed build is already complete."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise BertctlError(f"{output_dir}: output exists and is not a folder")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        if not resume:
+            raise BertctlError(f"{output_dir}: output folder is not empty (pass --resume to continue an "
+                               "interrupted build, or choose a new folder)")
+        manifest_path, state_path = output_dir / "manifest.json", output_dir / BUILD_DIR / "state.json"
+        if manifest_path.exists():
+            old = json.loads(manifest_path.read_text(encoding="utf-8"))
+            old_state = old.get("build_state")
+        elif state_path.exists():
+            old = None
+            old_state = json.loads(state_path.read_text(encoding="utf-8"))
+        else:
+            raise BertctlError(f"{output_dir}: --resume: not a bertctl build-data folder (no manifest.json or "
+                               f"{BUILD_DIR}/state.json)")
+        if old_state != state:
+            diff = sorted(k for k in state if (old_state or {}).get(k) != state[k])
+            raise BertctlError(f"{output_dir}: --resume: the folder was built with a different "
+                               f"{', '.join(diff)}; start a new build")
+        if old is not None:
+            return old
+        for tmp in output_dir.glob(".*.tmp"):  # debris of an interrupted shard write
+            tmp.unlink()
+        return None
+    (output_dir / BUILD_DIR).mkdir(parents=True, exist_ok=True)
+    write_json(output_dir / BUILD_DIR / "state.json", state)
+    return None
+
+
+def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
+    counts = {"documents_read": 0, "documents": 0, "sentences": 0, "short_documents": 0}
+    stats = InstanceStats()
+    per_split: dict[str, int] = {}
+    for r in records:
+        for k in counts:
+            counts[k] += r["counts"][k]
+        stats.add(InstanceStats(**r["stats"]))
+        per_split[r["split"]] = per_split.get(r["split"], 0) + r["stats"]["instances"]
+    n = max(stats.instances, 1)
+    summary = {
+        "files": read.files,
+        "bytes": read.bytes,
+        "documents": counts["documents"],
+        "documents_read": counts["documents_read"],
+        "sentences": counts["sentences"],
+        "instances": stats.instances,
+        "instances_per_split": per_split,
+        "tokens": stats.tokens,
+        "mean_length": round(stats.tokens / n, 2),
+        "nsp_random_fraction": round(stats.random_next / n, 4),
+        "nsp_forced_random": stats.forced_random_next,
+        "truncation_rate": round(stats.truncated / n, 4),
+        "short_seq_rate": round(stats.short_target / n, 4),
+    }
+    if cfg.dynamic_masking:
+        summary["masking"] = "dynamic (drawn by the loader from seed, epoch and instance index)"
+    else:
+        m = max(stats.masked, 1)
+        summary.update({
+            "masked": stats.masked,
+            "mask_rate": round(stats.masked / max(stats.candidate_tokens, 1), 4),
+            "masked_as_mask": round(stats.masked_as_mask / m, 4),
+            "masked_as_random": round(stats.masked_as_random / m, 4),
+            "masked_as_same": round(stats.masked_as_same / m, 4),
+        })
+    summary["skipped"] = {
+        "inputs": read.skipped_inputs,
+        "lines": read.skipped_lines,
+        "documents_with_fewer_than_2_sentences": counts["short_documents"],
+    }
+    summary["non_utf8_files"] = read.non_utf8_files
+    summary["encoding_policy"] = "utf-8 per line, else cp1252, else latin-1"
+    summary["counters"] = vars(stats)
+    return summary
+
+
+def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, tokenizer, config: DataConfig,
+               workers: int = 1, resume: bool = False, progress: bool = True,
+               on_unit_done: Callable[[dict], None] | None = None) -> dict:
+    """Build pretraining shards from raw text; returns the summary (also stored in the manifest).
+
+    ``inputs``: files or folders; ``tokenizer``: a ``bertctl.tokenizer.BertTokenizer``;
+    ``workers``: processes (the output does not depend on it); ``resume``:
+    continue an interrupted build in ``output_dir``; ``on_unit_done(record)`` is
+    called in this process after each finished work unit (progress hooks, tests).
+    """
+    from bertctl.progress import track
+
+    start = time.perf_counter()
+    cfg = config.resolved()
+    if workers < 1:
+        raise BertctlError(f"--workers: must be >= 1, got {workers}")
+    output_dir = Path(output_dir)
+    files = list_inputs(inputs, cfg.pattern)
+    special_ids(tokenizer)  # fail early on a vocabulary without specials
+    tok = tokenizer_info(tokenizer)
+    state = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "data_config": cfg.to_dict(), "tokenizer": tok,
+             "inputs": [str(f) for f in files]}
+    done_manifest = _prepare_output(output_dir, state, resume)
+    if done_manifest is not None:
+        summary = dict(done_manifest["summary"])
+        summary.update(output=str(output_dir), resumed="already complete")
+        return summary
+
+    read = ReadStats()
+    chunks = make_chunks(read_documents(files, cfg.format, read, text_field=cfg.text_field,
+                                        doc_separator=cfg.doc_separator), cfg)
+    records: list[dict] = []
+    skipped_units = 0
+    total_bytes = sum(f.stat().st_size for f in files)
+    pool = None
+    if workers > 1:  # fork before the progress bar starts its thread
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, cfg, output_dir))
+    try:
+        with track("build-data (bytes)", total_bytes, disable=not progress) as advance:
+            def finish(record: dict) -> None:
+                records.append(record)
+                advance(record["bytes"], info=f"{sum(r['stats']['instances'] for r in records)} instances")
+                if on_unit_done is not None:
+                    on_unit_done(record)
+
+            worker = ChunkWorker(tokenizer, cfg, output_dir) if pool is None else None
+            in_flight: deque = deque()
+            for chunk in chunks:
+                record = _completed(output_dir, chunk) if resume else None
+                if record is not None:
+                    skipped_units += 1
+                    finish(record)
+                    continue
+                if pool is None:
+                    finish(worker(chunk))
+                    continue
+                in_flight.append(pool.apply_async(_run_chunk, (chunk,)))
+                while len(in_flight) >= 2 * workers:
+                    finish(in_flight.popleft().get())
+            while in_flight:
+                finish(in_flight.popleft().get())
+            advance(max(total_bytes - sum(r["bytes"] for r in records), 0))
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+    summary = _summarize(records, read, cfg)
+    if summary["instances"] == 0:
+        raise BertctlError(f"no instances: the inputs hold no document with two or more non-empty sentences "
+                           f"({summary['documents_read']} documents read; format {cfg.format!r})")
+    records.sort(key=lambda r: (r["split"] != "train", r["index"]))
+    splits: dict[str, dict] = {}
+    for r in records:
+        split = splits.setdefault(r["split"], {"num_instances": 0, "shards": []})
+        for shard in r["shards"]:
+            split["shards"].append(shard)
+            split["num_instances"] += shard["num_instances"]
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "max_seq_length": cfg.max_seq_length,
+        "max_predictions": cfg.max_predictions_per_seq,
+        "dynamic_masking": cfg.dynamic_masking,
+        "input_ids_dtype": id_dtype(tok["vocab_size"]).name,
+        "data_config": cfg.to_dict(),
+        "tokenizer": tok,
+        "splits": splits,
+        "summary": summary,
+        "build_state": state,
+    }
+    with atomic_open(output_dir / "vocab.txt", "w", encoding="utf-8", newline="\n") as f:
+        f.writelines(t + "\n" for t in tokenizer.ids_to_tokens)
+    write_json(output_dir / "manifest.json", manifest)
+    shutil.rmtree(output_dir / BUILD_DIR, ignore_errors=True)
+
+    seconds = time.perf_counter() - start
+    summary = dict(summary)
+    summary.update(output=str(output_dir), shards=sum(len(s["shards"]) for s in splits.values()),
+                   resumed_units=skipped_units, workers=workers, seconds=round(seconds, 3),
+                   mb_per_second=round(read.bytes / 1e6 / max(seconds, 1e-9), 3))
+    return summary

@@ -1,0 +1,213 @@
+"""Pretraining instances and masked-LM masking, as the paper (section 3.1, appendix A.1-A.2)
+and google-research/bert's create_pretraining_data.py make them.
+
+Everything works on token ids (``list[int]``) and takes an explicit
+``random.Random``; the order of random draws follows the reference, so the
+same documents and rng state give the same instances.
+
+Deliberate deviations from the reference, each for a stated reason:
+
+- The random "next sentence" comes from the other documents of the same work
+  unit (a bounded pool of about ``DataConfig.chunk_bytes`` of consecutive text),
+  not from the whole corpus: documents are streamed, so memory stays bounded
+  whatever the corpus size.  With a single document in the pool the draw falls
+  back to that document, as the reference does after ten failed draws.
+- The short target length (probability ``short_seq_prob``) is drawn again for
+  every instance, not once per document: the reference's comment and the
+  paper intend "10% of the time", while a per-document draw makes the share
+  of short instances depend on document lengths.
+- Documents with fewer than two sentences are skipped (counted in the
+  summary): they can only make "random next" pairs and bias the NSP labels.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """What instance creation and masking need to know about the vocabulary."""
+
+    cls: int
+    sep: int
+    mask: int
+    vocab_size: int
+    # continuation[i] is True when token i is a "##" word piece (whole-word masking).
+    continuation: Sequence[bool] = field(repr=False, compare=False, default=())
+
+
+@dataclass
+class Instance:
+    tokens: list[int]  # [CLS] A [SEP] B [SEP], masked when masking is static
+    len_a: int  # tokens in segment A (without specials)
+    is_random_next: bool  # NSP label 1 (google-research convention: 1 = random B)
+    masked_positions: list[int]
+    masked_labels: list[int]
+
+
+@dataclass
+class InstanceStats:
+    """Counters summed over work units for the build summary."""
+
+    instances: int = 0
+    tokens: int = 0  # real tokens incl. specials
+    candidate_tokens: int = 0  # tokens that may be masked (not [CLS]/[SEP])
+    masked: int = 0
+    masked_as_mask: int = 0  # replaced by [MASK] (80%)
+    masked_as_random: int = 0  # replaced by a random token (10%)
+    masked_as_same: int = 0  # left unchanged (10%)
+    random_next: int = 0
+    forced_random_next: int = 0  # a one-sentence chunk: B can only be random (as the reference)
+    truncated: int = 0
+    short_target: int = 0
+
+    def add(self, other: "InstanceStats") -> None:
+        for k, v in vars(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+def mask_tokens(tokens: list[int], rng: random.Random, special: SpecialIds, *, masked_lm_prob: float,
+                max_predictions: int, whole_word_mask: bool = False,
+                stats: InstanceStats | None = None) -> tuple[list[int], list[int], list[int]]:
+    """create_masked_lm_predictions: returns (masked tokens, positions ascending, labels).
+
+    ``round(len(tokens) * masked_lm_prob)`` positions (at least 1, at most
+    ``max_predictions``; the reference counts [CLS]/[SEP] in ``len``), chosen among
+    the non-special tokens, whole words at a time with ``whole_word_mask``.
+    Each chosen token becomes [MASK] 80% of the time, a uniformly random
+    vocabulary token 10%, itself 10% (paper appendix A.1).
+    """
+    cand_indexes: list[list[int]] = []
+    cont = special.continuation
+    for i, tok in enumerate(tokens):
+        if tok == special.cls or tok == special.sep:
+            continue
+        if whole_word_mask and cand_indexes and cont[tok]:
+            cand_indexes[-1].append(i)
+        else:
+            cand_indexes.append([i])
+    rng.shuffle(cand_indexes)
+    output = list(tokens)
+    num_to_predict = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))))
+    masked: list[tuple[int, int]] = []
+    n_mask = n_random = n_same = 0
+    for index_set in cand_indexes:
+        if len(masked) >= num_to_predict:
+            break
+        # A whole word that would overshoot the budget is skipped (the reference).
+        if len(masked) + len(index_set) > num_to_predict:
+            continue
+        for index in index_set:
+            if rng.random() < 0.8:
+                replacement = special.mask
+                n_mask += 1
+            elif rng.random() < 0.5:
+                replacement = tokens[index]
+                n_same += 1
+            else:
+                replacement = rng.randint(0, special.vocab_size - 1)
+                n_random += 1
+            output[index] = replacement
+            masked.append((index, tokens[index]))
+    masked.sort()
+    if stats is not None:
+        stats.candidate_tokens += sum(len(s) for s in cand_indexes)
+        stats.masked += len(masked)
+        stats.masked_as_mask += n_mask
+        stats.masked_as_random += n_random
+        stats.masked_as_same += n_same
+    return output, [p for p, _ in masked], [t for _, t in masked]
+
+
+def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: int,
+                      rng: random.Random) -> bool:
+    """Trim the longer segment one token at a time from a random end (the reference's
+    way to avoid a bias towards either end).  Returns whether anything was cut."""
+    cut = False
+    while len(tokens_a) + len(tokens_b) > max_num_tokens:
+        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
+        if rng.random() < 0.5:
+            del trunc[0]
+        else:
+            trunc.pop()
+        cut = True
+    return cut
+
+
+def create_instances_from_document(documents: list[list[list[int]]], document_index: int, *,
+                                   max_seq_length: int, short_seq_prob: float, special: SpecialIds,
+                                   rng: random.Random, stats: InstanceStats,
+                                   masking: dict | None) -> list[Instance]:
+    """Instances from one document (a list of sentences, each a list of token ids).
+
+    Segment A is 1..n-1 consecutive sentences of a chunk filling the target
+    length; B is the rest of the chunk (actual next, NSP label 0) or, half the
+    time, sentences from a random other document (label 1), in which case the
+    unused sentences of the chunk are put back.  ``masking`` holds
+    ``mask_tokens`` keyword arguments for static masking, or ``None`` (masks
+    are drawn at load time).
+    """
+    document = documents[document_index]
+    max_num_tokens = max_seq_length - 3  # [CLS], [SEP], [SEP]
+
+    def draw_target() -> tuple[int, bool]:
+        if rng.random() < short_seq_prob:
+            return rng.randint(2, max_num_tokens), True
+        return max_num_tokens, False
+
+    target_seq_length, short = draw_target()
+    instances: list[Instance] = []
+    current_chunk: list[list[int]] = []
+    current_length = 0
+    i = 0
+    while i < len(document):
+        segment = document[i]
+        current_chunk.append(segment)
+        current_length += len(segment)
+        if i == len(document) - 1 or current_length >= target_seq_length:
+            if current_chunk:
+                a_end = 1
+                if len(current_chunk) >= 2:
+                    a_end = rng.randint(1, len(current_chunk) - 1)
+                tokens_a = [t for j in range(a_end) for t in current_chunk[j]]
+                tokens_b: list[int] = []
+                forced = len(current_chunk) == 1
+                if forced or rng.random() < 0.5:
+                    is_random_next = True
+                    target_b_length = target_seq_length - len(tokens_a)
+                    # Ten tries for another document; the pool may hold only this one.
+                    for _ in range(10):
+                        random_document_index = rng.randint(0, len(documents) - 1)
+                        if random_document_index != document_index:
+                            break
+                    random_document = documents[random_document_index]
+                    random_start = rng.randint(0, len(random_document) - 1)
+                    for j in range(random_start, len(random_document)):
+                        tokens_b.extend(random_document[j])
+                        if len(tokens_b) >= target_b_length:
+                            break
+                    # Put the unused sentences back: they start the next chunk.
+                    i -= len(current_chunk) - a_end
+                else:
+                    is_random_next = False
+                    tokens_b = [t for j in range(a_end, len(current_chunk)) for t in current_chunk[j]]
+                truncated = truncate_seq_pair(tokens_a, tokens_b, max_num_tokens, rng)
+                tokens = [special.cls, *tokens_a, special.sep, *tokens_b, special.sep]
+                if masking is not None:
+                    tokens, positions, labels = mask_tokens(tokens, rng, special, stats=stats, **masking)
+                else:
+                    positions, labels = [], []
+                instances.append(Instance(tokens, len(tokens_a), is_random_next, positions, labels))
+                stats.instances += 1
+                stats.tokens += len(tokens)
+                stats.random_next += is_random_next
+                stats.forced_random_next += forced and is_random_next
+                stats.truncated += truncated
+                stats.short_target += short
+                target_seq_length, short = draw_target()
+            current_chunk = []
+            current_length = 0
+        i += 1
+    return instances
