@@ -6,6 +6,7 @@ line on stderr and exit code 2; ``--debug`` shows the traceback instead.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -45,6 +46,33 @@ for _name in COMMANDS:
 def _fail(message: str) -> None:
     print(f"bertctl: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def _guarded(callback):
+    """Run a command; turn input errors into one line on stderr and exit code 2."""
+
+    @functools.wraps(callback)
+    def run(*args, **kwargs):
+        try:
+            return callback(*args, **kwargs)
+        except (BertctlError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+            if _state["debug"]:
+                raise
+            message = str(e) if isinstance(e, BertctlError) else f"{e.filename}: {e.strerror}"
+            typer.echo(f"bertctl: error: {message}", err=True)
+            raise typer.Exit(2) from None
+
+    return run
+
+
+def _guard(typer_app: typer.Typer) -> None:
+    for command in typer_app.registered_commands:
+        command.callback = _guarded(command.callback)
+    for group in typer_app.registered_groups:
+        _guard(group.typer_instance)
+
+
+_guard(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,43 @@
+"""``bertctl embed``: sentence features from any checkpoint directory."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from bertctl.embed import LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("embed")
+    def embed(
+        inputs: list[Path] = typer.Argument(..., help="Text files (one text per line) or JSONL files."),
+        model: Path = typer.Option(..., "--model", help="Checkpoint directory (bertctl's or Hugging Face's)."),
+        output: Path = typer.Option(..., "--output", "-o", help=f"Output file: {', '.join(OUTPUT_SUFFIXES)}."),
+        pooling: str = typer.Option("mean", help=f"Token pooling: {', '.join(POOLING_CHOICES)}."),
+        layers: str = typer.Option("last", help=f"Hidden states to use: {', '.join(LAYER_CHOICES)}."),
+        normalize: bool = typer.Option(False, "--normalize", help="L2-normalise each embedding."),
+        field: str = typer.Option(None, "--field", help="JSONL field holding the text (default 'text')."),
+        batch_size: int = typer.Option(64, "--batch-size", help="Texts per forward pass."),
+        max_length: int = typer.Option(None, "--max-length", help="Truncate longer texts (default: model limit)."),
+        dtype: str = typer.Option("fp32", help="fp32 or bf16 (autocast)."),
+        device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    ) -> None:
+        """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order."""
+        import numpy as np
+
+        from bertctl.embed import EmbedConfig, embed_texts, load_encoder, read_texts, resolve_device, write_embeddings
+        from bertctl.tokenizer import BertTokenizer
+
+        config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
+                             max_length=max_length, dtype=dtype, device=device)
+        if output.suffix not in OUTPUT_SUFFIXES:
+            from bertctl.errors import BertctlError
+
+            raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
+        texts = [t for path in inputs for t in read_texts(path, field)]
+        encoder = load_encoder(model, resolve_device(config.device))
+        tokenizer = BertTokenizer.from_pretrained(model)
+        array = embed_texts(encoder, tokenizer, texts, config)
+        write_embeddings(array.astype(np.float32, copy=False), output)
+        typer.echo(str(output))

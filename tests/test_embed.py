@@ -1,0 +1,127 @@
+"""``bertctl embed`` against the same computation done with transformers on the same weights."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
+
+from bertctl.cli.app import app
+from bertctl.embed import EmbedConfig, embed_texts, load_encoder
+from bertctl.tokenizer import BertTokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def sst2_dev(shared_data):
+    lines = (shared_data / "glue" / "SST-2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:]
+    return [line.split("\t")[0] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def reference(minilm_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(str(minilm_dir))
+    model = transformers.BertModel.from_pretrained(str(minilm_dir)).eval()
+    return tok, model
+
+
+def reference_features(reference, texts, layers="last", pooling="mean", normalize=True):
+    tok, model = reference
+    rows = []
+    with torch.no_grad():
+        for i in range(0, len(texts), 128):
+            enc = tok(texts[i : i + 128], padding=True, truncation=True, max_length=512, return_tensors="pt")
+            hs = model(**enc, output_hidden_states=True).hidden_states
+            x = {"last": hs[-1], "second-to-last": hs[-2], "embeddings": hs[0],
+                 "sum-last-4": hs[-1] + hs[-2] + hs[-3] + hs[-4],
+                 "concat-last-4": torch.cat([hs[-4], hs[-3], hs[-2], hs[-1]], -1)}[layers]
+            m = enc["attention_mask"].unsqueeze(-1).float()
+            if pooling == "mean":
+                f = (x * m).sum(1) / m.sum(1)
+            elif pooling == "max":
+                f = torch.where(m.bool(), x, torch.tensor(float("-inf"))).max(1).values
+            else:
+                f = x[:, 0]
+            rows.append(torch.nn.functional.normalize(f, dim=-1) if normalize else f)
+    return torch.cat(rows).numpy().astype(np.float64)
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_sst2_dev_mean_normalised_matches_transformers(tmp_path, minilm_dir, sst2_dev, reference):
+    (tmp_path / "dev.txt").write_text("\n".join(sst2_dev) + "\n", encoding="utf-8")
+    result = runner.invoke(app, ["embed", "--model", str(minilm_dir), "--pooling", "mean", "--layers", "last",
+                                 "--normalize", "--output", str(tmp_path / "out.npy"), str(tmp_path / "dev.txt")])
+    assert result.exit_code == 0, result.output
+    ours = np.load(tmp_path / "out.npy")
+    assert ours.dtype == np.float32 and ours.shape == (872, 384)
+    cos = cosine(ours, reference_features(reference, sst2_dev))
+    assert cos.min() >= 0.99999, f"worst sentence {cos.argmin()}: cosine {cos.min():.7f}"
+
+
+@pytest.mark.parametrize("layers", ["second-to-last", "sum-last-4", "concat-last-4", "embeddings"])
+@pytest.mark.parametrize("pooling", ["cls", "max"])
+def test_layer_and_pooling_choices(minilm_dir, sst2_dev, reference, layers, pooling):
+    texts = sst2_dev[:24]
+    model = load_encoder(minilm_dir, torch.device("cpu"))
+    tokenizer = BertTokenizer.from_pretrained(minilm_dir)
+    ours = embed_texts(model, tokenizer, texts, EmbedConfig(layers=layers, pooling=pooling, batch_size=5), progress=False)
+    ref = reference_features(reference, texts, layers, pooling, normalize=False)
+    assert ours.shape == ref.shape
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_output_formats_keep_input_order(tmp_path, minilm_dir):
+    texts = ["a much longer sentence comes first in the file", "short", "", "mid length text here"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts), encoding="utf-8")
+    outs = {}
+    for suffix in (".npy", ".jsonl", ".safetensors"):
+        out = tmp_path / f"out{suffix}"
+        r = runner.invoke(app, ["embed", "--model", str(minilm_dir), "--field", "body", "--batch-size", "2",
+                                "--output", str(out), str(tmp_path / "in.jsonl")])
+        assert r.exit_code == 0, r.output
+        outs[suffix] = out
+    a = np.load(outs[".npy"])
+    b = np.array([json.loads(line)["embedding"] for line in outs[".jsonl"].read_text().splitlines()])
+    c = load_file(str(outs[".safetensors"]))["embeddings"]
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_array_equal(a, c)
+    # Row i belongs to text i whatever the batching: compare with one-at-a-time embedding.
+    model = load_encoder(minilm_dir, torch.device("cpu"))
+    tok = BertTokenizer.from_pretrained(minilm_dir)
+    single = np.stack([embed_texts(model, tok, [t], EmbedConfig(), progress=False)[0] for t in texts])
+    np.testing.assert_allclose(a, single, atol=1e-5)
+
+
+def test_bad_input_gives_one_line_errors(tmp_path, minilm_dir):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("ok line\ncaf\xe9\n".encode("latin-1"))
+    (tmp_path / "ok.txt").write_text("hello\n")
+    no_vocab = tmp_path / "novocab"
+    shutil.copytree(minilm_dir, no_vocab)
+    (no_vocab / "vocab.txt").unlink()
+    (no_vocab / "tokenizer.json").unlink(missing_ok=True)
+    cases = [
+        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "empty.txt")], "empty input"),
+        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "latin1.txt")], "latin1.txt:2: not UTF-8"),
+        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "missing.txt")], "not found"),
+        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.csv"), str(tmp_path / "ok.txt")], "suffix must be"),
+        (["--model", str(minilm_dir), "--pooling", "sum", "--output", str(tmp_path / "o.npy"), str(tmp_path / "ok.txt")], "--pooling"),
+        (["--model", str(no_vocab), "--output", str(tmp_path / "o.npy"), str(tmp_path / "ok.txt")], "vocab"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, ["embed", *args])
+        assert result.exit_code == 2, (args, result.output)
+        err = result.stderr if hasattr(result, "stderr") else result.output
+        assert message in err, (message, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "o.npy").exists()
