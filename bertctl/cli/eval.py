@@ -1,0 +1,131 @@
+"""``bertctl eval glue|squad|ner|swag``: score a fine-tuned model on a data file, or (SQuAD) a
+predictions file against gold with the official rules. Metrics JSON goes to stdout."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from bertctl.errors import BertctlError
+from bertctl.tasks.trainer import TrainConfig
+
+eval_app = typer.Typer(help="Evaluate a fine-tuned model, or score SQuAD predictions with the official rules.",
+                       no_args_is_help=True)
+
+MODEL = typer.Option(None, "--model", help="Fine-tuned model directory (or a finetune OUT folder).")
+OUTPUT = typer.Option(None, "--output", "-o", help="Write predictions (and metrics.json) here.")
+EVAL_BATCH = typer.Option(128, "--batch-size", help="Evaluation batch size.")
+DEVICE = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
+QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars.")
+
+
+def _cfg(batch_size: int, device: str, quiet: bool) -> TrainConfig:
+    return TrainConfig(eval_batch_size=batch_size, device=device, progress=not quiet)
+
+
+def _need_model(model: Optional[Path]) -> Path:
+    if model is None:
+        raise BertctlError("--model FINETUNED_DIR is required")
+    return model
+
+
+@eval_app.command("squad")
+def squad(
+    data: Path = typer.Option(..., "--data", help="SQuAD JSON with gold answers."),
+    predictions: Optional[Path] = typer.Option(None, "--predictions", help="Score this {id: answer} JSON (official "
+                                                                           "rules) instead of running a model."),
+    version_2: bool = typer.Option(False, "--version-2", help="SQuAD 2.0 rules (HasAns/NoAns, thresholds)."),
+    na_prob: Optional[Path] = typer.Option(None, "--na-prob", help="v2.0: {id: no-answer odds} JSON (null_odds.json)."),
+    na_prob_thresh: float = typer.Option(1.0, "--na-prob-thresh", help="v2.0: odds above this count as no answer."),
+    articles: Optional[str] = typer.Option(None, "--articles", help="SPLIT.json:KEY: only these articles."),
+    null_threshold: Optional[float] = typer.Option(None, "--null-threshold", help="v2.0 with --model: τ for "
+                                                   "s_null - s_best (default: the model's, else chosen on this data)."),
+    model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
+    device: str = DEVICE, quiet: bool = QUIET,
+    max_seq_length: int = typer.Option(384, "--max-seq-length"),
+    doc_stride: int = typer.Option(128, "--doc-stride"),
+    max_query_length: int = typer.Option(64, "--max-query-length"),
+    n_best_size: int = typer.Option(20, "--n-best-size"),
+    max_answer_length: int = typer.Option(30, "--max-answer-length"),
+) -> None:
+    """Exact match and F1 (and HasAns/NoAns for v2.0) of predictions or of a fine-tuned model."""
+    import json
+    import sys
+
+    from bertctl.tasks import squad as s
+
+    if predictions is not None:
+        if model is not None:
+            raise BertctlError("give either --predictions or --model, not both")
+        result = s.score_files(data, predictions, version_2=version_2, na_prob_path=na_prob,
+                               na_prob_thresh=na_prob_thresh, articles=articles)
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return
+    scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
+    dev = s.read_squad(data, articles=articles, version_2=version_2)
+    s.run_eval(dev, _need_model(model), _cfg(batch_size, device, quiet), scfg, threshold=null_threshold,
+               output=output)
+
+
+@eval_app.command("glue")
+def glue(
+    task: Optional[str] = typer.Option(None, "--task", help="GLUE task (omit for your own data)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="A dev/test file (GLUE TSV, or own TSV/CSV/JSONL)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="GLUE task folder: evaluate its dev file(s)."),
+    text_column: Optional[str] = typer.Option(None, "--text-column"),
+    text_pair_column: Optional[str] = typer.Option(None, "--text-pair-column"),
+    label_column: Optional[str] = typer.Option(None, "--label-column"),
+    regression: bool = typer.Option(False, "--regression"),
+    skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows"),
+    max_seq_length: int = typer.Option(128, "--max-seq-length"),
+    model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
+    device: str = DEVICE, quiet: bool = QUIET,
+) -> None:
+    """Accuracy / F1 / MCC / correlations of a fine-tuned classifier on a GLUE dev file or your data."""
+    from bertctl.tasks import glue as g
+
+    if data is None and data_dir is None:
+        raise BertctlError("give --data FILE or --data-dir GLUE_TASK_DIR")
+    if text_column is None and task is not None and data is not None:
+        spec = g.task_spec(task)
+        examples, report = g.read_glue_tsv(data, spec, skip_bad_rows=skip_bad_rows)
+        glue_data = g.GlueData(spec, [], [(spec.name, Path(data), examples)], [report])
+    else:
+        glue_data = g.load_data(task=task, data_dir=data_dir, dev=data, text_column=text_column,
+                                text_pair_column=text_pair_column, label_column=label_column, regression=regression,
+                                skip_bad_rows=skip_bad_rows, need_train=False)
+    g.run_eval(glue_data, _need_model(model), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
+               output=output)
+
+
+@eval_app.command("ner")
+def ner(
+    data: Path = typer.Option(..., "--data", help="CoNLL-format file with gold tags."),
+    max_seq_length: int = typer.Option(128, "--max-seq-length"),
+    model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
+    device: str = DEVICE, quiet: bool = QUIET,
+) -> None:
+    """Entity-level precision/recall/F1 (conlleval rules, per type too) of a fine-tuned tagger."""
+    from bertctl.tasks import ner as n
+
+    n.run_eval(data, _need_model(model), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
+               output=output)
+
+
+@eval_app.command("swag")
+def swag(
+    data: Path = typer.Option(..., "--data", help="SWAG JSONL or CSV."),
+    max_seq_length: int = typer.Option(128, "--max-seq-length"),
+    model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
+    device: str = DEVICE, quiet: bool = QUIET,
+) -> None:
+    """Accuracy of a fine-tuned multiple-choice model."""
+    from bertctl.tasks import swag as w
+
+    w.run_eval(data, _need_model(model), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
+               output=output)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(eval_app, name="eval")

@@ -1,0 +1,151 @@
+"""What every task shares: loading model and tokenizer, the head check, the lr sweep, outputs."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from bertctl.errors import BertctlError
+from bertctl.io import write_json
+from bertctl.progress import MetricsLog, stderr
+from bertctl.tasks.trainer import TrainConfig, TrainResult, fine_tune, lr_sweep_values, resolve_device, with_lr
+
+MODEL_SUBDIR = "model"
+
+
+def model_dir_of(path: str | Path) -> Path:
+    """A fine-tuning output folder holds the model in ``model/``; accept either."""
+    path = Path(path)
+    if not (path / "config.json").exists() and (path / MODEL_SUBDIR / "config.json").exists():
+        return path / MODEL_SUBDIR
+    if not path.is_dir():
+        raise BertctlError(f"{path}: model directory not found")
+    if not (path / "config.json").exists():
+        raise BertctlError(f"{path}: no config.json (not a model directory)")
+    return path
+
+
+def load_tokenizer(model_dir: str | Path):
+    from bertctl.tokenizer import BertTokenizer
+
+    return BertTokenizer.from_pretrained(model_dir_of(model_dir))
+
+
+def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | None = None, **head) -> torch.nn.Module:
+    """A pretrained encoder (bertctl's or Hugging Face's) with a freshly initialised task head.
+
+    ``head`` sets num_labels / id2label / label2id / problem_type in the config, so the saved
+    model carries its label names. ``dropout`` overrides hidden and attention dropout.
+    """
+    from bertctl.checkpoint import load_pretrained
+
+    overrides = dict(head)
+    if dropout is not None:
+        overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    return load_pretrained(model_cls, model_dir_of(model_dir), fresh_heads=True, **overrides)
+
+
+def load_finetuned(model_cls, model_dir: str | Path, *, labels: Sequence[str] | None = None,
+                   regression: bool = False, task: str = "") -> torch.nn.Module:
+    """A fine-tuned model for evaluation; its head must fit the task (label count and names)."""
+    from bertctl.checkpoint import load_config, load_pretrained
+
+    directory = model_dir_of(model_dir)
+    config = load_config(directory)
+    archs = config.architectures or []
+    if archs and model_cls.__name__ not in archs:
+        raise BertctlError(f"{directory}: model is a {', '.join(archs)}, but {task or 'this task'} needs a "
+                           f"{model_cls.__name__}")
+    if regression and config.num_labels != 1:
+        raise BertctlError(f"{directory}: the head has {config.num_labels} labels, but {task} is a regression task "
+                           "(1 output)")
+    if labels is not None:
+        have = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else None
+        if config.num_labels != len(labels):
+            raise BertctlError(f"{directory}: the head has {config.num_labels} labels"
+                               + (f" ({', '.join(map(str, have))})" if have else "")
+                               + f", but {task or 'the task'} has {len(labels)} ({', '.join(labels)})")
+    return load_pretrained(model_cls, directory)
+
+
+def head_labels(model: torch.nn.Module) -> list[str]:
+    config = model.config
+    if config.id2label:
+        return [str(config.id2label[i]) for i in range(config.num_labels)]
+    return [str(i) for i in range(config.num_labels)]
+
+
+@dataclass
+class SweepOutcome:
+    result: TrainResult
+    lr: float
+    sweep: list[dict]  # one {"lr", "dev": metrics} per learning rate
+
+
+def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: TrainConfig, *,
+                     evaluate: Callable[[torch.nn.Module], dict], main_metric: str, output: Path,
+                     lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None) -> SweepOutcome:
+    """Fine-tune once, or once per lr of the paper's grid, keeping the best on dev (``main_metric``).
+
+    With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
+    and ``result.json`` there, so ``resume`` skips it.
+    """
+    lrs = lr_sweep_values(lr_sweep, cfg.lr)
+    if len(lrs) == 1:
+        result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
+                           output_dir=output, resume=resume and (output / "checkpoint" / "last.pt").exists(), log=log)
+        return SweepOutcome(result, cfg.lr, [{"lr": cfg.lr, "dev": result.best}])
+    from bertctl.checkpoint import load_state, save_pretrained
+
+    sweep = []
+    best: tuple[float, float, Path] | None = None
+    best_result = None
+    for lr in lrs:
+        run_dir = output / "sweep" / f"lr-{lr:g}"
+        done = run_dir / "result.json"
+        if resume and done.exists():
+            record = json.loads(done.read_text())
+            stderr.print(f"lr {lr:g}: already done ({main_metric} {record['dev'][main_metric]:.4f})")
+            result = None
+        else:
+            stderr.print(f"lr sweep: lr {lr:g}")
+            result = fine_tune(build_model(), train_features, with_lr(cfg, lr), evaluate=evaluate,
+                               main_metric=main_metric, output_dir=run_dir,
+                               resume=resume and (run_dir / "checkpoint" / "last.pt").exists(), log=log)
+            save_pretrained(result.model, run_dir / MODEL_SUBDIR)
+            record = {"lr": lr, "dev": result.best, "examples_per_second": result.examples_per_second}
+            write_json(done, record)
+            shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+        sweep.append(record)
+        score = record["dev"][main_metric]
+        if best is None or score > best[0]:
+            best = (score, lr, run_dir)
+            best_result = result
+    assert best is not None
+    _, lr, run_dir = best
+    if best_result is None:  # the best run finished before a resume: reload its weights
+        from bertctl.checkpoint import read_state_dict
+
+        model = build_model()
+        load_state(model, read_state_dict(run_dir / MODEL_SUBDIR), source=str(run_dir))
+        record = json.loads((run_dir / "result.json").read_text())
+        best_result = TrainResult(model, [record["dev"]], record["dev"])
+    stderr.print(f"lr sweep: best lr {lr:g} ({main_metric} {best[0]:.4f})")
+    return SweepOutcome(best_result, lr, sweep)
+
+
+def emit_metrics(output: Path | None, metrics: dict) -> None:
+    """Metrics JSON to stdout (results only there) and to ``OUT/metrics.json``."""
+    if output is not None:
+        write_json(output / "metrics.json", metrics)
+    sys.stdout.write(json.dumps(metrics, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+def device_for(cfg: TrainConfig) -> torch.device:
+    return resolve_device(cfg.device)

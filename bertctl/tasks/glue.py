@@ -1,0 +1,482 @@
+"""GLUE (paper §4.1): readers for the canonical task folders and for users' own TSV/CSV/JSONL,
+featurisation ([CLS] A [SEP] B [SEP]), fine-tuning and evaluation.
+
+Canonical layouts (as distributed by the GLUE benchmark's download script):
+
+| task | files | text A / text B | label | header |
+| --- | --- | --- | --- | --- |
+| cola | train/dev.tsv | column 3 | column 1 (0/1) | none |
+| sst2 | train/dev.tsv | sentence | label (0/1) | yes |
+| mrpc | train/dev.tsv | #1 String / #2 String | Quality (0/1) | yes |
+| stsb | train/dev.tsv | sentence1 / sentence2 | score (0-5, regression) | yes |
+| qqp | train/dev.tsv | question1 / question2 | is_duplicate (0/1) | yes |
+| mnli | train.tsv, dev_matched.tsv, dev_mismatched.tsv | sentence1 / sentence2 | gold_label | yes |
+| qnli | train/dev.tsv | question / sentence | label (entailment/not_entailment) | yes |
+| rte | train/dev.tsv | sentence1 / sentence2 | label (entailment/not_entailment) | yes |
+| wnli | train/dev.tsv | sentence1 / sentence2 | label (0/1) | yes |
+
+GLUE's TSVs are read without quoting (tabs split fields; quotes are text), as the reference
+loaders do.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from bertctl.errors import BertctlError
+from bertctl.io import atomic_open, write_json
+from bertctl.progress import MetricsLog, stderr, track
+from bertctl.tasks import common
+from bertctl.tasks.metrics import GLUE_METRICS, glue_metrics
+from bertctl.tasks.trainer import TrainConfig, device_info, predict
+
+
+@dataclass(frozen=True)
+class GlueTask:
+    name: str
+    folder: str  # canonical folder name in the GLUE download
+    labels: tuple[str, ...] | None  # None: regression
+    text_a: str | int
+    text_b: str | int | None
+    label: str | int
+    header: bool = True
+    dev_files: tuple[str, ...] = ("dev.tsv",)
+
+
+GLUE_TASKS: dict[str, GlueTask] = {t.name: t for t in (
+    GlueTask("cola", "CoLA", ("0", "1"), 3, None, 1, header=False),
+    GlueTask("sst2", "SST-2", ("0", "1"), "sentence", None, "label"),
+    GlueTask("mrpc", "MRPC", ("0", "1"), "#1 String", "#2 String", "Quality"),
+    GlueTask("stsb", "STS-B", None, "sentence1", "sentence2", "score"),
+    GlueTask("qqp", "QQP", ("0", "1"), "question1", "question2", "is_duplicate"),
+    GlueTask("mnli", "MNLI", ("contradiction", "entailment", "neutral"), "sentence1", "sentence2", "gold_label",
+             dev_files=("dev_matched.tsv", "dev_mismatched.tsv")),
+    GlueTask("qnli", "QNLI", ("entailment", "not_entailment"), "question", "sentence", "label"),
+    GlueTask("rte", "RTE", ("entailment", "not_entailment"), "sentence1", "sentence2", "label"),
+    GlueTask("wnli", "WNLI", ("0", "1"), "sentence1", "sentence2", "label"),
+)}
+TASK_ALIASES = {"sst-2": "sst2", "sts-b": "stsb", "mnli-m": "mnli", "mnli-mm": "mnli"}
+
+
+@dataclass
+class Example:
+    guid: str  # "file:line"
+    text_a: str
+    text_b: str | None
+    label: str | float | None
+
+
+@dataclass
+class ReadReport:
+    path: str
+    rows: int = 0
+    skipped: list[str] = field(default_factory=list)  # "file:line: why"
+
+
+def task_spec(name: str) -> GlueTask:
+    key = TASK_ALIASES.get(name.lower(), name.lower())
+    if key not in GLUE_TASKS:
+        raise BertctlError(f"unknown GLUE task {name!r}; one of {', '.join(GLUE_TASKS)} (or use --train/--dev with "
+                           "--text-column for your own data)")
+    return GLUE_TASKS[key]
+
+
+def _label_value(raw: str, spec_labels: tuple[str, ...] | None, where: str) -> str | float:
+    raw = raw.strip()
+    if spec_labels is None:
+        try:
+            return float(raw)
+        except ValueError:
+            raise BertctlError(f"{where}: label {raw!r} is not a number (regression task)") from None
+    if raw not in spec_labels:
+        raise BertctlError(f"{where}: unknown label {raw!r}; expected one of {', '.join(spec_labels)}")
+    return raw
+
+
+def read_glue_tsv(path: str | Path, task: GlueTask, *, skip_bad_rows: bool = False,
+                  require_labels: bool = True) -> tuple[list[Example], ReadReport]:
+    """Rows of one canonical GLUE TSV. A malformed row is an error naming file and line, or with
+    ``skip_bad_rows`` a counted skip (QQP's train set has a few such rows)."""
+    path = Path(path)
+    if not path.exists():
+        raise BertctlError(f"{path}: file not found")
+    report = ReadReport(str(path))
+    examples: list[Example] = []
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        lines = f.read().split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    first = 0
+    columns: dict[str, int] = {}
+    n_cols = None
+    if task.header:
+        if not lines:
+            raise BertctlError(f"{path}: empty file (expected a header line)")
+        header = lines[0].rstrip("\r").split("\t")
+        columns = {name: i for i, name in enumerate(header)}
+        n_cols = len(header)
+        first = 1
+
+    def col(key, where):
+        if isinstance(key, int):
+            return key
+        if key not in columns:
+            raise BertctlError(f"{where}: no column {key!r} in the header ({', '.join(columns)})")
+        return columns[key]
+
+    where0 = f"{path}:1"
+    ia = col(task.text_a, where0)
+    ib = col(task.text_b, where0) if task.text_b is not None else None
+    il = col(task.label, where0) if require_labels else None
+    need = max(i for i in (ia, ib, il) if i is not None) + 1
+    for lineno in range(first, len(lines)):
+        line = lines[lineno].rstrip("\r")
+        where = f"{path}:{lineno + 1}"
+        if not line.strip():
+            continue
+        cells = line.split("\t")
+        problem = None
+        if (n_cols is not None and len(cells) != n_cols and task.name != "mnli") or len(cells) < need:
+            problem = f"{len(cells)} columns, expected {n_cols or need}"
+        label = None
+        if problem is None and il is not None:
+            try:
+                label = _label_value(cells[il], task.labels, where)
+            except BertctlError as e:
+                problem = str(e).split(": ", 1)[1]
+        if problem is not None:
+            if not skip_bad_rows:
+                raise BertctlError(f"{where}: {problem}")
+            report.skipped.append(f"{where}: {problem}")
+            continue
+        examples.append(Example(where, cells[ia], cells[ib] if ib is not None else None, label))
+    report.rows = len(examples)
+    return examples, report
+
+
+def find_task_files(data_dir: str | Path, task: GlueTask) -> tuple[Path, list[Path]]:
+    """train.tsv and the dev file(s) in ``data_dir`` or ``data_dir/<canonical folder>``."""
+    data_dir = Path(data_dir)
+    for folder in (data_dir, data_dir / task.folder):
+        if (folder / "train.tsv").exists():
+            devs = [folder / name for name in task.dev_files]
+            missing = [str(d) for d in devs if not d.exists()]
+            if missing:
+                raise BertctlError(f"{', '.join(missing)}: dev file not found")
+            return folder / "train.tsv", devs
+    raise BertctlError(f"{data_dir}: no train.tsv here or in {data_dir / task.folder}")
+
+
+# ------------------------------------------------------------------------------ generic files
+
+
+def read_table(path: str | Path, *, text_column: str, text_pair_column: str | None, label_column: str | None,
+               skip_bad_rows: bool = False) -> tuple[list[Example], ReadReport]:
+    """Users' own data: TSV, CSV (with quoting) or JSONL, with named text and label columns.
+    Labels are kept as strings (or raw numbers from JSON); the caller decides the label set."""
+    path = Path(path)
+    if not path.exists():
+        raise BertctlError(f"{path}: file not found")
+    report = ReadReport(str(path))
+    examples: list[Example] = []
+    suffix = path.suffix.lower()
+    wanted = [c for c in (text_column, text_pair_column, label_column) if c]
+
+    def add(row: dict, where: str):
+        missing = [c for c in wanted if c not in row or row[c] is None]
+        if missing:
+            msg = f"{where}: missing column(s) {', '.join(missing)}"
+            if not skip_bad_rows:
+                raise BertctlError(msg)
+            report.skipped.append(msg)
+            return
+        label = row[label_column] if label_column else None
+        if isinstance(label, str):
+            label = label.strip()
+        examples.append(Example(where, str(row[text_column]),
+                                str(row[text_pair_column]) if text_pair_column else None, label))
+
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise BertctlError(f"{path}:{lineno}: expected a JSON object per line")
+                add(row, f"{path}:{lineno}")
+    elif suffix in (".tsv", ".csv", ".txt"):
+        delimiter = "," if suffix == ".csv" else "\t"
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            reader = csv.reader(f, delimiter=delimiter)
+            header = next(reader, None)
+            if header is None:
+                raise BertctlError(f"{path}: empty file (expected a header line)")
+            for c in wanted:
+                if c not in header:
+                    raise BertctlError(f"{path}:1: no column {c!r} in the header ({', '.join(header)})")
+            for cells in reader:
+                where = f"{path}:{reader.line_num}"
+                if not any(cells):
+                    continue
+                if len(cells) != len(header):
+                    msg = f"{where}: {len(cells)} columns, expected {len(header)}"
+                    if not skip_bad_rows:
+                        raise BertctlError(msg)
+                    report.skipped.append(msg)
+                    continue
+                add(dict(zip(header, cells)), where)
+    else:
+        raise BertctlError(f"{path}: unknown format {suffix!r} (use .tsv, .csv or .jsonl)")
+    report.rows = len(examples)
+    return examples, report
+
+
+def custom_task(train: Sequence[Example], regression: bool, labels: Sequence[str] | None = None) -> GlueTask:
+    """A task spec for users' data: labels sorted as strings (numbers numerically) unless given."""
+    if regression:
+        return GlueTask("custom", "", None, "", None, "", dev_files=())
+    if labels is None:
+        found = {str(e.label) for e in train}
+        try:
+            labels = sorted(found, key=float)
+        except ValueError:
+            labels = sorted(found)
+    return GlueTask("custom", "", tuple(labels), "", None, "", dev_files=())
+
+
+def normalise_labels(examples: Sequence[Example], task: GlueTask, path: str) -> None:
+    """Check/convert the labels of generic examples against the task's label set."""
+    for e in examples:
+        if e.label is None:
+            continue
+        if task.labels is None:
+            try:
+                e.label = float(e.label)
+            except (TypeError, ValueError):
+                raise BertctlError(f"{e.guid}: label {e.label!r} is not a number (regression)") from None
+        else:
+            e.label = str(e.label)
+            if e.label not in task.labels:
+                raise BertctlError(f"{e.guid}: unknown label {e.label!r}; the labels are {', '.join(task.labels)}")
+
+
+# ------------------------------------------------------------------------------ features
+
+
+def featurize(examples: Sequence[Example], tokenizer, task: GlueTask, max_seq_length: int = 128,
+              progress: bool = False, label_names: Sequence[str] | None = None) -> list[dict]:
+    """[CLS] A [SEP] (B [SEP]), truncated longest-first to ``max_seq_length`` (paper §3, Figure 2)."""
+    label_index = {l: i for i, l in enumerate(label_names or task.labels or ())}
+    features = []
+    with track("tokenize", len(examples), disable=not progress) as advance:
+        for e in examples:
+            enc = tokenizer.encode(e.text_a, e.text_b, max_length=max_seq_length, truncation="longest_first")
+            f = {"input_ids": np.asarray(enc.input_ids, dtype=np.int32),
+                 "token_type_ids": np.asarray(enc.token_type_ids, dtype=np.int8)}
+            if e.label is not None:
+                f["labels"] = float(e.label) if task.labels is None else label_index[e.label]
+            features.append(f)
+            advance(1)
+    return features
+
+
+def _predictions(model, features, cfg: TrainConfig, regression: bool, progress: bool) -> np.ndarray:
+    out = predict(model, features, outputs=("logits",), batch_size=cfg.eval_batch_size, bf16=cfg.bf16,
+                  progress=progress, description="evaluate")
+    logits = np.stack([o[0] for o in out])
+    return logits[:, 0] if regression else logits.argmax(-1)
+
+
+def score(task: GlueTask, preds: np.ndarray, examples: Sequence[Example], label_names: Sequence[str]) -> dict:
+    if task.labels is None:
+        gold = [float(e.label) for e in examples]
+        return glue_metrics("stsb", preds.tolist(), gold)
+    index = {l: i for i, l in enumerate(label_names)}
+    gold = [index[e.label] for e in examples]
+    return glue_metrics(task.name, preds.tolist(), gold)
+
+
+def write_predictions(path: Path, examples: Sequence[Example], preds: np.ndarray, label_names: Sequence[str] | None):
+    """TSV: index, prediction (label name, or score for regression), gold label and source row."""
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write("index\tprediction\tlabel\tsource\n")
+        for i, (e, p) in enumerate(zip(examples, preds)):
+            pred = f"{float(p):.6f}" if label_names is None else label_names[int(p)]
+            gold = "" if e.label is None else (f"{e.label}" if label_names is not None else f"{float(e.label):g}")
+            f.write(f"{i}\t{pred}\t{gold}\t{e.guid}\n")
+
+
+def _dev_names(task: GlueTask, devs: Sequence[Path]) -> list[str]:
+    if task.name == "mnli":
+        return ["mnli_m" if "mismatched" not in d.name else "mnli_mm" for d in devs]
+    return [task.name]
+
+
+@dataclass
+class GlueData:
+    task: GlueTask
+    train: list[Example]
+    devs: list[tuple[str, Path, list[Example]]]  # (name, path, examples)
+    reports: list[ReadReport]
+
+
+def load_data(*, task: str | None, data_dir: str | Path | None, train: str | Path | None = None,
+              dev: str | Path | None = None, text_column: str | None = None, text_pair_column: str | None = None,
+              label_column: str | None = None, regression: bool = False, skip_bad_rows: bool = False,
+              need_train: bool = True) -> GlueData:
+    """Either a canonical task folder (``task`` + ``data_dir``) or the user's files with named columns."""
+    if text_column is not None or (task in (None, "custom")):
+        if text_column is None or label_column is None:
+            raise BertctlError("own data needs --text-column and --label-column (and --train/--dev)")
+        if dev is None or (need_train and train is None):
+            raise BertctlError("own data needs --train and --dev files")
+        kw = dict(text_column=text_column, text_pair_column=text_pair_column, label_column=label_column,
+                  skip_bad_rows=skip_bad_rows)
+        tr, rtr = read_table(train, **kw) if need_train else ([], None)
+        dv, rdv = read_table(dev, **kw)
+        spec = custom_task(tr or dv, regression)
+        if need_train:
+            normalise_labels(tr, spec, str(train))
+            normalise_labels(dv, spec, str(dev))
+        reports = [r for r in (rtr, rdv) if r is not None]
+        return GlueData(spec, tr, [("dev", Path(dev), dv)], reports)
+    spec = task_spec(task)
+    if data_dir is None:
+        raise BertctlError(f"glue --task {spec.name} needs --data-dir")
+    train_path, dev_paths = find_task_files(data_dir, spec)
+    if dev is not None:
+        dev_paths = [Path(dev)]
+    tr, rtr = read_glue_tsv(train_path, spec, skip_bad_rows=skip_bad_rows) if need_train else ([], None)
+    devs, reports = [], [r for r in (rtr,) if r is not None]
+    for name, path in zip(_dev_names(spec, dev_paths), dev_paths):
+        ex, rep = read_glue_tsv(path, spec, skip_bad_rows=skip_bad_rows)
+        devs.append((name, path, ex))
+        reports.append(rep)
+    return GlueData(spec, tr, devs, reports)
+
+
+def _report_skips(reports: Sequence[ReadReport]) -> dict:
+    skipped = {r.path: len(r.skipped) for r in reports if r.skipped}
+    for r in reports:
+        for msg in r.skipped[:5]:
+            stderr.print(f"skipped {msg}")
+        if len(r.skipped) > 5:
+            stderr.print(f"... {len(r.skipped) - 5} more skipped rows in {r.path}")
+    return skipped
+
+
+def evaluate_devs(model, data: GlueData, tokenizer, cfg: TrainConfig, label_names, max_seq_length: int,
+                  progress: bool) -> tuple[dict, dict]:
+    """Metrics per dev file (MNLI: matched and mismatched) and the predictions for writing."""
+    metrics, preds = {}, {}
+    regression = data.task.labels is None
+    for name, _, examples in data.devs:
+        feats = featurize(examples, tokenizer, data.task, max_seq_length, label_names=label_names)
+        p = _predictions(model, feats, cfg, regression, progress)
+        preds[name] = p
+        m = score(data.task, p, examples, label_names or ())
+        if len(data.devs) == 1:
+            metrics.update(m)
+        else:
+            metrics.update({f"{name}_{k}": v for k, v in m.items()})
+    return metrics, preds
+
+
+def main_metric_name(data: GlueData) -> str:
+    first = GLUE_METRICS.get(data.task.name, ("pearson",) if data.task.labels is None else ("accuracy",))[0]
+    if data.task.labels is None:
+        first = "pearson"
+    return f"{data.devs[0][0]}_{first}" if len(data.devs) > 1 else first
+
+
+def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg: TrainConfig, *,
+                 max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
+                 dropout: float | None = None) -> dict:
+    """Fine-tune on ``data.train``, evaluate on the dev file(s), write model, predictions, metrics."""
+    from bertctl.checkpoint import save_pretrained
+    from bertctl.model import BertForSequenceClassification
+
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    skipped = _report_skips(data.reports)
+    tokenizer = common.load_tokenizer(model_dir)
+    regression = data.task.labels is None
+    label_names = list(data.task.labels) if not regression else None
+    train_features = featurize(data.train, tokenizer, data.task, max_seq_length, progress=cfg.progress)
+    head = dict(id2label={0: "score"}, label2id={"score": 0}, problem_type="regression") if regression else dict(
+        id2label=dict(enumerate(label_names)), label2id={l: i for i, l in enumerate(label_names)},
+        problem_type="single_label_classification")
+    main = main_metric_name(data)
+
+    def build():
+        return common.load_for_finetuning(BertForSequenceClassification, model_dir, dropout=dropout, **head)
+
+    def evaluate(model):
+        return evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False)[0]
+
+    with MetricsLog(output / "metrics.jsonl") as log:
+        outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
+                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+        model = outcome.result.model
+        metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.progress)
+        save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
+        for name, path, examples in data.devs:
+            write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
+        result = {"task": data.task.name, **metrics, "lr": outcome.lr, "epochs": cfg.epochs,
+                  "batch_size": cfg.batch_size, "seed": cfg.seed, "train_examples": len(train_features),
+                  "train_examples_per_second": outcome.result.examples_per_second, "device": device_info()}
+        if len(outcome.sweep) > 1:
+            result["lr_sweep"] = outcome.sweep
+        if skipped:
+            result["skipped_rows"] = skipped
+        log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})
+    common.emit_metrics(output, result)
+    return result
+
+
+def run_eval(data: GlueData, model_dir: str | Path, cfg: TrainConfig, *, max_seq_length: int = 128,
+             output: str | Path | None = None) -> dict:
+    """Evaluate a fine-tuned classifier on the dev file(s); its head must fit the task."""
+    from bertctl.model import BertForSequenceClassification
+
+    skipped = _report_skips(data.reports)
+    regression = data.task.labels is None
+    model = common.load_finetuned(BertForSequenceClassification, model_dir,
+                                  labels=data.task.labels if not regression else None,
+                                  regression=regression, task=data.task.name)
+    label_names = None if regression else common.head_labels(model)
+    if not regression:
+        # A generic task's labels come from the model; a canonical one's must match by name.
+        if data.task.name == "custom":
+            data.task = GlueTask("custom", "", tuple(label_names), "", None, "", dev_files=())
+        elif set(label_names) != set(data.task.labels) and label_names != [str(i) for i in range(len(label_names))]:
+            raise BertctlError(f"{model_dir}: the head's labels ({', '.join(label_names)}) are not "
+                               f"{data.task.name}'s ({', '.join(data.task.labels)})")
+        elif label_names == [str(i) for i in range(len(label_names))]:
+            label_names = list(data.task.labels)
+        for _, path, ex in data.devs:
+            normalise_labels(ex, data.task, str(path))
+    else:
+        for _, path, ex in data.devs:
+            normalise_labels(ex, data.task, str(path))
+    tokenizer = common.load_tokenizer(model_dir)
+    model.to(common.device_for(cfg))
+    metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.progress)
+    result = {"task": data.task.name, **metrics, "examples": sum(len(e) for _, _, e in data.devs)}
+    if skipped:
+        result["skipped_rows"] = skipped
+    if output is not None:
+        output = Path(output)
+        for name, _, examples in data.devs:
+            write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
+    common.emit_metrics(Path(output) if output else None, result)
+    return result

@@ -1,0 +1,260 @@
+"""Named-entity recognition on CoNLL-2003 (paper §5.3): reading, label alignment, fine-tuning, eval.
+
+File format: one token per line with whitespace-separated columns, the token first and the tag
+last (CoNLL-2003: ``token POS chunk NER``); a blank line ends a sentence; ``-DOCSTART-`` lines
+separate documents. Tags may be IOB1 or IOB2 (or IOBES): the model learns the file's tags as
+they are, and scoring uses conlleval's chunk rules, which read them all.
+
+Each word is split into word pieces; as in the paper, the label sits on the word's first piece
+and the others are ignored (-100); a word's prediction is its first piece's argmax. Sentences
+longer than the model's window are cut, and their cut words predicted ``O`` (counted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from bertctl.errors import BertctlError
+from bertctl.io import atomic_open
+from bertctl.progress import MetricsLog, stderr, track
+from bertctl.tasks import common
+from bertctl.tasks.metrics import conlleval
+from bertctl.tasks.trainer import IGNORE_INDEX, TrainConfig, device_info, predict
+
+
+@dataclass
+class Sentence:
+    words: list[str]
+    tags: list[str]
+    line: int  # first line of the sentence in its file (1-based)
+
+
+@dataclass
+class NerData:
+    path: str
+    sentences: list[Sentence]
+
+
+def read_conll(path: str | Path) -> NerData:
+    """Sentences of a CoNLL file; a line with a token but no tag column is an error naming it."""
+    path = Path(path)
+    if not path.exists():
+        raise BertctlError(f"{path}: file not found")
+    sentences: list[Sentence] = []
+    words: list[str] = []
+    tags: list[str] = []
+    start = 1
+
+    def flush():
+        nonlocal words, tags
+        if words:
+            sentences.append(Sentence(words, tags, start))
+        words, tags = [], []
+
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            cells = line.split()
+            if not cells:
+                flush()
+                continue
+            if cells[0] == "-DOCSTART-":
+                flush()
+                continue
+            if len(cells) < 2:
+                raise BertctlError(f"{path}:{lineno}: expected 'token ... tag' columns, got {line.strip()!r}")
+            tag = cells[-1]
+            if tag != "O" and not (len(tag) > 2 and tag[1] == "-" and tag[0] in "BIES"):
+                raise BertctlError(f"{path}:{lineno}: tag {tag!r} is not O or B-/I-/E-/S-TYPE")
+            if not words:
+                start = lineno
+            words.append(cells[0])
+            tags.append(tag)
+    flush()
+    return NerData(str(path), sentences)
+
+
+def label_list(*datasets: NerData) -> list[str]:
+    """Tags seen in the data, ``O`` first, then by entity type and prefix."""
+    seen = {t for d in datasets for s in d.sentences for t in s.tags}
+    rest = sorted(seen - {"O"}, key=lambda t: (t[2:], t[0]))
+    return ["O", *rest]
+
+
+@dataclass
+class NerFeatures:
+    features: list[dict]
+    truncated_words: int = 0
+
+
+def featurize(data: NerData, tokenizer, label_to_id: dict[str, int] | None, max_seq_length: int = 128,
+              progress: bool = False) -> NerFeatures:
+    """[CLS] pieces [SEP]; ``labels`` on each word's first piece, -100 elsewhere; ``_first``
+    holds the position of each word's first piece (-1 for words cut off or with no pieces)."""
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+    out = NerFeatures([])
+    with track("tokenize", len(data.sentences), disable=not progress) as advance:
+        for si, s in enumerate(data.sentences):
+            pieces, word_index = tokenizer.tokenize_words(s.words)
+            pieces, word_index = pieces[: max_seq_length - 2], word_index[: max_seq_length - 2]
+            ids = [cls_id, *tokenizer.convert_tokens_to_ids(pieces), sep_id]
+            first = np.full(len(s.words), -1, dtype=np.int32)
+            labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+            prev = -1
+            for pos, w in enumerate(word_index, start=1):
+                if w != prev:
+                    first[w] = pos
+                    if label_to_id is not None:
+                        labels[pos] = label_to_id[s.tags[w]]
+                prev = w
+            covered = set(word_index)
+            out.truncated_words += sum(1 for w in range(len(s.words)) if w not in covered and
+                                       (not word_index or w > word_index[-1]))
+            f = {"input_ids": np.asarray(ids, dtype=np.int32), "token_type_ids": np.zeros(len(ids), dtype=np.int8),
+                 "_first": first, "_sentence": si}
+            if label_to_id is not None:
+                f["labels"] = labels
+            out.features.append(f)
+            advance(1)
+    return out
+
+
+def decode(features: Sequence[dict], logits: Sequence[np.ndarray], id2label: Sequence[str]) -> list[list[str]]:
+    """Per sentence, the tag of each word from its first piece (``O`` for words without one)."""
+    out = []
+    for f, lg in zip(features, logits):
+        best = lg.argmax(-1)
+        out.append([id2label[int(best[p])] if p >= 0 else "O" for p in f["_first"]])
+    return out
+
+
+def score(data: NerData, predicted: list[list[str]]) -> dict:
+    gold = [s.tags for s in data.sentences]
+    return conlleval(gold, predicted)
+
+
+def write_predictions(path: Path, data: NerData, predicted: list[list[str]]) -> None:
+    """CoNLL columns ``token gold predicted``, a blank line after each sentence (conlleval's input)."""
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        for s, p in zip(data.sentences, predicted):
+            for w, g, t in zip(s.words, s.tags, p):
+                f.write(f"{w} {g} {t}\n")
+            f.write("\n")
+
+
+def _predict_tags(model, data: NerData, tokenizer, id2label, tcfg: TrainConfig, max_seq_length: int,
+                  progress: bool, feats: NerFeatures | None = None) -> tuple[list[list[str]], NerFeatures]:
+    feats = feats or featurize(data, tokenizer, None, max_seq_length)
+    logits = predict(model, feats.features, outputs=("logits",), batch_size=tcfg.eval_batch_size, bf16=tcfg.bf16,
+                     per_token=True, progress=progress, description=f"predict {Path(data.path).name}")
+    return decode(feats.features, [o[0] for o in logits], id2label), feats
+
+
+def _flat(metrics: dict, prefix: str) -> dict:
+    out = {f"{prefix}_{k}": metrics[k] for k in ("precision", "recall", "f1", "accuracy")}
+    out[f"{prefix}_per_type"] = {t: {k: v[k] for k in ("precision", "recall", "f1", "gold")}
+                                 for t, v in metrics["per_type"].items()}
+    return out
+
+
+def find_files(data_dir: str | Path) -> tuple[Path, Path, Path | None]:
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise BertctlError(f"{d}: data directory not found")
+    train, valid, test = d / "train.txt", d / "valid.txt", d / "test.txt"
+    if not valid.exists() and (d / "dev.txt").exists():
+        valid = d / "dev.txt"
+    for p in (train, valid):
+        if not p.exists():
+            raise BertctlError(f"{p}: file not found (ner --data-dir needs train.txt, valid.txt and test.txt)")
+    return train, valid, test if test.exists() else None
+
+
+def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path, tcfg: TrainConfig, *,
+                 max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
+                 dropout: float | None = None) -> dict:
+    """Fine-tune on train.txt, choose the epoch (and lr) on valid.txt, report valid and test."""
+    from bertctl.checkpoint import save_pretrained
+    from bertctl.model import BertForTokenClassification
+
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    train_path, valid_path, test_path = find_files(data_dir)
+    train, valid = read_conll(train_path), read_conll(valid_path)
+    test = read_conll(test_path) if test_path else None
+    labels = label_list(train, valid, *([test] if test else []))
+    label_to_id = {l: i for i, l in enumerate(labels)}
+    tokenizer = common.load_tokenizer(model_dir)
+    train_feats = featurize(train, tokenizer, label_to_id, max_seq_length, progress=tcfg.progress)
+    valid_feats = featurize(valid, tokenizer, None, max_seq_length)
+    head = dict(id2label=dict(enumerate(labels)), label2id=label_to_id)
+
+    def build():
+        return common.load_for_finetuning(BertForTokenClassification, model_dir, dropout=dropout, **head)
+
+    def evaluate(model):
+        tags, _ = _predict_tags(model, valid, tokenizer, labels, tcfg, max_seq_length, False, valid_feats)
+        m = score(valid, tags)
+        return {"valid_f1": m["f1"], "valid_precision": m["precision"], "valid_recall": m["recall"]}
+
+    tcfg = _select_best(tcfg)
+    with MetricsLog(output / "metrics.jsonl") as log:
+        outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
+                                          main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
+                                          resume=resume, log=log)
+        model = outcome.result.model
+        result = {"task": "ner", "labels": labels}
+        for name, d, feats in (("valid", valid, valid_feats), ("test", test, None)):
+            if d is None:
+                continue
+            tags, feats = _predict_tags(model, d, tokenizer, labels, tcfg, max_seq_length, tcfg.progress, feats)
+            result.update(_flat(score(d, tags), name))
+            write_predictions(output / f"predictions_{name}.txt", d, tags)
+            if feats.truncated_words:
+                result[f"{name}_truncated_words"] = feats.truncated_words
+        save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
+        result.update(lr=outcome.lr, epochs=tcfg.epochs, best_epoch=(outcome.result.best or {}).get("epoch"),
+                      batch_size=tcfg.batch_size, seed=tcfg.seed, train_sentences=len(train.sentences),
+                      train_examples_per_second=outcome.result.examples_per_second, device=device_info())
+        if train_feats.truncated_words:
+            result["train_truncated_words"] = train_feats.truncated_words
+        if len(outcome.sweep) > 1:
+            result["lr_sweep"] = outcome.sweep
+        log.log(event="final", **{k: v for k, v in result.items() if not k.endswith("per_type") and k != "lr_sweep"})
+    common.emit_metrics(output, result)
+    return result
+
+
+def _select_best(tcfg: TrainConfig) -> TrainConfig:
+    import dataclasses
+
+    return dataclasses.replace(tcfg, select_best=True)
+
+
+def run_eval(data_path: str | Path, model_dir: str | Path, tcfg: TrainConfig, *, max_seq_length: int = 128,
+             output: str | Path | None = None) -> dict:
+    """Score a fine-tuned token classifier on one CoNLL file; gold tags unknown to the head are an error."""
+    from bertctl.model import BertForTokenClassification
+
+    model = common.load_finetuned(BertForTokenClassification, model_dir, task="ner")
+    labels = common.head_labels(model)
+    data = read_conll(data_path)
+    unknown = sorted({t for s in data.sentences for t in s.tags} - set(labels))
+    if unknown:
+        raise BertctlError(f"{data_path}: tags {', '.join(unknown)} are not among the model's labels "
+                           f"({', '.join(labels)})")
+    tokenizer = common.load_tokenizer(model_dir)
+    model.to(common.device_for(tcfg))
+    tags, feats = _predict_tags(model, data, tokenizer, labels, tcfg, max_seq_length, tcfg.progress)
+    m = score(data, tags)
+    result = {"task": "ner", **{k: m[k] for k in ("precision", "recall", "f1", "accuracy")},
+              "per_type": {t: {k: v[k] for k in ("precision", "recall", "f1", "gold")} for t, v in m["per_type"].items()},
+              "sentences": len(data.sentences)}
+    if feats.truncated_words:
+        result["truncated_words"] = feats.truncated_words
+    if output is not None:
+        write_predictions(Path(output) / "predictions.txt", data, tags)
+    common.emit_metrics(Path(output) if output else None, result)
+    return result

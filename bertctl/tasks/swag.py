@@ -1,0 +1,187 @@
+"""SWAG (paper §4.4): multiple choice as four sequence pairs scored through [CLS].
+
+Each example gives ``sent1`` (context), ``sent2`` (the start of the next sentence) and four
+endings. Choice i is ``[CLS] sent1 [SEP] sent2 + " " + ending_i [SEP]``; the model's one score
+per choice goes through a softmax across the four. Files: JSONL with ``sent1``, ``sent2``,
+``ending0..3`` and ``label`` keys, or the SWAG release CSV (same column names, plus
+``video-id``, ``fold-ind``, ``startphrase``, ``gold-source``; the test CSV has no label).
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from bertctl.errors import BertctlError
+from bertctl.io import atomic_open
+from bertctl.progress import MetricsLog, track
+from bertctl.tasks import common
+from bertctl.tasks.metrics import accuracy
+from bertctl.tasks.trainer import TrainConfig, device_info, predict
+
+NUM_CHOICES = 4
+COLUMNS = ("sent1", "sent2", "ending0", "ending1", "ending2", "ending3")
+
+
+@dataclass
+class SwagExample:
+    where: str
+    context: str
+    start: str
+    endings: list[str]
+    label: int | None
+
+
+def _example(row: dict, where: str, need_label: bool) -> SwagExample:
+    missing = [c for c in COLUMNS if row.get(c) is None]
+    if missing:
+        raise BertctlError(f"{where}: missing {', '.join(missing)}")
+    label = row.get("label")
+    if label in (None, "") and need_label:
+        raise BertctlError(f"{where}: missing label")
+    if label not in (None, ""):
+        try:
+            label = int(label)
+        except (TypeError, ValueError):
+            raise BertctlError(f"{where}: label {label!r} is not an integer 0-3") from None
+        if not 0 <= label < NUM_CHOICES:
+            raise BertctlError(f"{where}: label {label} is not in 0-3")
+    else:
+        label = None
+    return SwagExample(where, str(row["sent1"]), str(row["sent2"]), [str(row[f"ending{i}"]) for i in range(4)], label)
+
+
+def read_swag(path: str | Path, need_label: bool = True) -> list[SwagExample]:
+    path = Path(path)
+    if not path.exists():
+        raise BertctlError(f"{path}: file not found")
+    out = []
+    if path.suffix.lower() == ".csv":
+        with open(path, encoding="utf-8", newline="") as f:
+            reader = csv.DictReader(f)
+            if reader.fieldnames is None:
+                raise BertctlError(f"{path}: empty file")
+            missing = [c for c in COLUMNS if c not in reader.fieldnames]
+            if missing:
+                raise BertctlError(f"{path}:1: no column(s) {', '.join(missing)} in the header")
+            for row in reader:
+                where = f"{path}:{reader.line_num}"
+                if None in row:  # more cells than header columns
+                    raise BertctlError(f"{where}: {len(reader.fieldnames) + len(row[None])} columns, expected "
+                                       f"{len(reader.fieldnames)}")
+                out.append(_example(row, where, need_label))
+    else:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise BertctlError(f"{path}:{lineno}: expected a JSON object")
+                out.append(_example(row, f"{path}:{lineno}", need_label))
+    if not out:
+        raise BertctlError(f"{path}: no examples")
+    return out
+
+
+def featurize(examples: Sequence[SwagExample], tokenizer, max_seq_length: int = 128,
+              progress: bool = False) -> list[dict]:
+    """(C, S) input ids per example, padded within the example; ``lengths`` per choice."""
+    feats = []
+    with track("tokenize", len(examples), disable=not progress) as advance:
+        for e in examples:
+            encs = [tokenizer.encode(e.context, f"{e.start} {ending}", max_length=max_seq_length,
+                                     truncation="longest_first") for ending in e.endings]
+            n = max(len(x.input_ids) for x in encs)
+            ids = np.full((NUM_CHOICES, n), tokenizer.pad_token_id, dtype=np.int32)
+            types = np.zeros((NUM_CHOICES, n), dtype=np.int8)
+            for c, x in enumerate(encs):
+                ids[c, : len(x.input_ids)] = x.input_ids
+                types[c, : len(x.input_ids)] = x.token_type_ids
+            f = {"input_ids": ids, "token_type_ids": types, "lengths": [len(x.input_ids) for x in encs]}
+            if e.label is not None:
+                f["labels"] = e.label
+            feats.append(f)
+            advance(1)
+    return feats
+
+
+def _choices(model, feats, tcfg: TrainConfig, progress: bool) -> np.ndarray:
+    out = predict(model, feats, outputs=("logits",), batch_size=max(1, tcfg.eval_batch_size // NUM_CHOICES),
+                  bf16=tcfg.bf16, progress=progress, description="evaluate")
+    return np.stack([o[0] for o in out])  # (N, 4)
+
+
+def write_predictions(path: Path, examples: Sequence[SwagExample], logits: np.ndarray) -> None:
+    """TSV: index, predicted choice, gold label, the four softmax probabilities, source row."""
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write("index\tprediction\tlabel\tp0\tp1\tp2\tp3\tsource\n")
+        for i, (e, p) in enumerate(zip(examples, probs)):
+            gold = "" if e.label is None else str(e.label)
+            f.write(f"{i}\t{int(p.argmax())}\t{gold}\t" + "\t".join(f"{x:.4f}" for x in p) + f"\t{e.where}\n")
+
+
+def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, max_seq_length: int = 128,
+                 lr_sweep: bool = False, resume: bool = False, dropout: float | None = None) -> dict:
+    from bertctl.checkpoint import save_pretrained
+    from bertctl.model import BertForMultipleChoice
+
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    train, dev = read_swag(train_path), read_swag(dev_path)
+    tokenizer = common.load_tokenizer(model_dir)
+    train_feats = featurize(train, tokenizer, max_seq_length, progress=tcfg.progress)
+    dev_feats = featurize(dev, tokenizer, max_seq_length)
+    gold = [e.label for e in dev]
+
+    def build():
+        return common.load_for_finetuning(BertForMultipleChoice, model_dir, dropout=dropout)
+
+    def evaluate(model):
+        return {"accuracy": accuracy(_choices(model, dev_feats, tcfg, False).argmax(-1), gold)}
+
+    with MetricsLog(output / "metrics.jsonl") as log:
+        outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
+                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+        model = outcome.result.model
+        logits = _choices(model, dev_feats, tcfg, tcfg.progress)
+        save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
+        write_predictions(output / "predictions_dev.tsv", dev, logits)
+        result = {"task": "swag", "accuracy": accuracy(logits.argmax(-1), gold), "lr": outcome.lr,
+                  "epochs": tcfg.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
+                  "train_examples": len(train), "dev_examples": len(dev),
+                  "train_examples_per_second": outcome.result.examples_per_second, "device": device_info()}
+        if len(outcome.sweep) > 1:
+            result["lr_sweep"] = outcome.sweep
+        log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})
+    common.emit_metrics(output, result)
+    return result
+
+
+def run_eval(data_path, model_dir, tcfg: TrainConfig, *, max_seq_length: int = 128, output=None) -> dict:
+    from bertctl.model import BertForMultipleChoice
+
+    model = common.load_finetuned(BertForMultipleChoice, model_dir, task="swag")
+    tokenizer = common.load_tokenizer(model_dir)
+    model.to(common.device_for(tcfg))
+    examples = read_swag(data_path, need_label=False)
+    feats = featurize(examples, tokenizer, max_seq_length)
+    logits = _choices(model, feats, tcfg, tcfg.progress)
+    result = {"task": "swag", "examples": len(examples)}
+    labelled = [i for i, e in enumerate(examples) if e.label is not None]
+    if labelled:
+        result["accuracy"] = accuracy(logits[labelled].argmax(-1), [examples[i].label for i in labelled])
+    if output is not None:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        write_predictions(Path(output) / "predictions.tsv", examples, logits)
+    common.emit_metrics(Path(output) if output else None, result)
+    return result
