@@ -534,23 +534,27 @@ def _cleanup(s: str) -> str:
 
 
 def _canonical_order(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """Unicode canonical ordering: stable-sort each run of combining marks by combining class."""
+    """Unicode canonical ordering: stable-sort each run of combining marks by combining class.
+
+    Only the characters move; the original indices stay in place, as in ``tokenizers``' NFD,
+    whose alignments follow output positions.
+    """
     ccc = [unicodedata.combining(c) for c, _ in pairs]
     if sum(1 for x in ccc if x) < 2:
         return pairs
-    out: list[tuple[str, int]] = []
+    chars: list[str] = []
     k = 0
     while k < len(pairs):
         if ccc[k] == 0:
-            out.append(pairs[k])
+            chars.append(pairs[k][0])
             k += 1
             continue
         j = k
         while j < len(pairs) and ccc[j]:
             j += 1
-        out.extend(sorted(pairs[k:j], key=lambda p: unicodedata.combining(p[0])))
+        chars.extend(sorted((c for c, _ in pairs[k:j]), key=unicodedata.combining))
         k = j
-    return out
+    return [(c, i) for c, (_, i) in zip(chars, pairs)]
 
 
 def truncated_lengths(n_a: int, n_b: int | None, max_length: int, strategy: str) -> tuple[int, int | None]:
@@ -561,6 +565,8 @@ def truncated_lengths(n_a: int, n_b: int | None, max_length: int, strategy: str)
     budget = max_length - specials
     if budget < 0:
         raise BertctlError(f"max_length {max_length} leaves no room for the {specials} special tokens")
+    if budget == 0:  # tokenizers empties both texts whatever the strategy
+        return 0, None if n_b is None else 0
     if n_b is None:
         if strategy == "only_second":
             if n_a > budget:
