@@ -1,0 +1,195 @@
+"""The built-in default job: the whole pipeline on text that ships with Python itself.
+
+``bertctl pretrain`` with no ``--data`` runs it: gather the language reference
+(``pydoc_data.topics``) and the docstrings of the standard library into a JSONL
+corpus (no download), train a small WordPiece vocabulary on it, build
+pretraining shards with a held-out split, pretrain a tiny BERT for a few minutes
+(time-boxed), and report held-out MLM accuracy at the start and the end beside
+the majority-token baseline (always predicting the most frequent masked token).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import io
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bertctl.io import atomic_open
+from bertctl.progress import stderr
+
+# Modules whose import has side effects (opens a browser, prints, starts a GUI) or is
+# platform-specific or huge; their docs are not needed for a corpus.
+SKIP_MODULES = {
+    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "ensurepip", "lib2to3", "test",
+    "msvcrt", "winreg", "winsound", "nt", "_winapi", "__phello__", "pydoc_data", "xxsubtype", "xxlimited",
+    "xxlimited_35", "_testcapi", "_testinternalcapi", "_testbuffer", "_testimportmultiple",
+    "_testmultiphase", "_xxtestfuzz", "_ctypes_test", "_testclinic", "_testsinglephase", "sitecustomize",
+    "usercustomize", "venv", "distutils",
+}
+
+DEFAULT_MINUTES = 2.0
+
+
+def _module_docs(name: str) -> str | None:
+    """Module docstring plus each public class / function defined in it (with their methods)."""
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            mod = importlib.import_module(name)
+    except BaseException:  # ImportError, SystemExit from odd modules: skip, never fail
+        return None
+    parts = []
+    doc = inspect.getdoc(mod)
+    if doc:
+        parts.append(f"Module {name}\n\n{doc}")
+    for attr in sorted(getattr(mod, "__all__", None) or dir(mod)):
+        if attr.startswith("_"):
+            continue
+        obj = getattr(mod, attr, None)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+            continue
+        if getattr(obj, "__module__", None) != name:
+            continue
+        d = inspect.getdoc(obj)
+        if d:
+            parts.append(f"{name}.{attr}\n\n{d}")
+        if inspect.isclass(obj):
+            for meth in sorted(vars(obj)):
+                m = vars(obj)[meth]
+                if meth.startswith("_") or not callable(m):
+                    continue
+                md = inspect.getdoc(m)
+                if md:
+                    parts.append(f"{name}.{attr}.{meth}\n\n{md}")
+    return "\n\n".join(parts) if parts else None
+
+
+def gather_python_docs(path: str | Path, *, max_modules: int | None = None, max_bytes: int = 6_000_000) -> dict:
+    """Write Python's bundled documentation as JSONL documents (``{"text": ...}`` per line).
+
+    Documents: each language-reference topic of ``pydoc_data.topics`` and each
+    standard-library module's docstrings, in sorted (deterministic) order.
+    """
+    from pydoc_data.topics import topics
+
+    n_docs = n_bytes = 0
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        def emit(text: str) -> None:
+            nonlocal n_docs, n_bytes
+            f.write(json.dumps({"text": text}) + "\n")
+            n_docs += 1
+            n_bytes += len(text.encode())
+
+        for key in sorted(topics):
+            emit(topics[key])
+        names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in SKIP_MODULES)
+        for name in names[:max_modules]:
+            if n_bytes >= max_bytes:
+                break
+            text = _module_docs(name)
+            if text:
+                emit(text)
+    return {"documents": n_docs, "bytes": n_bytes}
+
+
+def _calibrate_step_seconds(model_config, batch_size: int, seq_len: int, max_pred: int, seed: int) -> float:
+    """Seconds per training step of this model on this CPU (random tokens; 2 timed steps after 1 warm-up)."""
+    from bertctl.model import BertForPreTraining
+    from bertctl.train.optim import build_optimizer
+    from bertctl.train.pretrain import pretraining_sums
+
+    g = torch.Generator().manual_seed(seed)
+    model = BertForPreTraining(model_config)
+    opt = build_optimizer(model, "adamw", lr=1e-4)
+    v = model_config.vocab_size
+    mb = {
+        "input_ids": torch.randint(5, v, (batch_size, seq_len), generator=g),
+        "token_type_ids": torch.zeros(batch_size, seq_len, dtype=torch.long),
+        "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+        "masked_positions": torch.randint(1, seq_len, (batch_size, max_pred), generator=g),
+        "masked_lm_labels": torch.randint(5, v, (batch_size, max_pred), generator=g),
+        "next_sentence_label": torch.randint(0, 2, (batch_size,), generator=g),
+    }
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        s = pretraining_sums(model, mb)
+        (s["mlm_sum"] / mb["masked_lm_labels"].numel() + s["nsp_sum"] / batch_size).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t)
+    return min(times[1:])
+
+
+def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | None = None,
+                    minutes: float | None = None, max_steps: int | None = None, vocab_size: int = 4000,
+                    max_seq_length: int = 128, max_modules: int | None = None, **train_options: Any) -> dict:
+    """gather corpus -> train vocabulary -> build shards -> pretrain tiny BERT -> summary dict."""
+    from bertctl.config import BertConfig
+    from bertctl.data import build_data
+    from bertctl.data.config import DataConfig
+    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.vocab import train_vocab
+
+    output = Path(output)
+    minutes = DEFAULT_MINUTES if minutes is None else minutes
+    batch_size = batch_size or 32
+    seed = train_options.pop("seed", 0)
+    work = output / "work"
+    corpus = work / "python-docs.jsonl"
+    t0 = time.monotonic()
+    if not corpus.is_file():
+        stderr.print("default job: gathering Python's bundled documentation (pydoc_data.topics + stdlib docstrings)")
+        gather_python_docs(corpus, max_modules=max_modules)
+    corpus_stats = {"path": str(corpus), "bytes": corpus.stat().st_size,
+                    "documents": sum(1 for _ in corpus.open(encoding="utf-8"))}
+    vocab_dir = work / "vocab"
+    if not (vocab_dir / "vocab.txt").is_file():
+        stderr.print(f"default job: training a {vocab_size}-piece WordPiece vocabulary")
+        train_vocab([corpus], vocab_dir, vocab_size=vocab_size, fmt="jsonl")
+    data_dir = work / "data"
+    if not (data_dir / "manifest.json").is_file():
+        stderr.print("default job: building pretraining shards (5% of documents held out)")
+        build_data([corpus], data_dir, vocab=vocab_dir / "vocab.txt",
+                   config=DataConfig(format="jsonl", max_seq_length=max_seq_length, dupe_factor=2,
+                                     holdout_fraction=0.05, seed=seed))
+    prep_seconds = time.monotonic() - t0
+
+    model_overrides = train_options.pop("model_overrides", {}) or {}
+    train_options.pop("model_size", None)
+    if max_steps is None:
+        # Fit the step count to the time box, so the lr schedule completes (warm-up then decay).
+        from bertctl.data.loader import PretrainingData
+
+        ds = PretrainingData(data_dir)
+        mconf = BertConfig.preset("tiny", vocab_size=ds.vocab_size, **model_overrides)
+        t_step = _calibrate_step_seconds(mconf, batch_size, max_seq_length, ds.max_predictions, seed)
+        budget = max(10.0, minutes * 60 - (time.monotonic() - t0) - 10.0)  # evals and export take a few s
+        max_steps = int(min(20000, max(20, 0.85 * budget / t_step)))
+        stderr.print(f"default job: {t_step * 1e3:.0f} ms/step here -> {max_steps} steps in ~{minutes:g} min")
+    cfg = TrainConfig(output=str(output), data=str(data_dir), model_size="tiny", model_overrides=model_overrides,
+                      batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
+                      minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed,
+                      **{"warmup_fraction": 0.05, "eval_batches": 8, **train_options})
+    summary = pretrain(cfg)
+    ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}
+    summary["default_job"] = {
+        "corpus": corpus_stats, "vocabulary": str(vocab_dir / "vocab.txt"), "data": str(data_dir),
+        "prepare_seconds": round(prep_seconds, 1),
+        "eval_mlm_accuracy_start": ev0.get("mlm_acc"), "eval_mlm_accuracy_end": ev1.get("mlm_acc"),
+        "majority_token_baseline": ev1.get("mlm_majority_baseline", ev0.get("mlm_majority_baseline")),
+    }
+    if ev1:
+        stderr.print(f"default job: held-out MLM accuracy {ev0.get('mlm_acc', float('nan')):.3f} -> "
+                     f"{ev1['mlm_acc']:.3f} (majority-token baseline {ev1['mlm_majority_baseline']:.3f}); "
+                     f"NSP accuracy {ev1['nsp_acc']:.3f}; model in {summary.get('model')}")
+    return summary

@@ -1,0 +1,84 @@
+"""Process-group setup for ``torchrun`` and the few collectives training needs.
+
+One process per GPU (NCCL) or per CPU process (gloo).  Without ``torchrun``'s
+environment (``WORLD_SIZE`` unset or 1) everything here is a no-op and training
+runs as a plain single process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(device: str | None = None) -> Dist:
+    """Join the process group that ``torchrun`` describes; pick this rank's device.
+
+    ``device``: "cpu", "cuda" or None (CUDA when available).  GPUs use NCCL, CPUs gloo.
+    """
+    want_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if want_cuda:
+        dev = torch.device("cuda", local % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if want_cuda else "gloo"
+        kwargs = {"device_id": dev} if want_cuda else {}
+        dist.init_process_group(backend=backend, **kwargs)
+    return Dist(rank=rank, world_size=world, local_rank=local, device=dev)
+
+
+def teardown(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """In-place sum over ranks (asynchronous on GPU: no host sync)."""
+    if d.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def gather_to_main(obj, d: Dist) -> list | None:
+    """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
+    if not d.enabled:
+        return [obj]
+    out = [None] * d.world_size if d.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_from_main(obj, d: Dist):
+    if not d.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        dist.barrier()

@@ -1,0 +1,107 @@
+"""Training checkpoints: everything needed to continue a run exactly.
+
+Layout under the run directory::
+
+    checkpoints/step-00000100/state.pt   model, optimizer, scheduler, loss scaler, step,
+                                         every rank's RNG states, data position, configs
+    checkpoints/step-00000100/meta.json  the same minus tensors, for people and scripts
+
+Each checkpoint directory is written with ``bertctl.io.atomic_dir``: it appears
+under its final name only when complete, so a kill mid-write leaves the previous
+checkpoints untouched and at most a ``.step-*.tmp`` folder that is ignored here.
+"""
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bertctl.errors import BertctlError
+from bertctl.io import atomic_dir, write_json
+
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"^step-(\d{8,})$")
+
+
+# --------------------------------------------------------------------------- RNG states
+
+
+def capture_rng() -> dict:
+    """This process's RNG states (torch CPU, CUDA, numpy, python) as tensors and plain tuples."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------------------- save / find / load
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
+    """Complete checkpoints of a run, oldest first (half-written ``.tmp`` folders are skipped)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _NAME.match(p.name)
+        if m and (p / "state.pt").is_file():
+            found.append(Checkpoint(p, int(m.group(1))))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict, meta: dict, keep: int | None = None) -> Path:
+    """Write ``state`` (torch objects) and ``meta`` (JSON) atomically as ``step-NNNNNNNN``; keep the last ``keep``."""
+    target = checkpoint_dir(run_dir) / f"step-{step:08d}"
+    with atomic_dir(target) as tmp:
+        torch.save(state, tmp / "state.pt")
+        write_json(tmp / "meta.json", meta)
+    if keep is not None and keep > 0:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old.path, ignore_errors=True)
+    return target
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Read a checkpoint folder's ``state.pt`` onto the CPU (tensors and plain types only)."""
+    f = Path(path) / "state.pt"
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise BertctlError(f"{f}: checkpoint not found") from None
+    except Exception as e:  # a truncated or foreign file
+        raise BertctlError(f"{f}: unreadable checkpoint ({type(e).__name__}: {e})") from None
