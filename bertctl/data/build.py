@@ -30,6 +30,7 @@ import os
 import random
 import re
 import shutil
+import string
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -80,36 +81,63 @@ def tokenizer_info(tokenizer) -> dict:
 # BERT's BasicTokenizer deletes these control characters where str.split() would
 # split on them; a text holding one goes through the tokenizer whole.
 _SPLIT_MISMATCH = re.compile("[\x0b\x0c\x1c-\x1f\x85]")
+_ASCII_PUNCT = string.punctuation  # BERT's _is_punctuation holds every ASCII non-alphanumeric printable
 
 
 class WordCache:
-    """Token ids of a text, with a cache from white-space word to ids.
+    """Token ids of a text, with caches from white-space word to ids.
 
     BERT's tokenization (clean, lower-case, split punctuation, WordPiece) works
     word by word once text is split on white space, so the ids of a text are
-    the concatenated ids of its words.  Word frequencies are Zipfian: a few
-    thousand distinct words cover most of a corpus, and the tokenizer runs only
-    on cache misses.  The cache is cleared when it reaches ``max_words``
+    the concatenated ids of its words.  Word frequencies are Zipfian, and the
+    tokenizer runs only on cache misses.  A miss is cut further before it
+    reaches the tokenizer: ASCII punctuation at either end is always a token of
+    its own in BERT (``"world."`` = ``"world"`` + ``"."``), and an uncased
+    tokenizer maps ASCII words to the same ids in any case, so the core is
+    cached lower-cased.  Caches are cleared when they reach ``max_words``
     (memory stays bounded).
     """
 
     def __init__(self, tokenizer, max_words: int = 1 << 20):
         self.tokenizer = tokenizer
         self.max_words = max_words
+        self.lower = bool(getattr(tokenizer, "do_lower_case", False))
         self.cache: dict[str, list[int]] = {}
-        self.hits = self.misses = 0
+        self.cores: dict[str, list[int]] = {}
+        self.misses = 0
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
+
+    def _core(self, core: str) -> list[int]:
+        key = core.lower() if self.lower and core.isascii() else core
+        ids = self.cores.get(key)
+        if ids is None:
+            if len(self.cores) >= self.max_words:
+                self.cores.clear()
+            ids = self.cores[key] = self._tokenize(key)
+            self.misses += 1
+        return ids
 
     def _word(self, word: str) -> list[int]:
-        ids = self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(word))
+        n_lead = len(word) - len(word.lstrip(_ASCII_PUNCT))
+        core = word[n_lead:].rstrip(_ASCII_PUNCT)
+        trail = word[n_lead + len(core):]
+        ids = []
+        for c in word[:n_lead]:
+            ids += self._core(c)
+        if core:
+            ids += self._core(core)
+        for c in trail:
+            ids += self._core(c)
         if len(self.cache) >= self.max_words:
             self.cache.clear()
         self.cache[word] = ids
-        self.misses += 1
         return ids
 
     def encode(self, text: str) -> list[int]:
         if _SPLIT_MISMATCH.search(text):
-            return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
+            return self._tokenize(text)
         out: list[int] = []
         cache = self.cache
         for word in text.split():

@@ -2,8 +2,9 @@
 and google-research/bert's create_pretraining_data.py make them.
 
 Everything works on token ids (``list[int]``) and takes an explicit
-``random.Random``; the order of random draws follows the reference, so the
-same documents and rng state give the same instances.
+``random.Random``, so the same documents and rng state give the same
+instances.  The draws follow the reference's distributions, not its calls one
+for one (masking draws its shuffle lazily; see ``mask_tokens``).
 
 Deliberate deviations from the reference, each for a stated reason:
 
@@ -79,41 +80,60 @@ def mask_tokens(tokens: list[int], rng: random.Random, special: SpecialIds, *, m
     Each chosen token becomes [MASK] 80% of the time, a uniformly random
     vocabulary token 10%, itself 10% (paper appendix A.1).
     """
-    cand_indexes: list[list[int]] = []
-    cont = special.continuation
-    for i, tok in enumerate(tokens):
-        if tok == special.cls or tok == special.sep:
-            continue
-        if whole_word_mask and cand_indexes and cont[tok]:
-            cand_indexes[-1].append(i)
-        else:
-            cand_indexes.append([i])
-    rng.shuffle(cand_indexes)
+    cls, sep = special.cls, special.sep
+    if whole_word_mask:
+        cont = special.continuation
+        cand_indexes: list = []
+        after_special = True  # a "##" piece opening a segment (cut by truncation) starts its own word
+        for i, tok in enumerate(tokens):
+            if tok == cls or tok == sep:
+                after_special = True
+                continue
+            if cont[tok] and not after_special:
+                cand_indexes[-1].append(i)
+            else:
+                cand_indexes.append([i])
+            after_special = False
+        n_candidates = sum(map(len, cand_indexes))
+    else:
+        cand_indexes = [i for i, tok in enumerate(tokens) if tok != cls and tok != sep]
+        n_candidates = len(cand_indexes)
     output = list(tokens)
     num_to_predict = min(max_predictions, max(1, int(round(len(tokens) * masked_lm_prob))))
     masked: list[tuple[int, int]] = []
     n_mask = n_random = n_same = 0
-    for index_set in cand_indexes:
+    # The reference shuffles all candidates, then takes them in order until the
+    # budget is spent.  A Fisher-Yates shuffle drawn lazily, one position at a
+    # time, gives the same distribution and stops after ~num_to_predict draws.
+    n = len(cand_indexes)
+    random_ = rng.random
+    for j in range(n):
         if len(masked) >= num_to_predict:
             break
-        # A whole word that would overshoot the budget is skipped (the reference).
-        if len(masked) + len(index_set) > num_to_predict:
-            continue
+        r = j + int(random_() * (n - j))
+        cand_indexes[j], cand_indexes[r] = cand_indexes[r], cand_indexes[j]
+        index_set = cand_indexes[j]
+        if whole_word_mask:
+            # A whole word that would overshoot the budget is skipped (the reference).
+            if len(masked) + len(index_set) > num_to_predict:
+                continue
+        else:
+            index_set = (index_set,)
         for index in index_set:
-            if rng.random() < 0.8:
+            if random_() < 0.8:
                 replacement = special.mask
                 n_mask += 1
-            elif rng.random() < 0.5:
+            elif random_() < 0.5:
                 replacement = tokens[index]
                 n_same += 1
             else:
-                replacement = rng.randint(0, special.vocab_size - 1)
+                replacement = int(random_() * special.vocab_size)
                 n_random += 1
             output[index] = replacement
             masked.append((index, tokens[index]))
     masked.sort()
     if stats is not None:
-        stats.candidate_tokens += sum(len(s) for s in cand_indexes)
+        stats.candidate_tokens += n_candidates
         stats.masked += len(masked)
         stats.masked_as_mask += n_mask
         stats.masked_as_random += n_random

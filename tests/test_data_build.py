@@ -1,0 +1,333 @@
+"""build_data on real text: statistics, layout, determinism, resume, bad input, CLI.
+
+Independent references: the documents are re-read and re-tokenized here with the
+plain tokenizer (no word cache), every instance's segments are looked up in
+them, and rates are checked against the paper's numbers within binomial
+tolerances (4 standard deviations).
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from bertctl.cli.app import app
+from bertctl.data.build import WordCache, build_data
+from bertctl.data.config import DataConfig, default_max_predictions
+from bertctl.data.documents import ReadStats, list_inputs, read_documents
+from bertctl.data.loader import PretrainingData
+from bertctl.data.sentences import split_sentences
+from bertctl.errors import BertctlError
+from bertctl.tokenizer import BertTokenizer
+
+NON_UTF8 = ["1970-Nixon.txt", "1971-Nixon.txt", "1972-Nixon.txt", "1973-Nixon.txt", "1974-Nixon.txt"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(minilm_vocab):
+    return BertTokenizer.from_vocab_file(minilm_vocab)
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_data) -> list[Path]:
+    """Inaugural addresses (0.9 MB) and five ISO-8859-1 State of the Union files."""
+    return [shared_data / "corpus" / "inaugural"] + [shared_data / "corpus" / "state_union" / n for n in NON_UTF8]
+
+
+def load_shards(out: Path, split: str = "train") -> np.ndarray:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return np.concatenate([np.load(out / s["file"]) for s in manifest["splits"][split]["shards"]])
+
+
+def dir_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def static_build(tmp_path_factory, corpus, tokenizer):
+    out = tmp_path_factory.mktemp("static") / "data"
+    cfg = DataConfig(format="text", pattern="*.txt", dupe_factor=2, seed=7, chunk_bytes=300_000)
+    summary = build_data(corpus, out, tokenizer, cfg, workers=1, progress=False)
+    return out, summary, load_shards(out)
+
+
+def test_summary_counts_inputs(static_build, corpus):
+    out, summary, rec = static_build
+    assert summary["files"] == len(list((corpus[0]).glob("*.txt"))) + len(NON_UTF8)
+    assert sorted(Path(p).name for p in summary["non_utf8_files"]) == sorted(NON_UTF8 + ["2005-Bush.txt"])
+    assert summary["instances"] == len(rec) == summary["instances_per_split"]["train"]
+    assert summary["documents"] == summary["files"]  # one document per file in text format
+    assert summary["tokens"] == int(rec["length"].sum())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokenizer"]["do_lower_case"] is True
+    assert manifest["tokenizer"]["vocab_sha256"] == "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"
+    assert rec.dtype["input_ids"].base == np.dtype("<u2")
+
+
+def test_layout_invariants(static_build, tokenizer):
+    _, _, rec = static_build
+    S = 128
+    cls, sep, mask = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id
+    for r in rec:
+        n = int(r["length"])
+        ids, tt = r["input_ids"], r["token_type_ids"]
+        assert 5 <= n <= S
+        assert ids[0] == cls and ids[n - 1] == sep and not ids[n:].any()
+        n_a = int(np.argmax(tt[:n])) - 2  # first type-1 position = len(A) + 2
+        assert n_a >= 1 and ids[n_a + 1] == sep
+        assert (tt[: n_a + 2] == 0).all() and (tt[n_a + 2 : n] == 1).all() and not tt[n:].any()
+        assert n - n_a - 3 >= 1  # B is never empty
+        pos = r["masked_positions"][r["masked_positions"] > 0]
+        assert (np.diff(pos) > 0).all()
+        assert set(pos.tolist()).isdisjoint({0, n_a + 1, n - 1}), "a special token was masked"
+        assert (pos < n).all()
+        assert not r["masked_lm_labels"][len(pos) :].any()
+        labels = r["masked_lm_labels"][: len(pos)]
+        assert not np.isin(labels, [cls, sep, mask, 0]).any()
+
+
+def _doc_streams(corpus, tokenizer) -> list[bytes]:
+    """Each document's token ids as big-endian uint32 bytes, tokenized here without the word cache."""
+    stats = ReadStats()
+    streams = []
+    for doc in read_documents(list_inputs(corpus, "*.txt"), "text", stats):
+        ids = [i for p in doc.pieces for s in split_sentences(p) for i in tokenizer.convert_tokens_to_ids(tokenizer.tokenize(s))]
+        streams.append(np.asarray(ids, dtype=">u4").tobytes())
+    return streams
+
+
+def _find(streams: list[bytes], seg: np.ndarray) -> set[int]:
+    needle = seg.astype(">u4").tobytes()
+    found = set()
+    for d, s in enumerate(streams):
+        i = s.find(needle)
+        while i >= 0:
+            if i % 4 == 0:
+                found.add(d)
+                break
+            i = s.find(needle, i + 1)
+    return found
+
+
+def test_segments_are_real_text_and_labels_are_original_tokens(static_build, corpus, tokenizer):
+    """Put the masked labels back: segment A and B must then be contiguous runs of one
+    document's tokens, and for NSP label 0 both from the same document."""
+    _, _, rec = static_build
+    streams = _doc_streams(corpus, tokenizer)
+    rng = np.random.default_rng(0)
+    same_doc_random = 0
+    sample = rng.choice(len(rec), 150, replace=False)
+    for r in rec[sample]:
+        n = int(r["length"])
+        ids = r["input_ids"][:n].astype(np.int64)
+        pos = r["masked_positions"][r["masked_positions"] > 0]
+        ids[pos] = r["masked_lm_labels"][: len(pos)]
+        n_a = int(np.argmax(r["token_type_ids"][:n])) - 2
+        docs_a, docs_b = _find(streams, ids[1 : n_a + 1]), _find(streams, ids[n_a + 2 : n - 1])
+        assert docs_a and docs_b, "a segment is not contiguous corpus text"
+        if r["next_sentence_label"] == 0:
+            assert docs_a & docs_b
+        else:
+            same_doc_random += bool(docs_a & docs_b)
+    assert same_doc_random < 20  # random B comes from another document (short texts may repeat)
+
+
+def test_masking_statistics(static_build, tokenizer):
+    """Budget rule of create_pretraining_data, 15% of tokens, 80/10/10 within 4 sigma."""
+    _, summary, rec = static_build
+    P = default_max_predictions(128)
+    lengths = rec["length"].astype(np.int64)
+    expected = np.minimum(P, np.maximum(1, np.round(lengths * 0.15))).sum()  # round half even, as Python's round
+    n_masked = int((rec["masked_positions"] > 0).sum())
+    assert n_masked == expected == summary["masked"]
+    rate = n_masked / (lengths - 3).sum()
+    assert 0.14 < rate < 0.16 and abs(rate - summary["mask_rate"]) < 1e-3
+
+    rows, cols = np.nonzero(rec["masked_positions"] > 0)
+    inputs = rec["input_ids"][rows, rec["masked_positions"][rows, cols]].astype(np.int64)
+    labels = rec["masked_lm_labels"][rows, cols].astype(np.int64)
+    is_mask = inputs == tokenizer.mask_token_id
+    is_same = inputs == labels
+    is_random = ~is_mask & ~is_same
+    V = tokenizer.vocab_size
+    for observed, p in [(is_mask.mean(), 0.8), (is_same.mean(), 0.1 + 0.1 / V), (is_random.mean(), 0.1 * (1 - 1 / V))]:
+        sigma = math.sqrt(p * (1 - p) / n_masked)
+        assert abs(observed - p) < 4 * sigma, (observed, p)
+
+
+def test_nsp_and_short_sequence_rates(static_build):
+    _, summary, rec = static_build
+    c = summary["counters"]
+    n = len(rec)
+    assert (rec["next_sentence_label"] == 1).sum() == c["random_next"]
+    free = n - c["forced_random_next"]  # one-sentence chunks are random by construction (the reference)
+    assert c["forced_random_next"] < 0.1 * n  # long 18th-century sentences fill a target alone
+    p_hat = (c["random_next"] - c["forced_random_next"]) / free
+    assert abs(p_hat - 0.5) < 4 * math.sqrt(0.25 / free)
+    short = c["short_target"] / n
+    assert abs(short - 0.1) < 4 * math.sqrt(0.09 / n)
+    # Short targets show in the lengths: a full target almost always fills >= 100 tokens.
+    assert (rec["length"] < 100).mean() > 0.03
+
+
+def test_word_cache_matches_tokenizer(corpus, minilm_vocab):
+    texts = [s for doc in read_documents(list_inputs(corpus[:1], "*.txt")[:5], "text", ReadStats())
+             for p in doc.pieces for s in split_sentences(p)]
+    texts += ["Hello, World!!", "\"Quoted\" (bracketed) [x]... ok?", "Caf\u00e9 na\u00efve \u00c9T\u00c9", "a\x1cb c\x0bd",
+              "\u4e2d\u6587 mixed\u4e2dtext", "__init__ don't re-use 3.14 $5", "\u00bfQu\u00e9? \u2014dash\u2014", ""]
+    for lower in (True, False):
+        tok = BertTokenizer.from_vocab_file(minilm_vocab, do_lower_case=lower)
+        cache = WordCache(tok)
+        for text in texts + texts:  # second pass: from the cache
+            assert cache.encode(text) == tok.convert_tokens_to_ids(tok.tokenize(text)), text
+
+
+def test_same_output_for_1_and_2_workers(tmp_path, shared_data, tokenizer):
+    inputs = [shared_data / "corpus" / "inaugural"]
+    cfg = DataConfig(format="text", dupe_factor=1, seed=3, chunk_bytes=120_000, shard_size=500)
+    s1 = build_data(inputs, tmp_path / "w1", tokenizer, cfg, workers=1, progress=False)
+    s2 = build_data(inputs, tmp_path / "w2", tokenizer, cfg, workers=2, progress=False)
+    assert s1["shards"] > 4
+    a, b = dir_bytes(tmp_path / "w1"), dir_bytes(tmp_path / "w2")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    s3 = build_data(inputs, tmp_path / "w3", tokenizer, DataConfig(**{**cfg.to_dict(), "seed": 4}), progress=False)
+    assert dir_bytes(tmp_path / "w3")["train-00000-000.npy"] != a["train-00000-000.npy"]
+    assert s3["instances"] > 0
+
+
+class Stop(Exception):
+    pass
+
+
+def test_interrupted_build_resumes_byte_identical(tmp_path, shared_data, tokenizer):
+    inputs = [shared_data / "corpus" / "inaugural"]
+    cfg = DataConfig(format="text", dupe_factor=1, seed=5, chunk_bytes=120_000, dynamic_masking=True)
+    build_data(inputs, tmp_path / "full", tokenizer, cfg, workers=1, progress=False)
+
+    done = []
+
+    def stop_after_three(record):
+        done.append(record["unit"])
+        if len(done) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        build_data(inputs, tmp_path / "cut", tokenizer, cfg, workers=2, progress=False, on_unit_done=stop_after_three)
+    assert not (tmp_path / "cut" / "manifest.json").exists()
+    (tmp_path / "cut" / ".train-00009-000.npy.x.tmp").write_bytes(b"half a shard")  # debris of a killed write
+    with pytest.raises(BertctlError, match="not empty"):
+        build_data(inputs, tmp_path / "cut", tokenizer, cfg, progress=False)
+    with pytest.raises(BertctlError, match="different data_config"):
+        build_data(inputs, tmp_path / "cut", tokenizer, DataConfig(**{**cfg.to_dict(), "seed": 6}), resume=True,
+                   progress=False)
+    summary = build_data(inputs, tmp_path / "cut", tokenizer, cfg, workers=1, resume=True, progress=False)
+    assert summary["resumed_units"] >= 3
+    a, b = dir_bytes(tmp_path / "full"), dir_bytes(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "cut").iterdir())
+    again = build_data(inputs, tmp_path / "cut", tokenizer, cfg, resume=True, progress=False)
+    assert again["resumed"] == "already complete" and again["instances"] == summary["instances"]
+
+
+def test_whole_word_masking_masks_whole_words(tmp_path, shared_data, tokenizer):
+    inputs = [shared_data / "corpus" / "state_union" / n for n in NON_UTF8]
+    cfg = DataConfig(format="text", dupe_factor=2, whole_word_mask=True, seed=1)
+    build_data(inputs, tmp_path / "wwm", tokenizer, cfg, progress=False)
+    rec = load_shards(tmp_path / "wwm")
+    cont = np.array([t.startswith("##") for t in tokenizer.ids_to_tokens])
+    multi_piece = 0
+    for r in rec:
+        n = int(r["length"])
+        ids = r["input_ids"][:n].astype(np.int64)
+        pos = r["masked_positions"][r["masked_positions"] > 0]
+        ids[pos] = r["masked_lm_labels"][: len(pos)]
+        masked = np.zeros(n, bool)
+        masked[pos] = True
+        # a word = a start piece and its "##" pieces: all masked or none
+        starts = ~cont[ids]
+        starts[1:] |= np.isin(ids[:-1], [tokenizer.cls_token_id, tokenizer.sep_token_id])
+        word = np.cumsum(starts)
+        for w in np.unique(word[masked]):
+            assert masked[word == w].all()
+            multi_piece += (word == w).sum() > 1
+    assert multi_piece > 20
+
+
+def test_holdout_split(tmp_path, shared_data, tokenizer):
+    inputs = [shared_data / "corpus" / "inaugural"]
+    cfg = DataConfig(format="text", dupe_factor=1, holdout_fraction=0.2, seed=2)
+    summary = build_data(inputs, tmp_path / "h", tokenizer, cfg, progress=False)
+    split = summary["instances_per_split"]
+    assert split["eval"] > 0 and split["train"] > 3 * split["eval"]
+    assert PretrainingData(tmp_path / "h", split="eval").num_instances == split["eval"]
+
+
+def test_formats_lines_and_jsonl(tmp_path, tokenizer):
+    lines = tmp_path / "a.txt"
+    lines.write_text("The first sentence here.\nThe second one follows.\nA third.\n\n"
+                     "Another document starts.\nIt ends here.\n\nOnly one sentence.\n\n", encoding="utf-8")
+    cfg = DataConfig(format="lines", dupe_factor=3, max_seq_length=16)
+    s = build_data([lines], tmp_path / "lines", tokenizer, cfg, progress=False)
+    assert s["documents_read"] == 3 and s["documents"] == 2 and s["sentences"] == 5
+    assert s["skipped"]["documents_with_fewer_than_2_sentences"] == 1
+
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"body": "One sentence. Two sentences here."}\nnot json\n{"other": 1}\n'
+                     '{"body": "Para one.\\n\\nPara two. And more."}\n', encoding="utf-8")
+    s = build_data([jsonl], tmp_path / "jsonl", tokenizer, DataConfig(format="jsonl", text_field="body"), progress=False)
+    assert s["documents"] == 2 and s["sentences"] == 5
+    assert s["skipped"]["lines"]["not valid JSON"] == {"count": 1, "first": f"{jsonl}:2"}
+    assert s["skipped"]["lines"]["no string field 'body'"]["count"] == 1
+
+
+def test_bad_inputs(tmp_path, tokenizer, minilm_vocab):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    binary = tmp_path / "bin.txt"
+    binary.write_bytes(b"\x00\x01\x02abc")
+    one = tmp_path / "one.txt"
+    one.write_text("Just one sentence here.\n", encoding="utf-8")
+    with pytest.raises(BertctlError, match="no instances"):
+        build_data([empty, binary, one], tmp_path / "o1", tokenizer, DataConfig(format="text"), progress=False)
+    with pytest.raises(BertctlError, match="no such input"):
+        build_data([tmp_path / "missing.txt"], tmp_path / "o2", tokenizer, DataConfig(), progress=False)
+    with pytest.raises(BertctlError, match=r"\[CLS\]"):  # the tokenizer or build_data refuses it
+        build_data([one], tmp_path / "o3", BertTokenizer(["[PAD]", "[UNK]", "a", "b"]), DataConfig(format="text"),
+                   progress=False)
+    with pytest.raises(BertctlError, match="max-seq-length"):
+        build_data([one], tmp_path / "o4", tokenizer, DataConfig(max_seq_length=4), progress=False)
+    two = tmp_path / "two.txt"
+    two.write_text("One sentence here. Another sentence there.", encoding="utf-8")
+    s = build_data([empty, binary, two], tmp_path / "o5", tokenizer, DataConfig(format="text"), progress=False)
+    assert {d["reason"] for d in s["skipped"]["inputs"]} == {"empty", "binary (NUL bytes)"}
+
+
+def test_cli_build_data(tmp_path, minilm_vocab, shared_data):
+    runner = CliRunner()
+    inputs = [str(shared_data / "corpus" / "state_union" / n) for n in NON_UTF8[:2]]
+    out = tmp_path / "cli"
+    args = ["build-data", "--vocab", str(minilm_vocab), "--format", "text", "--dupe-factor", "1",
+            "--max-seq-length", "64", "--no-progress", "-o", str(out), *inputs]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["instances"] > 0 and len(summary["non_utf8_files"]) == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["data_config"]["max_predictions_per_seq"] == default_max_predictions(64) == 12
+    result = runner.invoke(app, args)  # non-empty output without --resume
+    assert result.exit_code == 2 and "not empty" in result.stderr
+    result = runner.invoke(app, args + ["--resume"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["resumed"] == "already complete"
+    # the installed entry point: one line on stderr, exit code 2
+    bad_vocab = tmp_path / "vocab.txt"
+    bad_vocab.write_text("a\nb\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "bertctl", "build-data", "--vocab", str(bad_vocab), "-o",
+                           str(tmp_path / "x"), *inputs], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("bertctl: error:") and proc.stderr.count("\n") == 1
