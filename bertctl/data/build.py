@@ -482,6 +482,8 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     with atomic_open(output_dir / "vocab.txt", "w", encoding="utf-8", newline="\n") as f:
         f.writelines(t + "\n" for t in tokenizer.ids_to_tokens)
     write_json(output_dir / "manifest.json", manifest)
+    for name in ("vocab.txt", "manifest.json"):  # temporary files are created 0600; these are data to share
+        os.chmod(output_dir / name, 0o644)
     shutil.rmtree(output_dir / BUILD_DIR, ignore_errors=True)
 
     seconds = time.perf_counter() - start
