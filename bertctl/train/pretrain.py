@@ -199,10 +199,14 @@ class Trainer:
         if not self.cfg.data:
             raise BertctlError("no --data directory given (build one with `bertctl build-data`)")
         self.data = PretrainingData(self.cfg.data)
-        eval_dir = self.cfg.eval_data
-        if eval_dir is None:
-            eval_dir = _held_out_dir(Path(self.cfg.data))
-        self.eval_data = PretrainingData(eval_dir) if eval_dir else None
+        if self.cfg.eval_data:
+            ev = PretrainingData(self.cfg.eval_data)
+            # A folder built with a held-out split: evaluate on its "eval" part.
+            self.eval_data = PretrainingData(self.cfg.eval_data, split="eval") if "eval" in ev.manifest["splits"] else ev
+        elif "eval" in self.data.manifest.get("splits", {}):
+            self.eval_data = PretrainingData(self.cfg.data, split="eval")
+        else:
+            self.eval_data = None
         G, W = self.cfg.batch_size, self.dist.world_size
         if G % W:
             raise BertctlError(f"--batch-size {G} is not divisible by the {W} processes")
@@ -217,7 +221,7 @@ class Trainer:
                                f"global batch of {G}")
         self.max_steps = self.cfg.max_steps or self.steps_per_epoch
         if self.tokenizer is None:
-            self.tokenizer = _data_tokenizer(Path(self.cfg.data))
+            self.tokenizer = _data_tokenizer(Path(self.cfg.data), self.data.manifest)
 
     def _model_config(self, ckpt_state: dict | None):
         from bertctl import checkpoint
@@ -610,23 +614,15 @@ def _info(rec: dict) -> str:
     return s
 
 
-def _held_out_dir(data_dir: Path) -> Path | None:
-    """The held-out shards that ``build_data`` writes beside the training shards, if any."""
-    for name in ("heldout", "held_out", "eval", "validation"):
-        p = data_dir / name
-        if (p / "manifest.json").is_file():
-            return p
-    return None
+def _data_tokenizer(data_dir: Path, manifest: dict):
+    """The tokenizer the data was built with: the folder's vocab.txt and the manifest's settings."""
+    if not (data_dir / "vocab.txt").is_file():
+        return None
+    from bertctl.tokenizer import BertTokenizer
 
-
-def _data_tokenizer(data_dir: Path):
-    """The tokenizer the data was built with (its vocab.txt beside the shards), or None."""
-    for d in (data_dir, data_dir / "tokenizer"):
-        if (d / "vocab.txt").is_file():
-            from bertctl.tokenizer import BertTokenizer
-
-            return BertTokenizer.from_pretrained(d)
-    return None
+    info = manifest.get("tokenizer", {})
+    kw = {k: info[k] for k in ("strip_accents", "tokenize_chinese_chars") if k in info}
+    return BertTokenizer.from_vocab_file(data_dir / "vocab.txt", do_lower_case=info.get("do_lower_case", True), **kw)
 
 
 def pretrain(cfg: TrainConfig, tokenizer=None) -> dict[str, Any]:

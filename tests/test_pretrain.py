@@ -1,0 +1,274 @@
+"""Pretraining on CPU: learning, exact resume after SIGKILL, DDP = one process, atomic checkpoints,
+SIGTERM, the Hugging Face export, and the built-in default job.
+
+All runs use a tiny BERT on a few real inaugural addresses (../shared/data), built into shards
+with ``build_data`` and a small WordPiece vocabulary made here from the same text.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bertctl.train import state
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("1789-Washington", "1861-Lincoln", "1933-Roosevelt", "1961-Kennedy", "1801-Jefferson", "1913-Wilson",
+         "1981-Reagan", "1865-Lincoln")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _small_vocab(texts: list[str], n_words: int = 600) -> list[str]:
+    """A WordPiece vocabulary: specials, every character (alone and as ##suffix), the commonest words."""
+    low = " ".join(texts).lower()
+    chars = sorted({c for c in low if not c.isspace()})
+    words = collections.Counter(re.findall(r"[a-z]+", low))
+    common = [w for w, _ in words.most_common(n_words) if len(w) > 1]
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{c}" for c in chars] + common
+
+
+@pytest.fixture(scope="module")
+def data_dir(shared_data, tmp_path_factory) -> Path:
+    from bertctl.data import DataConfig, build_data
+    from bertctl.tokenizer import BertTokenizer
+
+    files = [shared_data / "corpus" / "inaugural" / f"{n}.txt" for n in FILES]
+    tok = BertTokenizer(_small_vocab([f.read_text(encoding="utf-8", errors="replace") for f in files]))
+    out = tmp_path_factory.mktemp("pretrain-data") / "data"
+    build_data([str(f) for f in files], out, tok,
+               DataConfig(format="text", max_seq_length=64, dupe_factor=3, holdout_fraction=0.25, seed=3),
+               progress=False)
+    return out
+
+
+def _args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["pretrain", "--data", str(data), "--output", str(out), "--model-size", "tiny", "--batch-size", "16",
+            "--lr", "2e-3", "--device", "cpu", "--no-progress", "--log-every", "2", "--eval-batches", "2",
+            "--save-minutes", "1000", *extra]
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bertctl", *args], env=ENV, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "model" / "model.safetensors")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- learning + export
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir, tmp_path_factory):
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    out = tmp_path_factory.mktemp("pretrain-run") / "run"
+    summary = pretrain(TrainConfig(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16, lr=2e-3,
+                                   max_steps=40, device="cpu", log_every=5, eval_batches=4, show_progress=False,
+                                   warmup_fraction=0.1))
+    return out, summary
+
+
+def test_tiny_model_lowers_the_loss(trained):
+    out, summary = trained
+    ev0, ev1 = summary["eval_start"], summary["eval_end"]
+    assert ev1["mlm_loss"] < ev0["mlm_loss"] - 1.0, (ev0, ev1)
+    assert ev1["mlm_acc"] > ev0["mlm_acc"]
+    train = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in train if r["event"] == "train"]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
+    assert (out / "curves.png").stat().st_size > 1000
+    assert summary["steps"] == 40 and summary["stopped"] is None
+    # The final checkpoint records where the data stands and the configs.
+    meta = json.loads((state.latest_checkpoint(out).path / "meta.json").read_text())
+    assert meta["step"] == 40 and meta["data"]["global_step"] == 40
+    assert meta["configs"]["model"]["num_hidden_layers"] == 2
+
+
+def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
+    """The logged loss equals mean masked-token CE + mean NSP CE, recomputed here in float64."""
+    from bertctl import checkpoint
+    from bertctl.data import PretrainingData
+    from bertctl.model import BertForPreTraining
+    from bertctl.train.pretrain import Trainer, TrainConfig
+    from bertctl.train import distributed
+
+    out, _ = trained
+    model = checkpoint.load_pretrained(BertForPreTraining, out / "model").eval()
+    ds = PretrainingData(data_dir, split="eval")
+    batch = next(ds.batches(16, seed=0, epoch=0))
+    t = Trainer(TrainConfig(output=str(out / "x"), data=str(data_dir), eval_batches=1, eval_batch_size=16,
+                            device="cpu", seed=0), distributed.Dist())
+    t.data, t.eval_data, t.model, t.model_config, t.precision = ds, ds, model, model.config, "fp32"
+    ev = t.evaluate()
+    model.eval()  # evaluate() hands the model back in training mode
+    with torch.no_grad():
+        out_ = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        logp = torch.log_softmax(out_.prediction_logits.double(), -1)       # (B, S, V) float64
+        pos, lab = batch["masked_positions"], batch["masked_lm_labels"]
+        valid = lab != -100
+        picked = logp.gather(1, pos.unsqueeze(-1).expand(-1, -1, logp.shape[-1]))
+        tok_ll = picked.gather(2, lab.clamp(min=0).unsqueeze(-1)).squeeze(-1)[valid]
+        nsp = torch.log_softmax(out_.seq_relationship_logits.double(), -1)
+        nsp_ll = nsp.gather(1, batch["next_sentence_label"].unsqueeze(1))
+    # fp32 cross-entropy in training vs float64 here: ~1e-7 relative apart.
+    assert ev["mlm_loss"] == pytest.approx(-tok_ll.mean().item(), rel=1e-5)
+    assert ev["nsp_loss"] == pytest.approx(-nsp_ll.mean().item(), rel=1e-5)
+
+
+def test_export_loads_in_transformers_with_same_outputs(trained):
+    transformers = pytest.importorskip("transformers")
+    from bertctl import checkpoint
+    from bertctl.model import BertForPreTraining
+
+    out, _ = trained
+    ours = checkpoint.load_pretrained(BertForPreTraining, out / "model").eval()
+    hf = transformers.BertForPreTraining.from_pretrained(out / "model").eval()
+    tok = transformers.BertTokenizer.from_pretrained(out / "model")
+    enc = tok(["We the people hold these truths.", "Ask not what your country can do."], ["for", "you"],
+              padding=True, return_tensors="pt")
+    with torch.no_grad():
+        a = ours(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"])
+        b = hf(**enc)
+    mask = enc["attention_mask"].bool()
+    torch.testing.assert_close(a.prediction_logits[mask], b.prediction_logits[mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.seq_relationship_logits, b.seq_relationship_logits, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- never lose work
+
+
+def test_sigkill_then_resume_is_bit_identical(data_dir, tmp_path):
+    common = ("--max-steps", "12", "--save-every", "2", "--keep", "2")
+    a, b = tmp_path / "a", tmp_path / "b"
+    done = _cli(*_args(data_dir, a, *common))
+    assert done.returncode == 0, done.stderr
+    p = subprocess.Popen([sys.executable, "-m", "bertctl", *_args(data_dir, b, *common)], env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while state.latest_checkpoint(b) is None or state.latest_checkpoint(b).step < 4:
+        assert p.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    killed_at = state.latest_checkpoint(b).step
+    assert killed_at < 12 and not (b / "model").exists()
+    resumed = _cli(*_args(data_dir, b, *common, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads(resumed.stdout)
+    assert summary["start_step"] == killed_at and summary["steps"] == 12
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), f"{k} differs after resume"
+    sa = torch.load(state.latest_checkpoint(a).path / "state.pt", weights_only=True)
+    sb = torch.load(state.latest_checkpoint(b).path / "state.pt", weights_only=True)
+    for i, st in sa["optimizer"]["state"].items():
+        assert torch.equal(st["exp_avg_sq"], sb["optimizer"]["state"][i]["exp_avg_sq"])
+    # --keep 2: only the two newest checkpoints remain.
+    assert [c.step for c in state.list_checkpoints(b)] == [10, 12]
+
+
+def test_refuses_to_overwrite_a_run_without_resume(trained, data_dir):
+    out, _ = trained
+    r = _cli(*_args(data_dir, out, "--max-steps", "2"))
+    assert r.returncode == 2 and "--resume" in r.stderr and "Traceback" not in r.stderr
+
+
+KILL_IN_SAVE = r"""
+import os, signal, sys, torch
+calls = []
+real_save = torch.save
+def dying_save(obj, f, *a, **k):
+    calls.append(f)
+    if len(calls) == 2:  # the second checkpoint: write part of it, then die like a power cut
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04" + b"\0" * 1000)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *a, **k)
+torch.save = dying_save
+from bertctl.cli.app import main
+main(sys.argv[1:])
+"""
+
+
+def test_kill_during_checkpoint_write_keeps_previous(data_dir, tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", KILL_IN_SAVE, *_args(data_dir, out, "--max-steps", "8",
+                                                                   "--save-every", "3")],
+                       env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    ckpts = state.list_checkpoints(out)
+    assert [c.step for c in ckpts] == [3]
+    assert any(p.name.endswith(".tmp") for p in (out / "checkpoints").iterdir())  # the half-written one
+    st = state.load_checkpoint(ckpts[0].path)
+    assert st["step"] == 3 and st["data"]["global_step"] == 3
+    # ...and a resumed run starts from it.
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    summary = pretrain(TrainConfig(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16, lr=2e-3,
+                                   max_steps=4, device="cpu", resume=True, show_progress=False,
+                                   eval_batches=1, save_minutes=1000))
+    assert summary["start_step"] == 3 and summary["steps"] == 4
+
+
+def test_sigterm_checkpoints_and_exits_zero(data_dir, tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "bertctl", *_args(data_dir, out, "--max-steps", "100000")],
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and '"event": "train"' in metrics.read_text()):
+        assert p.poll() is None, p.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["stopped"] == "SIGTERM" and summary["steps"] >= 2
+    last = state.latest_checkpoint(out)
+    assert last.step == summary["steps"]
+    assert json.loads((last.path / "meta.json").read_text())["reason"] == "interrupted"
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def test_two_gloo_processes_equal_one_process(data_dir, tmp_path):
+    """Same global batch (16): 2 ranks x 8 vs 1 process x 2 micro-batches of 8 (accumulation)."""
+    common = ("--max-steps", "4", "--dropout", "0", "--save-every", "100")
+    one = _cli(*_args(data_dir, tmp_path / "one", *common, "--micro-batch-size", "8"))
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "bertctl",
+                          *_args(data_dir, tmp_path / "two", *common)],
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr
+    s1, s2 = json.loads(one.stdout), json.loads(two.stdout)
+    assert s2["world_size"] == 2
+    for key in ("loss", "mlm_loss", "nsp_loss", "mlm_acc", "nsp_acc"):
+        assert s2["train"][key] == pytest.approx(s1["train"][key], rel=1e-5, abs=1e-6), key
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
