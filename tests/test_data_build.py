@@ -268,7 +268,7 @@ def test_holdout_split(tmp_path, shared_data, tokenizer):
     assert PretrainingData(tmp_path / "h", split="eval").num_instances == split["eval"]
 
 
-def test_formats_lines_and_jsonl(tmp_path, tokenizer):
+def test_formats_lines_and_jsonl(tmp_path, tokenizer, minilm_vocab):
     lines = tmp_path / "a.txt"
     lines.write_text("The first sentence here.\nThe second one follows.\nA third.\n\n"
                      "Another document starts.\nIt ends here.\n\nOnly one sentence.\n\n", encoding="utf-8")
@@ -280,7 +280,8 @@ def test_formats_lines_and_jsonl(tmp_path, tokenizer):
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text('{"body": "One sentence. Two sentences here."}\nnot json\n{"other": 1}\n'
                      '{"body": "Para one.\\n\\nPara two. And more."}\n', encoding="utf-8")
-    s = build_data([jsonl], tmp_path / "jsonl", tokenizer, DataConfig(format="jsonl", text_field="body"), progress=False)
+    s = build_data([jsonl], tmp_path / "jsonl", vocab=minilm_vocab, config=DataConfig(format="jsonl", text_field="body"),
+                   progress=False)  # a vocab.txt path instead of a tokenizer object
     assert s["documents"] == 2 and s["sentences"] == 5
     assert s["skipped"]["lines"]["not valid JSON"] == {"count": 1, "first": f"{jsonl}:2"}
     assert s["skipped"]["lines"]["no string field 'body'"]["count"] == 1

@@ -332,8 +332,8 @@ def _prepare_output(output_dir: Path, state: dict, resume: bool) -> dict | None:
                                f"{', '.join(diff)}; start a new build")
         if old is not None:
             return old
-        for tmp in output_dir.glob(".*.tmp"):  # debris of an interrupted shard write
-            tmp.unlink()
+        for tmp in [*output_dir.glob(".*.tmp"), *(output_dir / BUILD_DIR).glob(".*.tmp")]:
+            tmp.unlink()  # debris of an interrupted write
         return None
     (output_dir / BUILD_DIR).mkdir(parents=True, exist_ok=True)
     write_json(output_dir / BUILD_DIR / "state.json", state)
@@ -387,12 +387,27 @@ def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
     return summary
 
 
-def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, tokenizer, config: DataConfig,
-               workers: int = 1, resume: bool = False, progress: bool = True,
+def _as_tokenizer(tokenizer):
+    """A tokenizer object, or one loaded from a vocab.txt path (uncased) or a tokenizer folder."""
+    if hasattr(tokenizer, "ids_to_tokens"):
+        return tokenizer
+    from bertctl.tokenizer import BertTokenizer
+
+    path = Path(tokenizer)
+    if path.is_dir():
+        return BertTokenizer.from_pretrained(path)
+    return BertTokenizer.from_vocab_file(path)
+
+
+def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, tokenizer=None,
+               config: DataConfig | None = None, workers: int = 1, resume: bool = False, progress: bool = True,
+               *, vocab: str | os.PathLike | None = None,
                on_unit_done: Callable[[dict], None] | None = None) -> dict:
     """Build pretraining shards from raw text; returns the summary (also stored in the manifest).
 
-    ``inputs``: files or folders; ``tokenizer``: a ``bertctl.tokenizer.BertTokenizer``;
+    ``inputs``: files or folders; ``tokenizer``: a ``bertctl.tokenizer.BertTokenizer``, or
+    a tokenizer folder / vocab.txt path (``vocab=`` says the same; a bare vocab.txt
+    is read uncased); ``config``: a ``DataConfig`` (defaults when None);
     ``workers``: processes (the output does not depend on it); ``resume``:
     continue an interrupted build in ``output_dir``; ``on_unit_done(record)`` is
     called in this process after each finished work unit (progress hooks, tests).
@@ -400,7 +415,10 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     from bertctl.progress import track
 
     start = time.perf_counter()
-    cfg = config.resolved()
+    if tokenizer is None and vocab is None:
+        raise BertctlError("build_data: give a tokenizer (or vocab=path)")
+    tokenizer = _as_tokenizer(tokenizer if tokenizer is not None else vocab)
+    cfg = (config or DataConfig()).resolved()
     if workers < 1:
         raise BertctlError(f"--workers: must be >= 1, got {workers}")
     output_dir = Path(output_dir)

@@ -151,7 +151,11 @@ class PretrainingData:
         return self.num_instances // global_batch_size  # drop_last
 
     def permutation(self, seed: int, epoch: int) -> np.ndarray:
-        return np.random.default_rng([seed, epoch]).permutation(self.num_instances)
+        """The epoch's instance order, drawn from (seed, epoch); int32 while it fits (4 bytes an instance)."""
+        dtype = np.int32 if self.num_instances < 2**31 else np.int64
+        perm = np.arange(self.num_instances, dtype=dtype)
+        np.random.default_rng([seed, epoch]).shuffle(perm)
+        return perm
 
     def batches(self, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0, rank: int = 0,
                 world_size: int = 1, trim: bool = True) -> Iterator[dict[str, torch.Tensor]]:
