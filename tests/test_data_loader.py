@@ -156,3 +156,31 @@ def test_dynamic_masking(built, tokenizer):
     counts["random"] = total - counts["mask"] - counts["same"]
     for key, p in (("mask", 0.8), ("same", 0.1), ("random", 0.1)):
         assert abs(counts[key] / total - p) < 4 * math.sqrt(p * (1 - p) / total), (key, counts, total)
+
+
+def test_dynamic_whole_word_masking(tmp_path, shared_data, tokenizer):
+    inputs = [shared_data / "corpus" / "state_union" / n for n in ("1970-Nixon.txt", "1971-Nixon.txt")]
+    cfg = DataConfig(format="text", dupe_factor=1, dynamic_masking=True, whole_word_mask=True, seed=2)
+    build_data(inputs, tmp_path / "d", tokenizer, cfg, progress=False)
+    ds = PretrainingData(tmp_path / "d")
+    idx = np.arange(ds.num_instances)
+    raw = ds.records(idx)
+    cont = np.array([t.startswith("##") for t in tokenizer.ids_to_tokens])
+    e0, e1 = ds.collate(idx, seed=1, epoch=0, trim=False), ds.collate(idx, seed=1, epoch=1, trim=False)
+    assert not torch.equal(e0["masked_positions"], e1["masked_positions"])
+    multi_piece = 0
+    for r in range(len(idx)):
+        n = int(raw["length"][r])
+        ids = raw["input_ids"][r, :n].astype(np.int64)
+        pos = e0["masked_positions"][r]
+        pos = pos[pos > 0].numpy()
+        assert torch.equal(e0["masked_lm_labels"][r, : len(pos)], torch.from_numpy(ids[pos]))
+        masked = np.zeros(n, bool)
+        masked[pos] = True
+        starts = ~cont[ids]
+        starts[1:] |= np.isin(ids[:-1], [tokenizer.cls_token_id, tokenizer.sep_token_id])
+        word = np.cumsum(starts)
+        for w in np.unique(word[masked]):
+            assert masked[word == w].all()
+            multi_piece += (word == w).sum() > 1
+    assert multi_piece > 10

@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
+
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
 
 from .config import DataConfig
 from .documents import Document, ReadStats, list_inputs, read_documents
-from .instances import InstanceStats, SpecialIds, create_instances_from_document
+from .instances import InstanceStats, SpecialIds, create_instances_from_document, mask_batch
 from .sentences import split_sentences
 from .shards import FORMAT_NAME, FORMAT_VERSION, file_sha256, id_dtype, record_dtype, to_records, vocab_sha256, write_shard
 
@@ -251,9 +253,10 @@ class ChunkWorker:
 
         rng = random.Random(derive_seed(cfg.seed, chunk.split, chunk.index))
         stats = InstanceStats()
-        masking = None if cfg.dynamic_masking else dict(
-            masked_lm_prob=cfg.masked_lm_prob, max_predictions=cfg.max_predictions_per_seq,
-            whole_word_mask=cfg.whole_word_mask)
+        # Whole-word masking needs the word structure: masked per instance while it is made
+        # (the reference's way).  Plain token masking runs vectorised over the unit below.
+        masking = None if cfg.dynamic_masking or not cfg.whole_word_mask else dict(
+            masked_lm_prob=cfg.masked_lm_prob, max_predictions=cfg.max_predictions_per_seq, whole_word_mask=True)
         instances = []
         if documents:  # the reference: dupe_factor passes over all documents, then one shuffle
             for _ in range(cfg.dupe_factor):
@@ -263,10 +266,18 @@ class ChunkWorker:
                         special=special, rng=rng, stats=stats, masking=masking))
             rng.shuffle(instances)
 
+        records = to_records(instances, self.dtype)
+        del instances
+        if not cfg.dynamic_masking and not cfg.whole_word_mask:
+            seeds = np.array([rng.getrandbits(64) for _ in range(len(records))], dtype=np.uint64)
+            ids, positions, labels = mask_batch(records["input_ids"], records["length"], seeds, special,
+                                                masked_lm_prob=cfg.masked_lm_prob,
+                                                max_predictions=cfg.max_predictions_per_seq, stats=stats)
+            records["input_ids"], records["masked_positions"], records["masked_lm_labels"] = ids, positions, labels
         shards = []
-        for part, start in enumerate(range(0, len(instances), cfg.shard_size)):
-            records = to_records(instances[start : start + cfg.shard_size], self.dtype)
-            shards.append(write_shard(self.output_dir / f"{chunk.name}-{part:03d}.npy", records))
+        for part, start in enumerate(range(0, len(records), cfg.shard_size)):
+            shards.append(write_shard(self.output_dir / f"{chunk.name}-{part:03d}.npy",
+                                      records[start : start + cfg.shard_size]))
         record = {"unit": chunk.name, "split": chunk.split, "index": chunk.index, "text_sha256": chunk.text_sha256,
                   "bytes": chunk.nbytes, "shards": shards, "counts": counts, "stats": vars(stats)}
         write_json(self.output_dir / BUILD_DIR / f"{chunk.name}.json", record)

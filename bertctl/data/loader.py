@@ -32,7 +32,7 @@ import torch
 from bertctl.errors import BertctlError
 
 from .build import derive_seed
-from .instances import SpecialIds, mask_tokens
+from .instances import SpecialIds, mask_batch, mask_tokens, mix64
 from .shards import FORMAT_NAME, FORMAT_VERSION, file_sha256, record_dtype, vocab_sha256
 
 __all__ = ["PretrainingData"]
@@ -194,15 +194,22 @@ class PretrainingData:
         if self.dynamic_masking:
             special = self._special_ids()
             P = self.max_predictions
-            positions = np.zeros((len(rec), P), dtype=np.int64)
-            labels = np.full((len(rec), P), -100, dtype=np.int64)
-            for r, i in enumerate(indices):
-                n = int(lengths[r])
-                rng = random.Random(derive_seed(seed, epoch, int(i)))
-                masked, pos, lab = mask_tokens(input_ids[r, :n].tolist(), rng, special, **self._masking)
-                input_ids[r, :n] = masked
-                positions[r, : len(pos)] = pos
-                labels[r, : len(lab)] = lab
+            if self._masking["whole_word_mask"]:  # word structure: the per-instance procedure
+                positions = np.zeros((len(rec), P), dtype=np.int64)
+                labels = np.full((len(rec), P), -100, dtype=np.int64)
+                for r, i in enumerate(indices):
+                    n = int(lengths[r])
+                    rng = random.Random(derive_seed(seed, epoch, int(i)))
+                    masked, pos, lab = mask_tokens(input_ids[r, :n].tolist(), rng, special, **self._masking)
+                    input_ids[r, :n] = masked
+                    positions[r, : len(pos)] = pos
+                    labels[r, : len(lab)] = lab
+            else:  # vectorised; an instance's masks depend only on (seed, epoch, its index)
+                seeds = mix64(np.uint64(derive_seed(seed, epoch)) ^ mix64(np.asarray(indices, dtype=np.uint64)))
+                input_ids, positions, labels = mask_batch(input_ids, lengths, seeds, special,
+                                                          masked_lm_prob=self._masking["masked_lm_prob"],
+                                                          max_predictions=P)
+                labels = np.where(positions > 0, labels, -100)
         else:
             positions = rec["masked_positions"].astype(np.int64)
             labels = np.where(positions > 0, rec["masked_lm_labels"].astype(np.int64), -100)
