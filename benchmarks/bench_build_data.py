@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,7 +66,7 @@ def stage_breakdown(corpus: str) -> dict:
     """Seconds per stage, single process, the same code paths as a build."""
     from bertctl.data.build import WordCache, special_ids
     from bertctl.data.documents import ReadStats, list_inputs, read_documents
-    from bertctl.data.instances import InstanceStats, create_instances_from_document
+    from bertctl.data.instances import InstanceStats, create_instances_from_document, mask_batch
     from bertctl.data.sentences import split_sentences
     from bertctl.data.shards import npy_bytes, record_dtype, to_records
     from bertctl.tokenizer import BertTokenizer
@@ -103,7 +105,6 @@ def stage_breakdown(corpus: str) -> dict:
     t["tokenize_warm_tokenizer_only"] = time.perf_counter() - start
 
     special = special_ids(tokenizer)
-    masking = dict(masked_lm_prob=cfg.masked_lm_prob, max_predictions=cfg.max_predictions_per_seq)
     documents = [d for d in ids if len(d) >= 2]
     rng = random.Random(0)
     start = time.perf_counter()
@@ -113,16 +114,17 @@ def stage_breakdown(corpus: str) -> dict:
                                                     special=special, rng=rng, stats=InstanceStats(), masking=None)
     t["create_instances"] = time.perf_counter() - start
     start = time.perf_counter()
-    instances = []
-    for d in range(len(documents)):
-        instances += create_instances_from_document(documents, d, max_seq_length=128, short_seq_prob=0.1,
-                                                    special=special, rng=rng, stats=InstanceStats(), masking=masking)
-    t["create_instances_and_mask"] = time.perf_counter() - start
-    t["masking"] = t["create_instances_and_mask"] - t["create_instances"]
-    start = time.perf_counter()
     records = to_records(instances, record_dtype(128, cfg.max_predictions_per_seq, special.vocab_size, False))
+    t["to_records"] = time.perf_counter() - start
+    start = time.perf_counter()
+    seeds = np.array([rng.getrandbits(64) for _ in range(len(records))], dtype=np.uint64)
+    ids_, pos, labels = mask_batch(records["input_ids"], records["length"], seeds, special,
+                                   masked_lm_prob=cfg.masked_lm_prob, max_predictions=cfg.max_predictions_per_seq)
+    records["input_ids"], records["masked_positions"], records["masked_lm_labels"] = ids_, pos, labels
+    t["mask_batch"] = time.perf_counter() - start
+    start = time.perf_counter()
     data = npy_bytes(records)
-    t["records_and_npy"] = time.perf_counter() - start
+    t["npy_bytes"] = time.perf_counter() - start
     t["instances"] = len(instances)
     t["shard_mb"] = round(len(data) / 1e6, 2)
     t["bytes"] = sum(d.nbytes for d in docs)

@@ -332,3 +332,25 @@ def test_cli_build_data(tmp_path, minilm_vocab, shared_data):
                            str(tmp_path / "x"), *inputs], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("bertctl: error:") and proc.stderr.count("\n") == 1
+
+
+def test_mask_batch_is_uniform_over_candidates(tokenizer):
+    """Every non-special position is chosen with probability budget / candidates (chi-square over positions)."""
+    from bertctl.data.build import special_ids
+    from bertctl.data.instances import mask_batch
+
+    B, S, n_a = 20000, 128, 50
+    ids = np.full((B, S), 2000, dtype=np.int64)
+    ids[:, 0], ids[:, n_a + 1], ids[:, S - 1] = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.sep_token_id
+    seeds = np.arange(B, dtype=np.uint64) * np.uint64(7919)
+    _, pos, labels = mask_batch(ids, np.full(B, S), seeds, special_ids(tokenizer), masked_lm_prob=0.15,
+                                max_predictions=20)
+    budget = round(S * 0.15)  # 19
+    assert ((pos > 0).sum(1) == budget).all() and (labels[pos > 0] == 2000).all()
+    counts = np.bincount(pos[pos > 0], minlength=S)
+    assert counts[0] == counts[n_a + 1] == counts[S - 1] == 0
+    observed = np.delete(counts, [0, n_a + 1, S - 1])
+    expected = B * budget / len(observed)
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    # 124 degrees of freedom (sampling without replacement makes it a little tighter): mean 124, sd ~15.7
+    assert chi2 < 124 + 5 * 15.7, chi2

@@ -256,10 +256,10 @@ def mix64(x) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _uniform(seeds: np.ndarray, width: int, stream: int) -> np.ndarray:
-    """(B, width) uniforms in [0, 1) from per-row seeds; independent streams 0..3."""
-    counters = mix64(np.arange(width, dtype=np.uint64) * np.uint64(4) + np.uint64(stream))
-    z = mix64(mix64(seeds)[:, None] ^ counters[None, :])
+def _uniform(seeds: np.ndarray, positions: np.ndarray, stream: int) -> np.ndarray:
+    """Uniforms in [0, 1), one per (seed, position) pair (broadcast); independent streams 0..3."""
+    counters = mix64(np.asarray(positions, dtype=np.uint64) * np.uint64(4) + np.uint64(stream))
+    z = mix64(mix64(seeds) ^ counters)
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
@@ -281,8 +281,11 @@ def mask_batch(input_ids: np.ndarray, lengths: np.ndarray, seeds: np.ndarray, sp
     n_candidates = candidate.sum(1)
     # np.round rounds half to even, as Python's round in the reference.
     budget = np.minimum(np.clip(np.round(lengths * masked_lm_prob), 1, P).astype(np.int64), n_candidates)
-    keys = np.where(candidate, _uniform(seeds, S, 0), 2.0)
-    order = np.argsort(keys, axis=1, kind="stable")[:, :P]  # a uniform random order of the candidates
+    seeds = np.asarray(seeds, dtype=np.uint64)
+    keys = np.where(candidate, _uniform(seeds[:, None], col[None, :], 0), 2.0)
+    # The P smallest keys, in key order: the first P of a uniformly random order of the candidates.
+    order = np.argpartition(keys, P - 1, axis=1)[:, :P] if P < S else np.arange(S)[None, :].repeat(B, 0)
+    order = np.take_along_axis(order, np.argsort(np.take_along_axis(keys, order, 1), axis=1, kind="stable"), 1)
     chosen = np.arange(P)[None, :] < budget[:, None]
     positions = np.sort(np.where(chosen, order, S), axis=1)
     used = positions < S
@@ -291,8 +294,8 @@ def mask_batch(input_ids: np.ndarray, lengths: np.ndarray, seeds: np.ndarray, sp
     cols = positions[used]
     labels = np.zeros((B, P), dtype=input_ids.dtype)
     labels[used] = input_ids[rows, cols]
-    kind = _uniform(seeds, S, 1)[rows, cols]
-    random_ids = (_uniform(seeds, S, 2)[rows, cols] * special.vocab_size).astype(np.int64)
+    kind = _uniform(seeds[rows], cols, 1)
+    random_ids = (_uniform(seeds[rows], cols, 2) * special.vocab_size).astype(np.int64)
     as_mask, as_same = kind < 0.8, (kind >= 0.8) & (kind < 0.9)
     replacement = np.where(as_mask, special.mask, np.where(as_same, labels[used], random_ids))
     masked = input_ids.copy()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import os
 from pathlib import Path
 
@@ -55,20 +56,28 @@ def record_dtype(max_seq_length: int, max_predictions: int, vocab_size: int, dyn
 
 
 def to_records(instances: list[Instance], dtype: np.dtype) -> np.ndarray:
-    """Fixed-width records from instances (zero padded)."""
+    """Fixed-width records from instances (zero padded), filled with whole-array scatters."""
     out = np.zeros(len(instances), dtype=dtype)
-    static = "masked_positions" in dtype.names
-    for r, inst in enumerate(instances):
-        n = len(inst.tokens)
-        rec = out[r]
-        rec["input_ids"][:n] = inst.tokens
-        rec["token_type_ids"][inst.len_a + 2 : n] = 1
-        rec["length"] = n
-        rec["next_sentence_label"] = inst.is_random_next
-        if static:
+    if not instances:
+        return out
+    S = out["input_ids"].shape[1]
+    col = np.arange(S)[None, :]
+    lengths = np.fromiter((len(i.tokens) for i in instances), dtype=np.int64, count=len(instances))
+    len_a = np.fromiter((i.len_a for i in instances), dtype=np.int64, count=len(instances))
+    real = col < lengths[:, None]
+    ids = np.zeros((len(instances), S), dtype=out.dtype["input_ids"].base)
+    ids[real] = np.fromiter(itertools.chain.from_iterable(i.tokens for i in instances), dtype=np.int64,
+                            count=int(lengths.sum()))  # row-major order = instance by instance
+    out["input_ids"] = ids
+    out["token_type_ids"] = (col >= len_a[:, None] + 2) & real
+    out["length"] = lengths
+    out["next_sentence_label"] = [i.is_random_next for i in instances]
+    if "masked_positions" in dtype.names:
+        for r, inst in enumerate(instances):
             k = len(inst.masked_positions)
-            rec["masked_positions"][:k] = inst.masked_positions
-            rec["masked_lm_labels"][:k] = inst.masked_labels
+            if k:
+                out["masked_positions"][r, :k] = inst.masked_positions
+                out["masked_lm_labels"][r, :k] = inst.masked_labels
     return out
 
 
