@@ -141,6 +141,8 @@ class BertTokenizer:
         self._chunk_cache: dict[str, tuple[tuple[int, ...], tuple[tuple[int, int], ...]]] = {}
         self._word_cache: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._char_cache: dict[str, tuple[str, str]] = {}
+        self._basic_cache: dict[str, tuple[str, ...]] = {}
+        self._special_words = frozenset(SPECIAL_TOKENS.values())
 
     # ------------------------------------------------------------------ construction / files
     @property
@@ -383,6 +385,39 @@ class BertTokenizer:
         ids, offsets = self._encode_text(text, True)
         return self.convert_ids_to_tokens(ids), offsets
 
+    def basic_tokenize(self, text: str, keep_special_tokens: bool = True) -> list[str]:
+        """Words after the basic tokenizer (cleaned, lower-cased, split at white space, punctuation
+        and CJK ideographs), before WordPiece; special tokens in the text are words of their own
+        (or dropped with ``keep_special_tokens=False``)."""
+        cache = self._basic_cache
+        words: list[str] = []
+        for chunk in _CHUNK.findall(text):
+            hit = cache.get(chunk)
+            if hit is None:
+                hit = self._basic_chunk(chunk)
+                if len(cache) >= _CACHE_LIMIT:
+                    cache.clear()
+                cache[chunk] = hit
+            words.extend(hit)
+        if not keep_special_tokens and any(w in self._special_words for w in words):
+            words = [w for w in words if w not in self._special_words]
+        return words
+
+    def _basic_chunk(self, chunk: str) -> tuple[str, ...]:
+        words: list[str] = []
+        pos = 0
+        matches = list(self._special_re.finditer(chunk)) if "[" in chunk else []
+        for m in [*matches, None]:
+            seg = chunk[pos : m.start() if m else len(chunk)]
+            if seg.isascii() and not _ASCII_CONTROL.search(seg):
+                words.extend(_ASCII_WORD.findall(seg.lower() if self.do_lower_case else seg))
+            elif seg:
+                words.extend(w for w, _ in self._normalized_words(seg))
+            if m:
+                words.append(m.group())
+                pos = m.end()
+        return tuple(words)
+
     def tokenize_words(self, words: Sequence[str]) -> tuple[list[str], list[int]]:
         """Tokens of pre-split words (e.g. CoNLL columns) and the word index of each token.
 
@@ -405,12 +440,16 @@ class BertTokenizer:
     def convert_ids_to_tokens(self, ids: int | Iterable[int]):
         table = self.ids_to_tokens
         if isinstance(ids, int):
-            return table[ids]
-        try:
-            return [table[i] for i in ids]
-        except IndexError:
+            ids = [ids]
+            single = True
+        else:
+            ids = list(ids)
+            single = False
+        if ids and (min(ids) < 0 or max(ids) >= len(table)):
             bad = next(i for i in ids if not 0 <= i < len(table))
-            raise BertctlError(f"token id {bad} is outside the vocabulary (size {len(table)})") from None
+            raise BertctlError(f"token id {bad} is outside the vocabulary (size {len(table)})")
+        tokens = [table[i] for i in ids]
+        return tokens[0] if single else tokens
 
     # ------------------------------------------------------------------ encode / decode
     def encode(
@@ -536,25 +575,34 @@ def _cleanup(s: str) -> str:
 def _canonical_order(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """Unicode canonical ordering: stable-sort each run of combining marks by combining class.
 
-    Only the characters move; the original indices stay in place, as in ``tokenizers``' NFD,
-    whose alignments follow output positions.
+    Original indices are re-assigned the way ``tokenizers``' NFD aligns: the first character of
+    each original character's decomposition consumes the next original index (in text order),
+    and the other characters of a decomposition take the index consumed last.
     """
     ccc = [unicodedata.combining(c) for c, _ in pairs]
     if sum(1 for x in ccc if x) < 2:
         return pairs
-    chars: list[str] = []
+    first = [k == 0 or pairs[k][1] != pairs[k - 1][1] for k in range(len(pairs))]
+    order: list[int] = []  # positions of pairs in canonical order
     k = 0
     while k < len(pairs):
         if ccc[k] == 0:
-            chars.append(pairs[k][0])
+            order.append(k)
             k += 1
             continue
         j = k
         while j < len(pairs) and ccc[j]:
             j += 1
-        chars.extend(sorted((c for c, _ in pairs[k:j]), key=unicodedata.combining))
+        order.extend(sorted(range(k, j), key=lambda m: ccc[m]))
         k = j
-    return [(c, i) for c, (_, i) in zip(chars, pairs)]
+    consumed = iter([i for (_, i), f in zip(pairs, first) if f])
+    last = pairs[0][1]
+    out: list[tuple[str, int]] = []
+    for m in order:
+        if first[m]:
+            last = next(consumed)
+        out.append((pairs[m][0], last))
+    return out
 
 
 def truncated_lengths(n_a: int, n_b: int | None, max_length: int, strategy: str) -> tuple[int, int | None]:
@@ -625,3 +673,155 @@ def read_vocab(path: str | os.PathLike) -> list[str]:
     if missing:
         raise BertctlError(f"{path}: vocabulary lacks the special token(s) {' '.join(missing)}")
     return tokens
+
+
+# ---------------------------------------------------------------------- files (the CLI's library side)
+def parse_separator(sep: str | None) -> str | None:
+    """``TAB`` or a literal backslash-t mean a tab; anything else is taken as written."""
+    if sep is None:
+        return None
+    if sep in ("TAB", "tab", "\\t", "\t"):
+        return "\t"
+    if not sep:
+        raise BertctlError("--pair-separator must not be empty")
+    return sep
+
+
+def iter_lines(path: str | os.PathLike):
+    """(line number, text) of a UTF-8 file, without line endings; BertctlError naming a bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise BertctlError(f"{path}: no such file" if not path.exists() else f"{path}: not a file")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BertctlError(
+                    f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "convert the file, e.g. iconv -f latin1 -t utf-8"
+                ) from None
+            yield number, line.rstrip("\n").removesuffix("\r"), len(raw)
+
+
+def encode_file(
+    tokenizer: BertTokenizer,
+    input_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    pair_separator: str | None = None,
+    max_length: int | None = None,
+    truncation: str = "longest_first",
+    offsets: bool = False,
+    progress: bool = False,
+) -> dict:
+    """Encode every line of a UTF-8 text file into ``.jsonl`` or ``.npy`` (see ``bertctl tokenize encode``).
+
+    Returns a summary: lines, tokens (specials included), truncated lines, output path(s).
+    """
+    import numpy as np
+
+    from bertctl.io import atomic_open, atomic_path
+    from bertctl.progress import track
+
+    input_path, output_path = Path(input_path), Path(output_path)
+    suffix = output_path.suffix.lower()
+    if suffix not in (".jsonl", ".npy"):
+        raise BertctlError(f"{output_path}: output must end in .jsonl or .npy")
+    sep = parse_separator(pair_separator)
+    if not input_path.is_file():
+        raise BertctlError(f"{input_path}: no such file")
+    total = input_path.stat().st_size
+    n_lines = n_tokens = n_truncated = 0
+    rows: list[list[int]] = []
+    types: list[list[int]] = []
+
+    def encode_line(number: int, line: str) -> tuple[Encoding, bool]:
+        text, pair = line, None
+        if sep is not None:
+            if sep not in line:
+                raise BertctlError(f"{input_path}:{number}: no pair separator {pair_separator!r} in this line")
+            text, pair = line.split(sep, 1)
+        a, a_off = tokenizer._encode_text(text, offsets)
+        b, b_off = (None, None) if pair is None else tokenizer._encode_text(pair, offsets)
+        full = len(a) + 2 + (0 if b is None else len(b) + 1)
+        try:
+            enc = tokenizer._build(a, a_off, b, b_off, max_length, truncation, False, offsets)
+        except BertctlError as e:
+            raise BertctlError(f"{input_path}:{number}: {e}") from None
+        return enc, full > len(enc)
+
+    with track(f"encode {input_path.name}", total, disable=not progress) as advance:
+        if suffix == ".jsonl":
+            with atomic_open(output_path, "w", encoding="utf-8") as out:
+                for number, line, size in iter_lines(input_path):
+                    enc, cut = encode_line(number, line)
+                    record = {"input_ids": enc.input_ids, "token_type_ids": enc.token_type_ids,
+                              "attention_mask": enc.attention_mask}
+                    if offsets:
+                        record["offsets"] = enc.offsets
+                    out.write(json.dumps(record, separators=(",", ":")) + "\n")
+                    n_lines, n_tokens, n_truncated = n_lines + 1, n_tokens + len(enc), n_truncated + cut
+                    advance(size)
+            outputs = [str(output_path)]
+        else:
+            for number, line, size in iter_lines(input_path):
+                enc, cut = encode_line(number, line)
+                rows.append(enc.input_ids)
+                types.append(enc.token_type_ids)
+                n_lines, n_tokens, n_truncated = n_lines + 1, n_tokens + len(enc), n_truncated + cut
+                advance(size)
+            width = max((len(r) for r in rows), default=0)
+            ids = np.full((len(rows), width), tokenizer.pad_token_id, dtype=np.int32)
+            segs = np.zeros((len(rows), width), dtype=np.int32)
+            for k, (r, t) in enumerate(zip(rows, types)):
+                ids[k, : len(r)] = r
+                segs[k, : len(t)] = t
+            with atomic_path(output_path) as tmp:
+                with open(tmp, "wb") as f:
+                    np.save(f, ids)
+            outputs = [str(output_path)]
+            if sep is not None:
+                seg_path = output_path.with_suffix(".token_type_ids.npy")
+                with atomic_path(seg_path) as tmp:
+                    with open(tmp, "wb") as f:
+                        np.save(f, segs)
+                outputs.append(str(seg_path))
+    return {"lines": n_lines, "tokens": n_tokens, "truncated_lines": n_truncated, "outputs": outputs}
+
+
+def decode_file(tokenizer: BertTokenizer, path: str | os.PathLike, *, skip_special_tokens: bool = True) -> list[str]:
+    """Texts of the id rows of a ``.jsonl`` (``input_ids`` objects or plain id lists) or ``.npy`` file."""
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        raise BertctlError(f"{path}: no such file")
+    if path.suffix.lower() == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise BertctlError(f"{path}: not a readable .npy array ({e})") from None
+        if array.ndim != 2 or array.dtype.kind not in "iu":
+            raise BertctlError(f"{path}: expected a 2-D integer array, got {array.ndim}-D {array.dtype}")
+        return [_decode_row(tokenizer, row.tolist(), skip_special_tokens, path, k + 1) for k, row in enumerate(array)]
+    texts = []
+    for number, line, _ in iter_lines(path):
+        if not line.strip():
+            raise BertctlError(f"{path}:{number}: empty line (expected a JSON object with input_ids)")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BertctlError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        ids = record.get("input_ids") if isinstance(record, dict) else record
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BertctlError(f"{path}:{number}: expected input_ids as a list of integers")
+        texts.append(_decode_row(tokenizer, ids, skip_special_tokens, path, number))
+    return texts
+
+
+def _decode_row(tokenizer: BertTokenizer, ids: list[int], skip: bool, path, number: int) -> str:
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=skip)
+    except BertctlError as e:
+        raise BertctlError(f"{path}:{number}: {e}") from None

@@ -1,0 +1,153 @@
+"""``bertctl tokenize``: encode, decode, inspect text with a BERT WordPiece vocabulary, and train one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from bertctl.errors import BertctlError
+
+tokenize_app = typer.Typer(
+    name="tokenize",
+    help="BERT WordPiece tokenisation (ids equal Hugging Face's BertTokenizerFast) and vocabulary training.",
+    no_args_is_help=True,
+)
+
+_VOCAB = typer.Option(None, "--vocab", help="vocab.txt (one token per line).", show_default=False)
+_MODEL = typer.Option(None, "--model", help="Model directory: vocab.txt and tokenizer_config.json (casing).",
+                      show_default=False)
+_CASED = typer.Option(False, "--cased", help="Keep case and accents (with --vocab; a --model directory says itself).")
+
+
+def _tokenizer(vocab: Path | None, model: Path | None, cased: bool):
+    from bertctl.tokenizer import BertTokenizer
+
+    if (vocab is None) == (model is None):
+        raise BertctlError("give exactly one of --vocab VOCAB.txt or --model DIR")
+    if model is not None:
+        if cased:
+            raise BertctlError("--cased applies to --vocab; a --model directory stores its own casing")
+        return BertTokenizer.from_pretrained(model)
+    return BertTokenizer.from_vocab_file(vocab, do_lower_case=not cased)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(tokenize_app)
+
+
+@tokenize_app.command("encode")
+def encode(
+    input: Path = typer.Argument(..., help="UTF-8 text, one example per line.", show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", help="OUT.jsonl (one JSON object per line) or OUT.npy.",
+                                show_default=False),
+    vocab: Path = _VOCAB,
+    model: Path = _MODEL,
+    cased: bool = _CASED,
+    pair_separator: str = typer.Option(None, "--pair-separator",
+                                       help='Split each line into a text pair at the first SEP (TAB or "\\t" for a tab).'),
+    max_length: int = typer.Option(None, "--max-length", help="Truncate to N tokens, [CLS]/[SEP] included.", min=2),
+    truncation: str = typer.Option("longest_first", "--truncation",
+                                   help="longest_first, only_first or only_second (pairs)."),
+    offsets: bool = typer.Option(False, "--offsets", help="Add character offsets to each JSON line."),
+) -> None:
+    """Encode each line into input_ids, token_type_ids and attention_mask.
+
+    .jsonl: one object per input line. .npy: the input_ids as an int32 (lines, longest) array
+    right-padded with [PAD] (attention mask = ids != [PAD] id); with --pair-separator the segment ids
+    go beside it in OUT.token_type_ids.npy. Every line is encoded (an empty one gives [CLS] [SEP]);
+    a line that is not UTF-8, or lacks the pair separator, stops with an error naming the line.
+    """
+    from bertctl.tokenizer import encode_file
+
+    tok = _tokenizer(vocab, model, cased)
+    summary = encode_file(tok, input, output, pair_separator=pair_separator, max_length=max_length,
+                          truncation=truncation, offsets=offsets, progress=True)
+    typer.echo(json.dumps(summary))
+
+
+@tokenize_app.command("decode")
+def decode(
+    input: Path = typer.Argument(..., help="JSONL with input_ids per line (or a JSON id list per line), or .npy.",
+                                 show_default=False),
+    vocab: Path = _VOCAB,
+    model: Path = _MODEL,
+    keep_special: bool = typer.Option(False, "--keep-special", help="Keep [CLS], [SEP], [PAD], ... in the text."),
+    output: Path = typer.Option(None, "--output", "-o", help="Write the text here instead of stdout."),
+) -> None:
+    """Turn ids back into text, one line per input row (Hugging Face's decode)."""
+    from bertctl.io import atomic_open
+    from bertctl.tokenizer import decode_file
+
+    tok = _tokenizer(vocab, model, False)
+    lines = decode_file(tok, input, skip_special_tokens=not keep_special)
+    if output is None:
+        for line in lines:
+            typer.echo(line)
+        return
+    with atomic_open(output, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+    typer.echo(str(output))
+
+
+@tokenize_app.command("inspect")
+def inspect(
+    text: str = typer.Argument(..., help="Text to tokenise.", show_default=False),
+    pair: str = typer.Option(None, "--pair", help="Second text of a pair."),
+    vocab: Path = _VOCAB,
+    model: Path = _MODEL,
+    cased: bool = _CASED,
+) -> None:
+    """Show pieces, ids, segment ids and character offsets: a table on stderr, TSV on stdout."""
+    from rich.table import Table
+
+    from bertctl.progress import stderr
+
+    tok = _tokenizer(vocab, model, cased)
+    enc = tok.encode(text, pair, return_offsets=True)
+    table = Table("#", "piece", "id", "segment", "start", "end", "source text")
+    rows = []
+    for k, (i, seg, seq, (a, b)) in enumerate(zip(enc.input_ids, enc.token_type_ids, enc.sequence_ids, enc.offsets)):
+        source = "" if seq is None else (text if seq == 0 else pair)[a:b]
+        piece = tok.ids_to_tokens[i]
+        table.add_row(str(k), piece, str(i), str(seg), str(a), str(b), source)
+        rows.append(f"{piece}\t{i}\t{seg}\t{a}\t{b}")
+    stderr.print(table)
+    typer.echo("\n".join(rows))
+
+
+@tokenize_app.command("train")
+def train(
+    inputs: list[Path] = typer.Argument(..., help="Text files or folders (searched recursively for *.txt).",
+                                        show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", help="VOCAB.txt to write.", show_default=False),
+    vocab_size: int = typer.Option(30522, "--vocab-size", help="Tokens in the vocabulary, specials included.", min=8),
+    cased: bool = typer.Option(False, "--cased", help="Keep case (default: lower-case, as bert-base-uncased)."),
+    no_strip_accents: bool = typer.Option(False, "--no-strip-accents", help="Keep accents when lower-casing."),
+    min_frequency: int = typer.Option(2, "--min-frequency", help="A merged piece must occur this often.", min=1),
+    limit_alphabet: int = typer.Option(1000, "--limit-alphabet", help="Keep the A most frequent characters.", min=1),
+    reserved_unused: int = typer.Option(0, "--reserved-unused", help="Reserve K [unusedN] slots after [PAD].", min=0),
+    sample_bytes: int = typer.Option(None, "--sample-bytes",
+                                     help="Read about this many bytes, sampling lines evenly over all inputs.", min=1),
+    max_sentences: int = typer.Option(None, "--max-sentences", help="Stop after this many (sampled) lines.", min=1),
+    seed: int = typer.Option(0, "--seed", help="Seed of the line sampling."),
+    save_dir: Path = typer.Option(None, "--save-dir",
+                                  help="Also write a tokenizer directory (vocab.txt + tokenizer_config.json)."),
+) -> None:
+    """Learn a BERT WordPiece vocabulary: [PAD], [unused0..K-1], [UNK], [CLS], [SEP], [MASK], characters, pieces."""
+    from bertctl.vocab import VocabConfig, train_vocab, write_vocab
+
+    config = VocabConfig(
+        vocab_size=vocab_size, do_lower_case=not cased, strip_accents=False if no_strip_accents else None,
+        min_frequency=min_frequency, limit_alphabet=limit_alphabet, reserved_unused=reserved_unused,
+        sample_bytes=sample_bytes, max_sentences=max_sentences, seed=seed,
+    )
+    tokens = train_vocab(inputs, config, progress=True)
+    write_vocab(tokens, output)
+    if save_dir is not None:
+        from bertctl.tokenizer import BertTokenizer
+
+        BertTokenizer(tokens, do_lower_case=config.do_lower_case, strip_accents=config.strip_accents).save_pretrained(
+            save_dir)
+    typer.echo(json.dumps({"output": str(output), "vocab_size": len(tokens)}))

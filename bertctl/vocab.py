@@ -1,0 +1,283 @@
+"""Learn a BERT WordPiece vocabulary from raw text.
+
+Pre-tokenisation is bertctl's BERT basic tokenizer (cleaning, lower-casing and accent stripping,
+CJK and punctuation splitting), so training sees exactly the words that encoding will see. The
+pieces are learnt as Hugging Face's ``WordPieceTrainer`` learns them (BPE over word counts with
+``##`` continuation symbols; Sennrich et al., 2016): each word starts as ``c1 ##c2 ##c3 ...`` and
+the most frequent adjacent pair is merged until the vocabulary is full or no pair occurs
+``min_frequency`` times. Greedy longest-match WordPiece (Devlin et al., 2018, section 3) then
+encodes with it.
+
+Vocabulary layout (the bert-base layout): ``[PAD]``, ``[unused0]`` .. ``[unused{K-1}]``, ``[UNK]``,
+``[CLS]``, ``[SEP]``, ``[MASK]``, then the alphabet (word-initial characters, then ``##``
+characters), then the merged pieces in the order they were learnt. With K = 0 the five special
+tokens are ids 0-4.
+
+Memory stays bounded: files are streamed line by line; ``sample_bytes`` keeps a seeded random
+sample of lines (each line with probability ``sample_bytes / total input bytes``), ``max_sentences``
+stops after that many lines, and the word counter is pruned of its rarest words whenever it holds
+more than ``max_word_types`` distinct words.
+"""
+from __future__ import annotations
+
+import heapq
+import os
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from bertctl.errors import BertctlError
+from bertctl.tokenizer import SPECIAL_TOKENS, BertTokenizer
+
+SPECIALS_AFTER_UNUSED = ("[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+@dataclass
+class VocabConfig:
+    vocab_size: int = 30522  # tokens in the file, specials and [unusedN] included
+    do_lower_case: bool = True
+    strip_accents: bool | None = None  # None: follow do_lower_case, as BERT does
+    tokenize_chinese_chars: bool = True
+    min_frequency: int = 2  # a merge needs its pair to occur this often (weighted by word counts)
+    limit_alphabet: int = 1000  # keep the most frequent characters; others become [UNK] at encode time
+    reserved_unused: int = 0  # [unused0..K-1] slots after [PAD], for later task tokens
+    sample_bytes: int | None = None  # read about this many bytes, a uniform random sample of lines
+    max_sentences: int | None = None  # stop after this many lines (after sampling)
+    max_word_types: int = 2_000_000  # distinct words held in memory before the rarest are pruned
+    seed: int = 0  # seed of the line sampling
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def collect_files(inputs: Iterable[str | os.PathLike]) -> list[Path]:
+    """Files named directly, plus every ``*.txt`` under folders (sorted, so runs are reproducible)."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            if not found:
+                raise BertctlError(f"{path}: folder has no .txt files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise BertctlError(f"{path}: no such file or folder")
+    if not files:
+        raise BertctlError("no input files given")
+    return files
+
+
+def iter_text_lines(path: Path) -> Iterator[tuple[str, int]]:
+    """(line, bytes) of a file; lines that are not UTF-8 are read as ISO-8859-1 (never skipped)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line = raw.decode("latin-1")
+            yield line, len(raw)
+
+
+def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertTokenizer, progress: bool = False) -> Counter:
+    """Word counts after BERT basic tokenisation, streamed and (optionally) sampled."""
+    from bertctl.progress import track
+
+    total = sum(p.stat().st_size for p in files)
+    rate = 1.0 if not config.sample_bytes or config.sample_bytes >= total else config.sample_bytes / total
+    rng = random.Random(config.seed)
+    counts: Counter = Counter()
+    lines = 0
+    with track("count words", total, disable=not progress) as advance:
+        for path in files:
+            for line, size in iter_text_lines(path):
+                advance(size)
+                if rate < 1.0 and rng.random() >= rate:
+                    continue
+                counts.update(tokenizer.basic_tokenize(line, keep_special_tokens=False))
+                lines += 1
+                if len(counts) > config.max_word_types:
+                    _prune(counts, config.max_word_types // 2)
+                if config.max_sentences is not None and lines >= config.max_sentences:
+                    return counts
+    return counts
+
+
+def _prune(counts: Counter, keep: int) -> None:
+    """Drop the rarest words so that at most ``keep`` remain (ties dropped together)."""
+    threshold = sorted(counts.values(), reverse=True)[keep]
+    for word in [w for w, c in counts.items() if c <= threshold]:
+        del counts[word]
+
+
+def train_vocab(
+    files: Iterable[str | os.PathLike],
+    config: VocabConfig | None = None,
+    *,
+    progress: bool = False,
+) -> list[str]:
+    """Learn a WordPiece vocabulary from text files or folders; returns the tokens in id order."""
+    config = config or VocabConfig()
+    paths = collect_files(files)
+    tokenizer = _pretokenizer(config)
+    counts = count_words(paths, config, tokenizer, progress=progress)
+    if not counts:
+        raise BertctlError(f"no words found in {len(paths)} input file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''})")
+    return train_from_counts(counts, config, progress=progress)
+
+
+def _pretokenizer(config: VocabConfig) -> BertTokenizer:
+    """A tokenizer whose basic (pre-)tokenisation follows the config; its vocabulary is irrelevant."""
+    return BertTokenizer(list(SPECIAL_TOKENS.values()), do_lower_case=config.do_lower_case,
+                         strip_accents=config.strip_accents, tokenize_chinese_chars=config.tokenize_chinese_chars)
+
+
+def special_tokens(reserved_unused: int) -> list[str]:
+    return ["[PAD]", *(f"[unused{k}]" for k in range(reserved_unused)), *SPECIALS_AFTER_UNUSED]
+
+
+def train_from_counts(counts: dict[str, int], config: VocabConfig, *, progress: bool = False) -> list[str]:
+    """BPE merges with ``##`` continuations over word counts (the WordPieceTrainer algorithm)."""
+    from bertctl.progress import track
+
+    head = special_tokens(config.reserved_unused)
+    if config.vocab_size < len(head) + 1:
+        raise BertctlError(f"--vocab-size {config.vocab_size} leaves no room after {len(head)} special tokens")
+    pretok = _pretokenizer(config)
+
+    # Alphabet: the most frequent characters (ties by code point, for determinism).
+    char_counts: Counter = Counter()
+    for word, n in counts.items():
+        for c in word:
+            char_counts[c] += n
+    alphabet = sorted(char_counts, key=lambda c: (-char_counts[c], c))[: config.limit_alphabet]
+    # Punctuation and CJK ideographs are always one-character words, so they never need "##".
+    lone = {c for c in alphabet if pretok._normalize_char(c)[0] in ("p", "c")}
+    initial = [c for c in alphabet]
+    continuing = ["##" + c for c in alphabet if c not in lone]
+    room = config.vocab_size - len(head)
+    if len(initial) + len(continuing) > room:
+        # A small vocabulary keeps the most frequent characters (both forms) that fit.
+        keep = sorted(alphabet[:room], key=lambda c: (-char_counts[c], c))
+        while len(keep) + sum(c not in lone for c in keep) > room:
+            keep.pop()
+        initial = keep
+        continuing = ["##" + c for c in keep if c not in lone]
+    symbols: list[str] = initial + continuing
+    ids = {s: k for k, s in enumerate(symbols)}
+
+    # Words as symbol-id lists; characters outside the alphabet split a word (their pieces would
+    # straddle an [UNK] at encode time anyway).
+    words: list[list[int]] = []
+    freqs: list[int] = []
+    for word, n in sorted(counts.items()):
+        parts: list[list[int]] = []
+        current: list[int] = []
+        for k, c in enumerate(word):
+            sym = ids.get("##" + c if k else c)
+            if sym is None:
+                if current:
+                    parts.append(current)
+                current = []
+                continue
+            current.append(sym)
+        if current:
+            parts.append(current)
+        for p in parts:
+            if len(p) > 1:
+                words.append(p)
+                freqs.append(n)
+
+    # Pair statistics: count (weighted) and the words where each pair occurs.
+    pair_count: dict[tuple[int, int], int] = {}
+    where: dict[tuple[int, int], set[int]] = {}
+    for w, (syms, n) in enumerate(zip(words, freqs)):
+        for pair in zip(syms, syms[1:]):
+            pair_count[pair] = pair_count.get(pair, 0) + n
+            where.setdefault(pair, set()).add(w)
+    # Max-heap with lazy invalidation: an entry is live when its count equals the current one.
+    # Ties break on the merged string, so the result does not depend on dict order.
+    heap = [(-c, symbols[a] + symbols[b][2:], a, b) for (a, b), c in pair_count.items()]
+    heapq.heapify(heap)
+
+    target = room - len(symbols)
+    merges = 0
+    with track("learn pieces", target, disable=not progress) as advance:
+        while merges < target and heap:
+            neg, merged, a, b = heapq.heappop(heap)
+            if pair_count.get((a, b), 0) != -neg:
+                continue
+            if -neg < config.min_frequency:
+                break
+            new = ids.get(merged)
+            if new is None:
+                new = len(symbols)
+                symbols.append(merged)
+                ids[merged] = new
+                merges += 1
+                advance(1)
+            changed: set[tuple[int, int]] = set()
+            for w in list(where.pop((a, b), ())):
+                syms, n = words[w], freqs[w]
+                old_pairs = list(zip(syms, syms[1:]))
+                out: list[int] = []
+                k = 0
+                while k < len(syms):
+                    if k + 1 < len(syms) and syms[k] == a and syms[k + 1] == b:
+                        out.append(new)
+                        k += 2
+                    else:
+                        out.append(syms[k])
+                        k += 1
+                words[w] = out
+                for pair in old_pairs:
+                    pair_count[pair] -= n
+                    changed.add(pair)
+                    ws = where.get(pair)
+                    if ws is not None:
+                        ws.discard(w)
+                for pair in zip(out, out[1:]):
+                    pair_count[pair] = pair_count.get(pair, 0) + n
+                    where.setdefault(pair, set()).add(w)
+                    changed.add(pair)
+            pair_count.pop((a, b), None)
+            for pair in changed:
+                c = pair_count.get(pair, 0)
+                if c <= 0:
+                    pair_count.pop(pair, None)
+                    where.pop(pair, None)
+                elif pair != (a, b):
+                    heapq.heappush(heap, (-c, symbols[pair[0]] + symbols[pair[1]][2:], pair[0], pair[1]))
+    return head + symbols
+
+
+def write_vocab(tokens: Sequence[str], path: str | os.PathLike) -> None:
+    """Write a ``vocab.txt`` atomically (one token per line, UTF-8, ``\\n`` line ends)."""
+    from bertctl.io import atomic_open
+
+    with atomic_open(path, "w", encoding="utf-8", newline="\n") as f:
+        for tok in tokens:
+            f.write(tok + "\n")
+
+
+def vocab_stats(tokenizer: BertTokenizer, lines: Iterable[str]) -> dict:
+    """[UNK] rate (per token and per word) and mean pieces per word on some text."""
+    words = pieces = unk = unk_words = 0
+    for line in lines:
+        for word in tokenizer.basic_tokenize(line, keep_special_tokens=False):
+            ids = tokenizer._wordpiece(word)[0]
+            words += 1
+            pieces += len(ids)
+            if tokenizer.unk_token_id in ids:
+                unk += ids.count(tokenizer.unk_token_id)
+                unk_words += 1
+    return {
+        "words": words,
+        "pieces": pieces,
+        "pieces_per_word": pieces / max(words, 1),
+        "unk_rate": unk / max(pieces, 1),
+        "unk_word_rate": unk_words / max(words, 1),
+    }
