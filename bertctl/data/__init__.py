@@ -1,9 +1,17 @@
 """Pretraining data: raw text -> sentences -> instances -> shards (``build_data``) -> batches (``PretrainingData``).
 
-``from bertctl.data import build_data, DataConfig, PretrainingData``.
+``from bertctl.data import build_data, DataConfig, PretrainingData``.  The loader
+(which needs torch) is imported on first use, so building data does not load torch.
 """
 from .build import build_data
 from .config import DataConfig
-from .loader import PretrainingData
 
 __all__ = ["build_data", "DataConfig", "PretrainingData"]
+
+
+def __getattr__(name: str):
+    if name == "PretrainingData":
+        from .loader import PretrainingData
+
+        return PretrainingData
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,13 @@
 """Pretraining instances and masked-LM masking, as the paper (section 3.1, appendix A.1-A.2)
 and google-research/bert's create_pretraining_data.py make them.
 
-Everything works on token ids (``list[int]``) and takes an explicit
-``random.Random``, so the same documents and rng state give the same
-instances.  The draws follow the reference's distributions, not its calls one
-for one (masking draws its shuffle lazily; see ``mask_tokens``).
+Everything works on token ids and takes explicit seeds (a ``random.Random``
+for instance creation, per-instance 64-bit seeds for ``mask_batch``), so the
+same documents and seeds give the same instances.  The draws follow the
+reference's distributions, not its calls one for one: ``mask_tokens`` (used
+for whole-word masking) draws its shuffle lazily, and ``mask_batch`` (plain
+masking, at build time and for the loader's dynamic masks) masks a whole batch
+with numpy from counter-based random numbers.
 
 Deliberate deviations from the reference, each for a stated reason:
 
