@@ -277,6 +277,13 @@ def test_formats_lines_and_jsonl(tmp_path, tokenizer, minilm_vocab):
     assert s["documents_read"] == 3 and s["documents"] == 2 and s["sentences"] == 5
     assert s["skipped"]["documents_with_fewer_than_2_sentences"] == 1
 
+    text = tmp_path / "t.txt"
+    text.write_text("First doc, first line\nwrapped here. Second sentence.\n\nNew paragraph.\n---\n"
+                    "Second doc. It has two.\n  ---  \nThird doc. Also two.\n", encoding="utf-8")
+    s = build_data([text], tmp_path / "text", tokenizer, DataConfig(format="text", doc_separator="---"),
+                   progress=False)
+    assert s["documents"] == 3 and s["sentences"] == 7
+
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text('{"body": "One sentence. Two sentences here."}\nnot json\n{"other": 1}\n'
                      '{"body": "Para one.\\n\\nPara two. And more."}\n', encoding="utf-8")
