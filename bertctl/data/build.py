@@ -100,7 +100,7 @@ class WordCache:
     (memory stays bounded).
     """
 
-    def __init__(self, tokenizer, max_words: int = 1 << 20):
+    def __init__(self, tokenizer, max_words: int = 1 << 19):
         self.tokenizer = tokenizer
         self.max_words = max_words
         self.lower = bool(getattr(tokenizer, "do_lower_case", False))
