@@ -38,10 +38,11 @@ MAX_STEPS = typer.Option(None, "--max-steps", help="Stop after this many optimiz
 SAVE_STEPS = typer.Option(0, "--save-steps", help="Also checkpoint every N steps (0: at epoch ends only).")
 RESUME = typer.Option(False, "--resume", help="Continue from the last checkpoint in OUT.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars.")
+LOG_STEPS = typer.Option(50, "--log-steps", help="Log the mean training loss every N steps (metrics.jsonl).")
 
 
 def _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                  no_group_by_length, compile_, max_steps, save_steps, quiet) -> TrainConfig:
+                  no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps=50) -> TrainConfig:
     from bertctl.errors import BertctlError
 
     if batch_size < 1 or eval_batch_size < 1:
@@ -53,7 +54,8 @@ def _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay,
     return TrainConfig(epochs=epochs, lr=lr, batch_size=batch_size, eval_batch_size=eval_batch_size,
                        warmup_ratio=warmup, weight_decay=weight_decay, seed=seed, device=device, bf16=not no_bf16,
                        group_by_length=not no_group_by_length, compile=compile_, max_steps=max_steps,
-                       save_steps=save_steps, progress=not quiet)
+                       save_steps=save_steps, progress=not quiet,
+                       log_steps=max(1, log_steps))
 
 
 @finetune_app.command("glue")
@@ -74,13 +76,13 @@ def glue(
     batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP, weight_decay: float = WD,
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
-    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data."""
     from bertctl.tasks import glue as g
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
     data = g.load_data(task=task, data_dir=data_dir, train=train, dev=dev, text_column=text_column,
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)
@@ -107,13 +109,13 @@ def squad(
     lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP,
     weight_decay: float = WD, dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE,
     no_bf16: bool = NO_BF16, no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE,
-    max_steps: Optional[int] = MAX_STEPS, save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    max_steps: Optional[int] = MAX_STEPS, save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune span question answering on SQuAD v1.1 or v2.0 (2 epochs by default, as the paper)."""
     from bertctl.tasks import squad as s
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     train_data = s.read_squad(train, articles=train_articles, version_2=version_2, training=True)
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
@@ -129,13 +131,13 @@ def ner(
     batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP, weight_decay: float = WD,
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
-    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune NER on CoNLL-format data; the epoch is chosen on valid, scores reported on test."""
     from bertctl.tasks import ner as n
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
     n.run_finetune(data_dir, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
                    dropout=dropout)
 
@@ -149,13 +151,13 @@ def swag(
     batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP, weight_decay: float = WD,
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
-    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune multiple choice (four endings, softmax over [CLS] scores) on SWAG."""
     from bertctl.tasks import swag as w
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
     w.run_finetune(train, dev, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
                    dropout=dropout)
 

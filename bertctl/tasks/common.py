@@ -96,6 +96,11 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
     and ``result.json`` there, so ``resume`` skips it.
     """
     lrs = lr_sweep_values(lr_sweep, cfg.lr)
+    user_build = build_model
+
+    def build_model():  # the seed fixes the fresh head's initialisation too
+        torch.manual_seed(cfg.seed)
+        return user_build()
     if len(lrs) == 1:
         result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
                            output_dir=output, resume=resume and (output / "checkpoint" / "last.pt").exists(), log=log)

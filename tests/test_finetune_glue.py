@@ -1,0 +1,173 @@
+"""GLUE and own-data classification: readers, errors, fine-tuning end to end on a tiny model, eval."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from bertctl.cli.app import app
+from bertctl.errors import BertctlError
+from bertctl.tasks import glue
+from test_finetune_support import data_path, head_lines, make_tiny_model_dir
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def sst2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sst2")
+    head_lines(data_path("glue", "SST-2", "train.tsv"), d / "train.tsv", 97)  # header + 96 rows
+    head_lines(data_path("glue", "SST-2", "dev.tsv"), d / "dev.tsv", 41)
+    return d
+
+
+def invoke(args):
+    result = runner.invoke(app, args)
+    return result
+
+
+def losses(out):
+    return [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(l)["event"] == "train"]
+
+
+def test_sst2_end_to_end_and_eval(tiny, sst2, tmp_path):
+    out = tmp_path / "out"
+    r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
+                str(out), "--epochs", "6", "--lr", "2e-3", "--batch-size", "16", "--log-steps", "3", "--quiet",
+                "--seed", "1"])
+    assert r.exit_code == 0, r.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["train_examples"] == 96
+    ls = losses(out)
+    assert np.mean(ls[-3:]) < ls[0] - 0.05, ls  # the training loss falls (96 rows, 36 steps)
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["id2label"] == {"0": "0", "1": "1"} and config["architectures"] == ["BertForSequenceClassification"]
+    rows = (out / "predictions_sst2.tsv").read_text().splitlines()
+    assert rows[0].split("\t")[:3] == ["index", "prediction", "label"] and len(rows) == 41
+    preds = [r.split("\t")[1] for r in rows[1:]]
+    assert set(preds) <= {"0", "1"}
+    # Accuracy recomputed here from the written predictions and the gold file.
+    gold = [l.split("\t")[1].strip() for l in (sst2 / "dev.tsv").read_text().splitlines()[1:]]
+    assert metrics["accuracy"] == pytest.approx(np.mean([p == g for p, g in zip(preds, gold)]))
+    # bertctl eval on the fine-tuned directory gives the same score.
+    r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(metrics["accuracy"])
+
+
+def test_saved_model_loads_in_transformers(tiny, sst2, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from bertctl.checkpoint import load_pretrained
+    from bertctl.model import BertForSequenceClassification
+
+    out = tmp_path / "out"
+    r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
+                str(out), "--max-steps", "2", "--quiet"])
+    assert r.exit_code == 0, r.output
+    ours = load_pretrained(BertForSequenceClassification, out / "model").eval()
+    hf = transformers.BertForSequenceClassification.from_pretrained(out / "model").eval()
+    ids = torch.tensor([[101, 2023, 2003, 2204, 102]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-5)
+    assert hf.config.id2label == {0: "0", 1: "1"}
+
+
+def test_head_mismatch_is_a_clear_error(tiny, sst2, tmp_path):
+    out = tmp_path / "out"
+    assert invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
+                   str(out), "--max-steps", "1", "--quiet"]).exit_code == 0
+    mnli = tmp_path / "dev_matched.tsv"
+    mnli.write_text("index\tsentence1\tsentence2\tgold_label\n0\ta\tb\tneutral\n")
+    r = invoke(["eval", "glue", "--task", "mnli", "--data", str(mnli), "--model", str(out)])
+    assert r.exit_code == 2
+    assert "2 labels" in r.output and "mnli has 3" in r.output
+
+
+def test_canonical_layouts(tmp_path):
+    cola = tmp_path / "CoLA"
+    cola.mkdir()
+    (cola / "train.tsv").write_text("gj04\t1\t\tOur friends won't buy this analysis.\ngj04\t0\t*\tThey drank the pub.\n")
+    (cola / "dev.tsv").write_text("gj04\t1\t\tGood one.\n")
+    data = glue.load_data(task="cola", data_dir=tmp_path)
+    assert [(e.text_a, e.label) for e in data.train] == [("Our friends won't buy this analysis.", "1"),
+                                                         ("They drank the pub.", "0")]
+    mnli = tmp_path / "MNLI"
+    mnli.mkdir()
+    header = "index\tpromptID\tpairID\tgenre\ts1b\ts2b\ts1p\ts2p\tsentence1\tsentence2\tlabel1\tgold_label\n"
+    (mnli / "train.tsv").write_text(header + "0\t1\t1\tg\tx\tx\tx\tx\tA man.\tA person.\tentailment\tentailment\n")
+    dev_header = header.replace("label1\t", "label1\tlabel2\tlabel3\tlabel4\tlabel5\t")
+    for name in ("dev_matched.tsv", "dev_mismatched.tsv"):
+        (mnli / name).write_text(dev_header + "0\t1\t1\tg\tx\tx\tx\tx\tA.\tB.\tneutral\tn\tn\tn\tn\tneutral\n")
+    data = glue.load_data(task="mnli", data_dir=tmp_path)
+    assert [n for n, _, _ in data.devs] == ["mnli_m", "mnli_mm"]
+    assert data.train[0].text_b == "A person." and data.devs[1][2][0].label == "neutral"
+    assert glue.main_metric_name(data) == "mnli_m_accuracy"
+    stsb = tmp_path / "STS-B"
+    stsb.mkdir()
+    h = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+    (stsb / "train.tsv").write_text(h + "0\tg\tf\t2012\t1\tn\tn\tA plane.\tAn airplane.\t5.000\n")
+    (stsb / "dev.tsv").write_text(h + "0\tg\tf\t2012\t1\tn\tn\tA.\tB.\t1.5\n")
+    data = glue.load_data(task="stsb", data_dir=tmp_path)
+    assert data.task.labels is None and data.train[0].label == 5.0
+
+
+def test_bad_rows_name_file_and_line(tmp_path):
+    d = tmp_path / "SST-2"
+    d.mkdir()
+    (d / "train.tsv").write_text("sentence\tlabel\ngood\t1\nbad\t7\ntoo\tmany\tcolumns\n")
+    (d / "dev.tsv").write_text("sentence\tlabel\nok\t0\n")
+    with pytest.raises(BertctlError, match=r"train.tsv:3: unknown label '7'"):
+        glue.load_data(task="sst2", data_dir=d)
+    data = glue.load_data(task="sst2", data_dir=d, skip_bad_rows=True)
+    assert len(data.train) == 1 and len(data.reports[0].skipped) == 2
+    assert "train.tsv:4: 3 columns, expected 2" in data.reports[0].skipped[1]
+
+
+def test_own_data_csv_and_jsonl(tiny, tmp_path):
+    train = tmp_path / "train.csv"
+    rows = ["text,other,label"] + [f'"item {i}, with comma",x{i},{"pos" if i % 2 else "neg"}' for i in range(20)]
+    train.write_text("\n".join(rows) + "\n")
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"text": f"item {i}", "other": "y", "label": "pos" if i % 2 else "neg"}) + "\n"
+                           for i in range(6)))
+    out = tmp_path / "out"
+    r = invoke(["finetune", "glue", "--train", str(train), "--dev", str(dev), "--text-column", "text",
+                "--text-pair-column", "other", "--label-column", "label", "--model", str(tiny), "--output", str(out),
+                "--epochs", "1", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "model" / "config.json").read_text())["id2label"] == {"0": "neg", "1": "pos"}
+    r = invoke(["eval", "glue", "--data", str(dev), "--text-column", "text", "--text-pair-column", "other",
+                "--label-column", "label", "--model", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a", "label": "pos"}\n{"text": "b"}\n')
+    r = invoke(["finetune", "glue", "--train", str(bad), "--dev", str(dev), "--text-column", "text",
+                "--label-column", "label", "--model", str(tiny), "--output", str(out)])
+    assert r.exit_code == 2 and "bad.jsonl:2: missing column(s) label" in r.output
+
+
+def test_regression_head(tiny, tmp_path):
+    d = tmp_path / "STS-B"
+    d.mkdir()
+    h = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+    rows = "".join(f"{i}\tg\tf\t2012\t1\tn\tn\tA cat {i}.\tA dog {i}.\t{i % 5}.0\n" for i in range(12))
+    (d / "train.tsv").write_text(h + rows)
+    (d / "dev.tsv").write_text(h + rows)
+    out = tmp_path / "out"
+    r = invoke(["finetune", "glue", "--task", "stsb", "--data-dir", str(d), "--model", str(tiny), "--output",
+                str(out), "--epochs", "1", "--quiet"])
+    assert r.exit_code == 0, r.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics) >= {"pearson", "spearmanr"}
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["num_labels"] == 1 and config["problem_type"] == "regression"
