@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bertctl.io import atomic_open
+from bertctl.io import atomic_open, write_json
 from bertctl.progress import stderr
 
 # Modules whose import has side effects (opens a browser, prints, starts a GUI) or is
@@ -73,31 +73,35 @@ def _module_docs(name: str) -> str | None:
     return "\n\n".join(parts) if parts else None
 
 
-def gather_python_docs(path: str | Path, *, max_modules: int | None = None, max_bytes: int = 6_000_000) -> dict:
-    """Write Python's bundled documentation as JSONL documents (``{"text": ...}`` per line).
+def gather_python_docs(folder: str | Path, *, max_modules: int | None = None, max_bytes: int = 6_000_000) -> dict:
+    """Write Python's bundled documentation as plain-text files, one document each.
 
     Documents: each language-reference topic of ``pydoc_data.topics`` and each
-    standard-library module's docstrings, in sorted (deterministic) order.
+    standard-library module's docstrings, in sorted (deterministic) order, as
+    ``NNNN-name.txt`` (paragraphs separated by blank lines: build-data's "text" format).
     """
     from pydoc_data.topics import topics
 
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     n_docs = n_bytes = 0
-    with atomic_open(path, "w", encoding="utf-8") as f:
-        def emit(text: str) -> None:
-            nonlocal n_docs, n_bytes
-            f.write(json.dumps({"text": text}) + "\n")
-            n_docs += 1
-            n_bytes += len(text.encode())
 
-        for key in sorted(topics):
-            emit(topics[key])
-        names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in SKIP_MODULES)
-        for name in names[:max_modules]:
-            if n_bytes >= max_bytes:
-                break
-            text = _module_docs(name)
-            if text:
-                emit(text)
+    def emit(name: str, text: str) -> None:
+        nonlocal n_docs, n_bytes
+        with atomic_open(folder / f"{n_docs:04d}-{name}.txt", "w", encoding="utf-8") as f:
+            f.write(text.strip() + "\n")
+        n_docs += 1
+        n_bytes += len(text.encode())
+
+    for key in sorted(topics):
+        emit(f"topic-{key}", topics[key])
+    names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in SKIP_MODULES)
+    for name in names[:max_modules]:
+        if n_bytes >= max_bytes:
+            break
+        text = _module_docs(name)
+        if text:
+            emit(f"module-{name}", text)
     return {"documents": n_docs, "bytes": n_bytes}
 
 
@@ -131,65 +135,70 @@ def _calibrate_step_seconds(model_config, batch_size: int, seq_len: int, max_pre
 
 
 def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | None = None,
-                    minutes: float | None = None, max_steps: int | None = None, vocab_size: int = 4000,
-                    max_seq_length: int = 128, max_modules: int | None = None, **train_options: Any) -> dict:
-    """gather corpus -> train vocabulary -> build shards -> pretrain tiny BERT -> summary dict."""
+                    minutes: float | None = None, max_steps: int | None = None, model_size: str | None = None,
+                    vocab_size: int = 4000, max_seq_length: int = 128, max_modules: int | None = None,
+                    **train_options: Any) -> dict:
+    """gather corpus -> train vocabulary -> build shards -> pretrain a tiny BERT -> summary dict.
+
+    Each preparation stage is skipped when its output already exists in ``output/work``,
+    so a rerun (or ``--resume``) goes straight to training.
+    """
     from bertctl.config import BertConfig
-    from bertctl.data import build_data
-    from bertctl.data.config import DataConfig
+    from bertctl.data import DataConfig, PretrainingData, build_data
+    from bertctl.tokenizer import BertTokenizer
     from bertctl.train.pretrain import TrainConfig, pretrain
-    from bertctl.vocab import train_vocab
+    from bertctl.vocab import VocabConfig, train_vocab, write_vocab
 
     output = Path(output)
     minutes = DEFAULT_MINUTES if minutes is None else minutes
     batch_size = batch_size or 32
+    model_size = model_size or "tiny"
     seed = train_options.pop("seed", 0)
     work = output / "work"
-    corpus = work / "python-docs.jsonl"
+    corpus = work / "python-docs"
     t0 = time.monotonic()
-    if not corpus.is_file():
+    if not (work / "corpus.json").is_file():
         stderr.print("default job: gathering Python's bundled documentation (pydoc_data.topics + stdlib docstrings)")
-        gather_python_docs(corpus, max_modules=max_modules)
-    corpus_stats = {"path": str(corpus), "bytes": corpus.stat().st_size,
-                    "documents": sum(1 for _ in corpus.open(encoding="utf-8"))}
-    vocab_dir = work / "vocab"
-    if not (vocab_dir / "vocab.txt").is_file():
-        stderr.print(f"default job: training a {vocab_size}-piece WordPiece vocabulary")
-        train_vocab([corpus], vocab_dir, vocab_size=vocab_size, fmt="jsonl")
+        stats = gather_python_docs(corpus, max_modules=max_modules)
+        write_json(work / "corpus.json", stats)
+    corpus_stats = {"path": str(corpus), **json.loads((work / "corpus.json").read_text(encoding="utf-8"))}
+    vocab_file = work / "vocab.txt"
+    if not vocab_file.is_file():
+        stderr.print(f"default job: training a {vocab_size}-token WordPiece vocabulary")
+        write_vocab(train_vocab([corpus], VocabConfig(vocab_size=vocab_size, seed=seed)), vocab_file)
+    tokenizer = BertTokenizer.from_vocab_file(vocab_file)
     data_dir = work / "data"
     if not (data_dir / "manifest.json").is_file():
         stderr.print("default job: building pretraining shards (5% of documents held out)")
-        build_data([corpus], data_dir, vocab=vocab_dir / "vocab.txt",
-                   config=DataConfig(format="jsonl", max_seq_length=max_seq_length, dupe_factor=2,
-                                     holdout_fraction=0.05, seed=seed))
+        build_data([corpus], data_dir, tokenizer,
+                   DataConfig(format="text", max_seq_length=max_seq_length, dupe_factor=3,
+                              holdout_fraction=0.05, seed=seed), progress=train_options.get("show_progress", True))
     prep_seconds = time.monotonic() - t0
 
     model_overrides = train_options.pop("model_overrides", {}) or {}
-    train_options.pop("model_size", None)
     if max_steps is None:
-        # Fit the step count to the time box, so the lr schedule completes (warm-up then decay).
-        from bertctl.data.loader import PretrainingData
-
+        # Fit the step count to the time box, so the lr schedule completes (warm-up, then decay to 0).
         ds = PretrainingData(data_dir)
-        mconf = BertConfig.preset("tiny", vocab_size=ds.vocab_size, **model_overrides)
+        mconf = BertConfig.preset(model_size, vocab_size=ds.vocab_size, **model_overrides)
         t_step = _calibrate_step_seconds(mconf, batch_size, max_seq_length, ds.max_predictions, seed)
         budget = max(10.0, minutes * 60 - (time.monotonic() - t0) - 10.0)  # evals and export take a few s
         max_steps = int(min(20000, max(20, 0.85 * budget / t_step)))
         stderr.print(f"default job: {t_step * 1e3:.0f} ms/step here -> {max_steps} steps in ~{minutes:g} min")
-    cfg = TrainConfig(output=str(output), data=str(data_dir), model_size="tiny", model_overrides=model_overrides,
-                      batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
-                      minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed,
-                      **{"warmup_fraction": 0.05, "eval_batches": 8, **train_options})
-    summary = pretrain(cfg)
+    options = {"warmup_fraction": 0.05, "eval_batches": 8, **train_options}
+    cfg = TrainConfig(output=str(output), data=str(data_dir), model_size=model_size,
+                      model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
+                      minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed, **options)
+    summary = pretrain(cfg, tokenizer=tokenizer)
     ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}
     summary["default_job"] = {
-        "corpus": corpus_stats, "vocabulary": str(vocab_dir / "vocab.txt"), "data": str(data_dir),
+        "corpus": corpus_stats, "vocabulary": str(vocab_file), "data": str(data_dir),
         "prepare_seconds": round(prep_seconds, 1),
         "eval_mlm_accuracy_start": ev0.get("mlm_acc"), "eval_mlm_accuracy_end": ev1.get("mlm_acc"),
         "majority_token_baseline": ev1.get("mlm_majority_baseline", ev0.get("mlm_majority_baseline")),
     }
     if ev1:
-        stderr.print(f"default job: held-out MLM accuracy {ev0.get('mlm_acc', float('nan')):.3f} -> "
-                     f"{ev1['mlm_acc']:.3f} (majority-token baseline {ev1['mlm_majority_baseline']:.3f}); "
+        start = f"{ev0['mlm_acc']:.3f} -> " if ev0 else ""
+        stderr.print(f"default job: held-out MLM accuracy {start}{ev1['mlm_acc']:.3f} "
+                     f"(majority-token baseline {ev1['mlm_majority_baseline']:.3f}); "
                      f"NSP accuracy {ev1['nsp_acc']:.3f}; model in {summary.get('model')}")
     return summary

@@ -18,7 +18,8 @@ def pretrain_command(
                                           "model/). Default job: ./bertctl-default-run."),
     eval_data: Optional[Path] = typer.Option(None, "--eval-data", help="Held-out shards for evaluation "
                                              "(default: the data's held-out part if it has one)."),
-    model_size: str = typer.Option("base", "--model-size", help="Preset: tiny, mini, small, medium, base, large."),
+    model_size: Optional[str] = typer.Option(None, "--model-size", help="Preset: tiny, mini, small, medium, base, "
+                                             "large [default: base; default job tiny]."),
     config: Optional[Path] = typer.Option(None, "--config", help="Model config.json (Hugging Face fields)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start from a Hugging Face BERT directory "
                                              "or a previous run's directory (e.g. phase 1 -> phase 2)."),
@@ -81,6 +82,7 @@ def pretrain_command(
     else:
         if output is None:
             raise BertctlError("--output is required with --data")
+        common["model_size"] = model_size or "base"
         cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch_size or 256, lr=lr or 1e-4, **common)
         summary = pretrain(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 prints

@@ -1,0 +1,252 @@
+"""Whole-model benchmark: pretraining-step and encoder-inference throughput, bertctl vs Hugging Face.
+
+Cases (paper sizes, §3): BERT-Base at seq 128 (batch 256) and 512 (batch 32), BERT-Large at 128.
+Providers, all on the same synthetic batches, bf16 autocast, fused AdamW (no decay on bias /
+LayerNorm), gradient clipping at 1.0:
+
+- ``bertctl``: BertForPreTraining with SDPA and the fused ops; the MLM head runs at the masked
+  positions only (gathered before the vocabulary projection); batches trimmed to their longest
+  sequence; loss sums normalised by host-side counts (no host sync in the step).
+- ``hf``: ``transformers.BertForPreTraining(attn_implementation="sdpa")``, labels on all positions
+  with -100 elsewhere (as HF's MLM collator makes them), the model's own loss.
+- ``+compile``: the same under ``torch.compile``.
+
+Synthetic data looks like ``build-data`` output: 90% of sequences fill ``max_seq_length`` and
+10% are short (the reference's ``short_seq_prob``), 15% of tokens masked (at most
+``max_predictions``), random NSP labels.  Throughput is wall-clock over ``steps`` steps after
+warm-up (median of 3 repeats); MFU counts useful FLOPs analytically (bertctl.train.metrics) for
+every provider alike, so MFU ratios equal throughput ratios.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from bertctl.train.metrics import batch_counts, forward_flops, peak_flops, train_flops
+
+CASES: dict[str, tuple[str, int, int]] = {
+    "base-128": ("base", 128, 256),
+    "base-512": ("base", 512, 32),
+    "large-128": ("large", 128, 256),
+}
+PROVIDERS = ("bertctl", "bertctl+compile", "hf", "hf+compile")
+MASK_ID, CLS_ID, SEP_ID = 4, 2, 3
+
+
+def synthetic_batches(vocab_size: int, seq: int, batch: int, n: int, seed: int = 0,
+                      short_seq_prob: float = 0.1) -> list[dict[str, torch.Tensor]]:
+    """``n`` CPU batches shaped like the loader's, plus ``hf_labels`` (B, S) for Hugging Face."""
+    g = torch.Generator().manual_seed(seed)
+    max_pred = 4 * math.ceil(0.15 * seq / 4)
+    out = []
+    for _ in range(n):
+        short = torch.rand(batch, generator=g) < short_seq_prob
+        lengths = torch.where(short, torch.randint(8, seq + 1, (batch,), generator=g), torch.full((batch,), seq))
+        s = int(-(-int(lengths.max()) // 8) * 8)
+        ids = torch.randint(5, vocab_size, (batch, s), generator=g)
+        att = (torch.arange(s)[None] < lengths[:, None]).long()
+        tt = torch.zeros(batch, s, dtype=torch.long)
+        pos = torch.zeros(batch, max_pred, dtype=torch.long)
+        lab = torch.full((batch, max_pred), -100, dtype=torch.long)
+        for i, L in enumerate(lengths.tolist()):
+            a = L // 2
+            ids[i, 0], ids[i, a], ids[i, L - 1] = CLS_ID, SEP_ID, SEP_ID
+            ids[i, L:] = 0
+            tt[i, a + 1:L] = 1
+            cand = torch.tensor([j for j in range(1, L - 1) if j != a])
+            k = min(max_pred, max(1, round(0.15 * (L - 3))))
+            chosen = cand[torch.randperm(len(cand), generator=g)[:k]].sort().values
+            pos[i, :k] = chosen
+            lab[i, :k] = ids[i, chosen]
+            ids[i, chosen] = MASK_ID
+        hf_labels = torch.full((batch, s), -100, dtype=torch.long)
+        valid = lab != -100
+        hf_labels[torch.arange(batch)[:, None].expand_as(pos)[valid], pos[valid]] = lab[valid]
+        out.append({"input_ids": ids, "token_type_ids": tt, "attention_mask": att, "masked_positions": pos,
+                    "masked_lm_labels": lab, "next_sentence_label": torch.randint(0, 2, (batch,), generator=g),
+                    "hf_labels": hf_labels})
+    return out
+
+
+def bertctl_model(config, device="cpu"):
+    from bertctl.model import BertForPreTraining
+
+    return BertForPreTraining(config).to(device)
+
+
+def hf_model(config, device="cpu"):
+    """transformers' BertForPreTraining with the same architecture, SDPA attention."""
+    import transformers
+
+    d = {k: v for k, v in config.to_dict().items() if k != "model_type"}
+    return transformers.BertForPreTraining(transformers.BertConfig(**d, attn_implementation="sdpa")).to(device)
+
+
+def step_loss(provider: str, fwd, b: dict) -> torch.Tensor:
+    """The pretraining loss of one batch as each provider computes it (mean MLM CE + mean NSP CE)."""
+    from bertctl.train.pretrain import pretraining_sums
+
+    if provider.startswith("hf"):
+        return fwd(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
+                   labels=b["hf_labels"], next_sentence_label=b["next_sentence_label"]).loss
+    s = pretraining_sums(fwd, b)
+    return s["mlm_sum"] / b["n_masked"] + s["nsp_sum"] / b["input_ids"].shape[0]
+
+
+def _train_step_fn(provider: str, model, opt, device_type: str = "cuda") -> Callable[[dict], None]:
+    fwd = torch.compile(model) if provider.endswith("+compile") else model
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(b: dict) -> None:
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = step_loss(provider, fwd, b)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _infer_fn(provider: str, model) -> Callable[[dict], None]:
+    enc = model.bert
+    fwd = torch.compile(enc) if provider.endswith("+compile") else enc
+
+    @torch.no_grad()
+    def step(b: dict) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fwd(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"])
+
+    return step
+
+
+def _time(step: Callable[[dict], None], batches: list[dict], steps: int, warmup: int, repeats: int = 3) -> float:
+    """Median seconds per step over ``repeats`` runs of ``steps`` steps (wall clock, synchronised)."""
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    per_step = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+        per_step.append((time.perf_counter() - t0) / steps)
+    return statistics.median(per_step)
+
+
+def _ddp_info() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def bench_model(cases: list[str] | None = None, providers: list[str] | None = None, steps: int = 20,
+                warmup: int = 5, inference: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Time every (case, provider); returns a JSON-able dict (with the harness's device block on rank 0).
+
+    Under ``torchrun`` (WORLD_SIZE > 1) only ``bertctl`` runs, wrapped in DistributedDataParallel
+    with the case batch per GPU, and the result is the global throughput (weak scaling).
+    """
+    from bertctl.bench.harness import device_block
+    from bertctl.config import BertConfig
+    from bertctl.train import distributed
+    from bertctl.train.optim import build_optimizer
+
+    if not torch.cuda.is_available():
+        from bertctl.errors import BertctlError
+
+        raise BertctlError("bench model needs a CUDA GPU")
+    dist = distributed.setup("cuda")
+    rank, world = dist.rank, dist.world_size
+    device = dist.device
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    cases = cases or list(CASES)
+    providers = providers or ["bertctl", "hf"]
+    if world > 1:
+        providers = [p for p in providers if not p.startswith("hf")] or ["bertctl"]
+    peak = peak_flops(device)
+    results, infer_results = [], []
+    for case in cases:
+        size, seq, batch = CASES[case]
+        cpu_batches = synthetic_batches(30522, seq, batch, n=8, seed=1000 * rank + seq)
+        for b in cpu_batches:
+            b["n_masked"] = float((b["masked_lm_labels"] != -100).sum())
+        counts = [batch_counts(b) for b in cpu_batches]
+        gpu_batches = [{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()} for b in cpu_batches]
+        for provider in providers:
+            torch.manual_seed(0)
+            try:
+                conf = BertConfig.preset(size, attn_implementation="sdpa", kernels="auto")
+                model = (hf_model if provider.startswith("hf") else bertctl_model)(conf, device)
+                config = _config_of(model)
+                train_model = model
+                if world > 1:
+                    from torch.nn.parallel import DistributedDataParallel as DDP
+
+                    train_model = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True)
+                opt = build_optimizer(model, "adamw", lr=1e-4, fused=True)
+                step = _train_step_fn(provider, train_model, opt)
+                torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+                sec = _time(step, gpu_batches, steps, warmup)
+                mem = torch.cuda.max_memory_allocated(device) / 2**30
+                flops = statistics.mean(train_flops(config, *c) for c in counts)
+                row = {"case": case, "model": size, "seq": seq, "batch_per_gpu": batch, "world_size": world,
+                       "provider": provider, "step_ms": round(sec * 1e3, 2),
+                       "seq_per_s": round(batch * world / sec, 1),
+                       "tokens_per_s": round(statistics.mean(c[0] for c in counts) * world / sec),
+                       "model_tflops_per_gpu": round(flops / sec / 1e12, 1),
+                       "mfu": round(flops / sec / peak, 4) if peak else None,
+                       "peak_mem_gib": round(mem, 2), "wall_s": round(time.perf_counter() - t0, 1)}
+                results.append(row)
+                log(f"train {case} {provider}: {row['seq_per_s']} seq/s, MFU {row['mfu']}, {row['peak_mem_gib']} GiB")
+                del opt, step, train_model
+                if inference and world == 1 and case == "base-128":
+                    model.eval()
+                    f = _infer_fn(provider, model)
+                    sec = _time(f, gpu_batches, steps, warmup)
+                    fl = statistics.mean(forward_flops(config, c[0], c[1], 0, c[3]) for c in counts)
+                    irow = {"case": case, "provider": provider, "seq_per_s": round(batch / sec, 1),
+                            "step_ms": round(sec * 1e3, 2), "model_tflops": round(fl / sec / 1e12, 1),
+                            "mfu": round(fl / sec / peak, 4) if peak else None}
+                    infer_results.append(irow)
+                    log(f"infer {case} {provider}: {irow['seq_per_s']} seq/s, MFU {irow['mfu']}")
+            except torch.cuda.OutOfMemoryError as e:
+                results.append({"case": case, "provider": provider, "error": f"out of memory: {e}"[:200]})
+                log(f"train {case} {provider}: out of memory")
+            finally:
+                model = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch._dynamo.reset()
+    out: dict[str, Any] = {"benchmark": "model", "steps": steps, "warmup": warmup,
+                           "peak_bf16_tflops": peak / 1e12 if peak else None, "train": results,
+                           "inference": infer_results, "speedups": _speedups(results, infer_results)}
+    if rank == 0:
+        out["device"] = device_block(device)
+    distributed.teardown(dist)
+    return out
+
+
+def _config_of(model):
+    """The architecture numbers FLOP counting needs, from either implementation's config."""
+    return model.config
+
+
+def _speedups(train: list[dict], infer: list[dict]) -> dict[str, float]:
+    sp = {}
+    for rows, kind in ((train, "train"), (infer, "infer")):
+        by = {(r["case"], r["provider"]): r.get("seq_per_s") for r in rows if r.get("seq_per_s")}
+        for (case, prov), v in by.items():
+            if not prov.startswith("bertctl"):
+                continue
+            for ref in ("hf", "hf+compile"):
+                if (case, ref) in by:
+                    sp[f"{kind} {case} {prov} / {ref}"] = round(v / by[(case, ref)], 3)
+    return sp

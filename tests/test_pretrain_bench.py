@@ -1,0 +1,58 @@
+"""The model benchmark's pieces on CPU: synthetic batches, the FLOP count, and that bertctl's
+masked-position loss equals Hugging Face's all-position loss on the same weights and batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from bertctl.bench.model import bertctl_model, hf_model, step_loss, synthetic_batches
+from bertctl.config import BertConfig
+from bertctl.train.metrics import batch_counts, forward_flops
+
+
+def test_synthetic_batches_look_like_built_data():
+    (b,) = synthetic_batches(500, 64, 40, n=1, seed=3)
+    lengths = b["attention_mask"].sum(1)
+    assert b["input_ids"].shape[1] % 8 == 0 and b["input_ids"].shape[1] >= int(lengths.max())
+    assert (lengths == 64).float().mean() > 0.6          # most sequences fill max_seq_length
+    valid = b["masked_lm_labels"] != -100
+    assert (valid.sum(1) >= 1).all() and valid.sum(1).max() <= 12  # 15% of 64, rounded up to 4
+    pos = b["masked_positions"][valid]
+    rows = torch.arange(40)[:, None].expand_as(valid)[valid]
+    assert (b["input_ids"][rows, pos] == 4).all()                   # masked slots hold [MASK]
+    assert (pos < lengths[rows]).all()
+    # HF labels: the same predictions at the same places, -100 elsewhere.
+    assert (b["hf_labels"] != -100).sum() == valid.sum()
+    assert torch.equal(b["hf_labels"][rows, pos], b["masked_lm_labels"][valid])
+
+
+def test_flop_count_matches_torch_flop_counter():
+    """Unpadded batch: analytic FLOPs = the matmuls torch counts (embeddings / norms / softmax excluded)."""
+    conf = BertConfig.preset("tiny", vocab_size=300, attn_implementation="explicit", kernels="torch")
+    model = bertctl_model(conf).eval()
+    B, S, P = 3, 16, 4
+    ids = torch.randint(5, 300, (B, S))
+    pos = torch.stack([torch.randperm(S - 1)[:P] + 1 for _ in range(B)])
+    batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": torch.ones_like(ids),
+             "masked_positions": pos, "masked_lm_labels": torch.randint(5, 300, (B, P))}
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        model(ids, batch["token_type_ids"], batch["attention_mask"], masked_positions=pos)
+    tokens, pairs, masked, seqs = batch_counts(batch)
+    assert (tokens, pairs, masked, seqs) == (B * S, B * S * S, B * P, B)
+    assert forward_flops(conf, tokens, pairs, masked, seqs) == fc.get_total_flops()
+
+
+def test_bertctl_loss_equals_hf_loss_on_the_same_batch():
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    conf = BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ours = bertctl_model(conf).eval()
+    theirs = hf_model(conf).eval()
+    sd = ours.state_dict()
+    sd["cls.predictions.decoder.bias"] = sd["cls.predictions.bias"]  # HF ties the two
+    missing, unexpected = theirs.load_state_dict(sd, strict=False)
+    assert not unexpected and all("position_ids" in k or "token_type_ids" in k for k in missing)
+    (b,) = synthetic_batches(500, 32, 6, n=1, seed=1)
+    b["n_masked"] = float((b["masked_lm_labels"] != -100).sum())
+    with torch.no_grad():
+        torch.testing.assert_close(step_loss("bertctl", ours, b), step_loss("hf", theirs, b), rtol=1e-5, atol=1e-5)
