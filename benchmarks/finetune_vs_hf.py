@@ -386,7 +386,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="pretrained model directory (HF layout)")
     p.add_argument("--data", type=Path, required=True, help="folder with SST-2/, conll2003/, squad/")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="where the finetune-<task>.json results go")
+    p.add_argument("--work", type=Path, default=None, help="fine-tuned models and predictions (default: --out)")
     p.add_argument("--tasks", default="sst2,conll,squad")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=42)
@@ -400,10 +401,12 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="slice the data (CPU smoke runs)")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    work = a.work or a.out
+    work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in a.tasks.split(","):
         t = time.perf_counter()
-        r = TASKS[name](a, a.out)
+        r = TASKS[name](a, work)
         m = r["metric"]
         r = {"task": name, **r, "delta": r["bertctl"][m] - r["hf"][m],
              "speedup": r["bertctl"]["train_examples_per_second"] / r["hf"]["train_examples_per_second"],

@@ -36,4 +36,4 @@ fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 export PYTHONUNBUFFERED=1
-python3 benchmarks/finetune_vs_hf.py --model "$WORK/minilm" --data "$WORK/data" --out "$OUT" "$@"
+python3 benchmarks/finetune_vs_hf.py --model "$WORK/minilm" --data "$WORK/data" --out "$OUT" --work "$WORK/runs" "$@"

@@ -171,3 +171,16 @@ def test_regression_head(tiny, tmp_path):
     assert set(metrics) >= {"pearson", "spearmanr"}
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["num_labels"] == 1 and config["problem_type"] == "regression"
+
+
+def test_unlabelled_test_file_gets_predictions(tiny, sst2, tmp_path):
+    out = tmp_path / "out"
+    assert invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
+                   str(out), "--max-steps", "1", "--quiet"]).exit_code == 0
+    test = tmp_path / "test.tsv"
+    test.write_text("index\tsentence\n0\ta fine film .\n1\tdreadful .\n")
+    r = invoke(["eval", "glue", "--task", "sst2", "--data", str(test), "--model", str(out), "--output",
+                str(tmp_path / "pred"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    rows = (tmp_path / "pred" / "predictions_sst2.tsv").read_text().splitlines()
+    assert len(rows) == 3 and all(r.split("\t")[1] in ("0", "1") for r in rows[1:])

@@ -89,7 +89,7 @@ def glue(
         raise BertctlError("give --data FILE or --data-dir GLUE_TASK_DIR")
     if text_column is None and task is not None and data is not None:
         spec = g.task_spec(task)
-        examples, report = g.read_glue_tsv(data, spec, skip_bad_rows=skip_bad_rows)
+        examples, report = g.read_glue_tsv(data, spec, skip_bad_rows=skip_bad_rows, require_labels=False)
         glue_data = g.GlueData(spec, [], [(spec.name, Path(data), examples)], [report])
     else:
         glue_data = g.load_data(task=task, data_dir=data_dir, dev=data, text_column=text_column,

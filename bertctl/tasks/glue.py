@@ -132,7 +132,10 @@ def read_glue_tsv(path: str | Path, task: GlueTask, *, skip_bad_rows: bool = Fal
     where0 = f"{path}:1"
     ia = col(task.text_a, where0)
     ib = col(task.text_b, where0) if task.text_b is not None else None
-    il = col(task.label, where0) if require_labels else None
+    if task.header and not require_labels and task.label not in columns:
+        il = None  # an unlabelled file (GLUE test.tsv): predictions only
+    else:
+        il = col(task.label, where0)
     need = max(i for i in (ia, ib, il) if i is not None) + 1
     for lineno in range(first, len(lines)):
         line = lines[lineno].rstrip("\r")
@@ -383,6 +386,8 @@ def evaluate_devs(model, data: GlueData, tokenizer, cfg: TrainConfig, label_name
         feats = featurize(examples, tokenizer, data.task, max_seq_length, label_names=label_names)
         p = _predictions(model, feats, cfg, regression, progress)
         preds[name] = p
+        if any(e.label is None for e in examples):  # unlabelled (test) file: predictions only
+            continue
         m = score(data.task, p, examples, label_names or ())
         if len(data.devs) == 1:
             metrics.update(m)
@@ -451,23 +456,21 @@ def run_eval(data: GlueData, model_dir: str | Path, cfg: TrainConfig, *, max_seq
     skipped = _report_skips(data.reports)
     regression = data.task.labels is None
     model = common.load_finetuned(BertForSequenceClassification, model_dir,
-                                  labels=data.task.labels if not regression else None,
+                                  labels=data.task.labels if not regression and data.task.name != "custom" else None,
                                   regression=regression, task=data.task.name)
-    label_names = None if regression else common.head_labels(model)
+    label_names = None
     if not regression:
-        # A generic task's labels come from the model; a canonical one's must match by name.
-        if data.task.name == "custom":
+        label_names = common.head_labels(model)
+        generic = [str(i) for i in range(len(label_names))], [f"LABEL_{i}" for i in range(len(label_names))]
+        if data.task.name == "custom":  # own data: the labels are the model's
             data.task = GlueTask("custom", "", tuple(label_names), "", None, "", dev_files=())
-        elif set(label_names) != set(data.task.labels) and label_names != [str(i) for i in range(len(label_names))]:
+        elif label_names in generic:  # unnamed labels: the task's, in the task's order
+            label_names = list(data.task.labels)
+        elif set(label_names) != set(data.task.labels):
             raise BertctlError(f"{model_dir}: the head's labels ({', '.join(label_names)}) are not "
                                f"{data.task.name}'s ({', '.join(data.task.labels)})")
-        elif label_names == [str(i) for i in range(len(label_names))]:
-            label_names = list(data.task.labels)
-        for _, path, ex in data.devs:
-            normalise_labels(ex, data.task, str(path))
-    else:
-        for _, path, ex in data.devs:
-            normalise_labels(ex, data.task, str(path))
+    for _, path, ex in data.devs:
+        normalise_labels(ex, data.task, str(path))
     tokenizer = common.load_tokenizer(model_dir)
     model.to(common.device_for(cfg))
     metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.progress)
