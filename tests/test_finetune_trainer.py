@@ -109,3 +109,21 @@ def test_warmup_and_linear_decay_schedule(tmp_path):
     # lr after step s (LambdaLR has stepped s times): warm-up to the peak, then linear to 0.
     want = [1e-3 * (s / warmup if s < warmup else (total - s) / (total - warmup)) for s in range(1, total + 1)]
     np.testing.assert_allclose(lrs, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_fine_tuning_on_gpu_learns(tmp_path):
+    build, feats = _setup(tmp_path)
+    cfg = T.TrainConfig(epochs=12, lr=1e-3, batch_size=8, device="cuda", progress=False, log_steps=5)
+    from bertctl.progress import MetricsLog
+    import json
+
+    with MetricsLog(tmp_path / "log.jsonl") as log:
+        result = T.fine_tune(build(), feats, cfg, log=log)
+    losses = [json.loads(l)["loss"] for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(losses)) and np.mean(losses[-2:]) < losses[0] - 0.02, losses
+    assert next(result.model.parameters()).dtype == torch.float32  # bf16 autocast, fp32 master weights
+    out = T.predict(result.model, feats, device=torch.device("cuda"))
+    acc = np.mean([o[0].argmax() == f["labels"] for o, f in zip(out, feats)])
+    assert acc > 0.8  # 40 rows memorised
