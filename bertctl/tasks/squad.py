@@ -252,7 +252,7 @@ def featurize(data: SquadData, tokenizer, cfg: SquadConfig, *, training: bool, p
                 ids = np.asarray(head + ctx.ids[start : start + length].tolist() + [sep_id], dtype=np.int32)
                 types = np.zeros(len(ids), dtype=np.int8)
                 types[ctx_offset:] = 1
-                f = {"input_ids": ids, "token_type_ids": types, "_example": ei}
+                f = {"input_ids": ids, "token_type_ids": types, "_example": ei, "_span_start": start}
                 if training:
                     s = e = 0
                     if answer_tokens is not None:
@@ -261,7 +261,7 @@ def featurize(data: SquadData, tokenizer, cfg: SquadConfig, *, training: bool, p
                             s, e = a - start + ctx_offset, b - start + ctx_offset
                     f["start_positions"], f["end_positions"] = s, e
                 else:
-                    f.update(_ctx_offset=ctx_offset, _span_start=start, _max_context=mask)
+                    f.update(_ctx_offset=ctx_offset, _max_context=mask)
                 features.append(f)
             advance(1)
     return features
@@ -494,18 +494,10 @@ def _read_json_object(path, what: str) -> dict:
 
 
 def recover_answer(feature: dict, context: str, ctx: ContextTokens) -> str:
-    """The context text a training window's answer positions point at (for checks and tests)."""
-    s, e = feature["start_positions"], feature["end_positions"]
-    off = int(np.flatnonzero(feature["token_type_ids"])[0])
-    span_start = None
-    # Locate the window in the context token list by matching its ids (tests use this).
-    ids = feature["input_ids"][off:-1]
-    for cand in range(0, len(ctx.ids) - len(ids) + 1):
-        if np.array_equal(ctx.ids[cand : cand + len(ids)], ids):
-            span_start = cand
-            break
-    assert span_start is not None
-    a, b = span_start + s - off, span_start + e - off
+    """The context text a training window's answer positions point at (a check of the labels)."""
+    off = int(np.flatnonzero(feature["token_type_ids"])[0])  # first context token: after [CLS] Q [SEP]
+    a = feature["_span_start"] + feature["start_positions"] - off
+    b = feature["_span_start"] + feature["end_positions"] - off
     return context[ctx.offsets[a][0] : ctx.offsets[b][1]]
 
 
