@@ -38,7 +38,8 @@ def squad(
     version_2: bool = typer.Option(False, "--version-2", help="SQuAD 2.0 rules (HasAns/NoAns, thresholds)."),
     na_prob: Optional[Path] = typer.Option(None, "--na-prob", help="v2.0: {id: no-answer odds} JSON (null_odds.json)."),
     na_prob_thresh: float = typer.Option(1.0, "--na-prob-thresh", help="v2.0: odds above this count as no answer."),
-    articles: Optional[str] = typer.Option(None, "--articles", help="SPLIT.json:KEY: only these articles."),
+    articles: Optional[str] = typer.Option(None, "--articles",
+                                           help="FILE:KEY, e.g. split.json:eval; only these articles."),
     null_threshold: Optional[float] = typer.Option(None, "--null-threshold", help="v2.0 with --model: τ for "
                                                    "s_null - s_best (default: the model's, else chosen on this data)."),
     model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,

@@ -94,10 +94,10 @@ def glue(
 def squad(
     train: Path = typer.Option(..., "--train", help="SQuAD training JSON."),
     dev: Path = typer.Option(..., "--dev", help="SQuAD dev JSON."),
-    train_articles: Optional[str] = typer.Option(None, "--train-articles", help="SPLIT.json:KEY: train only on the "
-                                                                                "articles listed there."),
-    dev_articles: Optional[str] = typer.Option(None, "--dev-articles", help="SPLIT.json:KEY: evaluate only on these "
-                                                                            "articles."),
+    train_articles: Optional[str] = typer.Option(None, "--train-articles", help="FILE:KEY, e.g. split.json:train; train "
+                                                                                "only on the articles listed there."),
+    dev_articles: Optional[str] = typer.Option(None, "--dev-articles", help="FILE:KEY, e.g. split.json:eval; "
+                                                                            "evaluate only on these articles."),
     version_2: bool = typer.Option(False, "--version-2", help="SQuAD 2.0: unanswerable questions, null threshold."),
     max_seq_length: int = typer.Option(384, "--max-seq-length"),
     doc_stride: int = typer.Option(128, "--doc-stride", help="Context tokens between window starts."),
