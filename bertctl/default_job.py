@@ -151,7 +151,7 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
 
     output = Path(output)
     minutes = DEFAULT_MINUTES if minutes is None else minutes
-    batch_size = batch_size or 32
+    batch_size = batch_size or 16
     model_size = model_size or "tiny"
     seed = train_options.pop("seed", 0)
     work = output / "work"
@@ -186,7 +186,7 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
         stderr.print(f"default job: {t_step * 1e3:.0f} ms/step here -> {max_steps} steps in ~{minutes:g} min")
     options = {"warmup_fraction": 0.05, "eval_batches": 8, **train_options}
     cfg = TrainConfig(output=str(output), data=str(data_dir), model_size=model_size,
-                      model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
+                      model_overrides=model_overrides, batch_size=batch_size, lr=lr or 2e-3, max_steps=max_steps,
                       minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed, **options)
     summary = pretrain(cfg, tokenizer=tokenizer)
     ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}

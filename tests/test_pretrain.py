@@ -272,3 +272,86 @@ def test_two_gloo_processes_equal_one_process(data_dir, tmp_path):
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+# --------------------------------------------------------------------------- two phases, init-from
+
+
+def test_phase_two_continues_from_phase_one(trained, data_dir, tmp_path):
+    """--init-from a run: its weights (and with --keep-optimizer its Adam moments) carry over; steps restart."""
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    phase1, s1 = trained
+    out = tmp_path / "phase2"
+    s2 = pretrain(TrainConfig(output=str(out), data=str(data_dir), init_from=str(phase1), keep_optimizer=True,
+                              batch_size=16, lr=1e-3, max_steps=2, device="cpu", eval_batches=4, show_progress=False))
+    assert s2["start_step"] == 0 and s2["steps"] == 2
+    # Same held-out batches, same weights before phase 2's first step: the same loss as phase 1's end.
+    assert s2["eval_start"]["mlm_loss"] == pytest.approx(s1["eval_end"]["mlm_loss"], rel=1e-6)
+    st1 = torch.load(state.latest_checkpoint(phase1).path / "state.pt", weights_only=True)
+    st2 = torch.load(state.latest_checkpoint(out).path / "state.pt", weights_only=True)
+    assert float(st2["optimizer"]["state"][0]["step"]) == float(st1["optimizer"]["state"][0]["step"]) + 2
+    assert st2["optimizer"]["param_groups"][0]["initial_lr"] == 1e-3
+
+
+def test_init_from_hf_directory_with_fresh_heads(minilm_dir, data_dir, tmp_path):
+    """MiniLM has no MLM/NSP heads: they start fresh, the encoder starts from MiniLM's weights."""
+    from bertctl import checkpoint
+    from bertctl.model import BertModel
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    out = tmp_path / "cont"
+    s = pretrain(TrainConfig(output=str(out), data=str(data_dir), init_from=str(minilm_dir), batch_size=8,
+                             lr=1e-12, max_steps=1, device="cpu", eval_at_start=False, eval_batches=1,
+                             show_progress=False, save_minutes=1000))
+    assert s["steps"] == 1
+    ref = checkpoint.load_pretrained(BertModel, minilm_dir)
+    got = checkpoint.load_pretrained(BertModel, out / "model")
+    w = "encoder.layer.3.attention.self.query.weight"
+    torch.testing.assert_close(got.state_dict()[w], ref.state_dict()[w], atol=1e-6, rtol=0)  # lr 1e-12: unchanged
+
+
+# --------------------------------------------------------------------------- the default job
+
+
+def test_default_job_runs_end_to_end(tmp_path):
+    from bertctl.default_job import run_default_job
+
+    out = tmp_path / "default"
+    s = run_default_job(out, max_steps=6, minutes=2, max_modules=12, vocab_size=600, max_seq_length=64,
+                        eval_batches=2, show_progress=False)
+    job = s["default_job"]
+    assert job["corpus"]["documents"] > 80            # the language reference topics at least
+    assert s["steps"] == 6 and (out / "model" / "vocab.txt").is_file()
+    assert 0 < job["majority_token_baseline"] < 1
+    assert job["eval_mlm_accuracy_start"] is not None and job["eval_mlm_accuracy_end"] is not None
+    assert s["eval_end"]["mlm_loss"] < s["eval_start"]["mlm_loss"]
+
+
+def test_pretrain_help():
+    r = _cli("pretrain", "--help")
+    assert r.returncode == 0 and "--resume" in r.stdout and "--init-from" in r.stdout
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
+    from bertctl.errors import BertctlError
+    from bertctl.train import pretrain as pt
+
+    real, calls = pt.pretraining_sums, []
+
+    def poisoned(model, mb):  # from the 4th step on, the loss is NaN (one micro-batch per step)
+        s = real(model, mb)
+        calls.append(1)
+        if len(calls) >= 4 and model.training:
+            s["mlm_sum"] = s["mlm_sum"] * float("nan")
+        return s
+
+    monkeypatch.setattr(pt, "pretraining_sums", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(BertctlError, match="non-finite loss.*step-00000002"):
+        pt.pretrain(pt.TrainConfig(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16,
+                                   max_steps=8, save_every=2, device="cpu", eval_at_start=False,
+                                   show_progress=False, save_minutes=1000))
+    assert [c.step for c in state.list_checkpoints(out)] == [2]
+    st = state.load_checkpoint(state.latest_checkpoint(out).path)
+    assert all(torch.isfinite(v).all() for v in st["model"].values())

@@ -56,3 +56,17 @@ def test_bertctl_loss_equals_hf_loss_on_the_same_batch():
     b["n_masked"] = float((b["masked_lm_labels"] != -100).sum())
     with torch.no_grad():
         torch.testing.assert_close(step_loss("bertctl", ours, b), step_loss("hf", theirs, b), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_model_runs_end_to_end_on_cpu():
+    pytest.importorskip("transformers")
+    from bertctl.bench.model import bench_model
+
+    rows = []
+    out = bench_model(["tiny-64"], ["bertctl", "hf"], steps=2, warmup=1, device="cpu", log=lambda m: None,
+                      on_row=lambda partial: rows.append(len(partial["train"])))
+    assert [r["provider"] for r in out["train"]] == ["bertctl", "hf"]
+    assert all(r["seq_per_s"] > 0 and r["mfu"] is None for r in out["train"])  # no MFU without a known peak
+    assert [r["provider"] for r in out["inference"]] == ["bertctl", "hf"]
+    assert "train tiny-64 bertctl / hf" in out["speedups"] and rows == [1, 2]
+    assert out["device"]["type"] == "cpu"

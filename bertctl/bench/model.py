@@ -28,12 +28,14 @@ from typing import Any, Callable
 
 import torch
 
+from bertctl.bench.harness import synchronize
 from bertctl.train.metrics import batch_counts, forward_flops, peak_flops, train_flops
 
 CASES: dict[str, tuple[str, int, int]] = {
     "base-128": ("base", 128, 256),
     "base-512": ("base", 512, 32),
     "large-128": ("large", 128, 256),
+    "tiny-64": ("tiny", 64, 8),  # a smoke case: runs anywhere in seconds
 }
 PROVIDERS = ("bertctl", "bertctl+compile", "hf", "hf+compile")
 MASK_ID, CLS_ID, SEP_ID = 4, 2, 3
@@ -114,29 +116,30 @@ def _train_step_fn(provider: str, model, opt, device_type: str = "cuda") -> Call
     return step
 
 
-def _infer_fn(provider: str, model) -> Callable[[dict], None]:
+def _infer_fn(provider: str, model, device_type: str = "cuda") -> Callable[[dict], None]:
     enc = model.bert
     fwd = torch.compile(enc) if provider.endswith("+compile") else enc
 
     @torch.no_grad()
     def step(b: dict) -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
             fwd(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"])
 
     return step
 
 
-def _time(step: Callable[[dict], None], batches: list[dict], steps: int, warmup: int, repeats: int = 3) -> float:
+def _time(step: Callable[[dict], None], batches: list[dict], steps: int, warmup: int, device: torch.device,
+          repeats: int = 3) -> float:
     """Median seconds per step over ``repeats`` runs of ``steps`` steps (wall clock, synchronised)."""
     for i in range(warmup):
         step(batches[i % len(batches)])
-    torch.cuda.synchronize()
+    synchronize(device)
     per_step = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for i in range(steps):
             step(batches[i % len(batches)])
-        torch.cuda.synchronize()
+        synchronize(device)
         per_step.append((time.perf_counter() - t0) / steps)
     return statistics.median(per_step)
 
@@ -146,9 +149,14 @@ def _ddp_info() -> tuple[int, int]:
 
 
 def bench_model(cases: list[str] | None = None, providers: list[str] | None = None, steps: int = 20,
-                warmup: int = 5, inference: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+                warmup: int = 5, inference: bool = True, log: Callable[[str], None] = print,
+                compile_cases: list[str] | None = None, device: str = "cuda",
+                on_row: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Time every (case, provider); returns a JSON-able dict (with the harness's device block on rank 0).
 
+    Compiled providers run only for ``compile_cases`` (default: the first case), since each
+    compilation costs a minute.  ``on_row(partial_result)`` is called after every measurement
+    (the CLI writes the JSON each time, so a run cut short keeps what it measured).
     Under ``torchrun`` (WORLD_SIZE > 1) only ``bertctl`` runs, wrapped in DistributedDataParallel
     with the case batch per GPU, and the result is the global throughput (weak scaling).
     """
@@ -157,11 +165,11 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
     from bertctl.train import distributed
     from bertctl.train.optim import build_optimizer
 
-    if not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         from bertctl.errors import BertctlError
 
         raise BertctlError("bench model needs a CUDA GPU")
-    dist = distributed.setup("cuda")
+    dist = distributed.setup(device)
     rank, world = dist.rank, dist.world_size
     device = dist.device
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -171,7 +179,13 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
     if world > 1:
         providers = [p for p in providers if not p.startswith("hf")] or ["bertctl"]
     peak = peak_flops(device)
+    compile_cases = compile_cases if compile_cases is not None else cases[:1]
     results, infer_results = [], []
+    out: dict[str, Any] = {"benchmark": "model", "steps": steps, "warmup": warmup,
+                           "peak_bf16_tflops": peak / 1e12 if peak else None, "train": results,
+                           "inference": infer_results}
+    if rank == 0:
+        out["device"] = device_block(device)
     for case in cases:
         size, seq, batch = CASES[case]
         cpu_batches = synthetic_batches(30522, seq, batch, n=8, seed=1000 * rank + seq)
@@ -180,6 +194,8 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
         counts = [batch_counts(b) for b in cpu_batches]
         gpu_batches = [{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()} for b in cpu_batches]
         for provider in providers:
+            if provider.endswith("+compile") and case not in compile_cases:
+                continue
             torch.manual_seed(0)
             try:
                 conf = BertConfig.preset(size, attn_implementation="sdpa", kernels="auto")
@@ -190,12 +206,13 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                     from torch.nn.parallel import DistributedDataParallel as DDP
 
                     train_model = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True)
-                opt = build_optimizer(model, "adamw", lr=1e-4, fused=True)
-                step = _train_step_fn(provider, train_model, opt)
-                torch.cuda.reset_peak_memory_stats(device)
+                opt = build_optimizer(model, "adamw", lr=1e-4)  # fused on CUDA
+                step = _train_step_fn(provider, train_model, opt, device.type)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
-                sec = _time(step, gpu_batches, steps, warmup)
-                mem = torch.cuda.max_memory_allocated(device) / 2**30
+                sec = _time(step, gpu_batches, steps, warmup, device)
+                mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
                 flops = statistics.mean(train_flops(config, *c) for c in counts)
                 row = {"case": case, "model": size, "seq": seq, "batch_per_gpu": batch, "world_size": world,
                        "provider": provider, "step_ms": round(sec * 1e3, 2),
@@ -203,33 +220,32 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                        "tokens_per_s": round(statistics.mean(c[0] for c in counts) * world / sec),
                        "model_tflops_per_gpu": round(flops / sec / 1e12, 1),
                        "mfu": round(flops / sec / peak, 4) if peak else None,
-                       "peak_mem_gib": round(mem, 2), "wall_s": round(time.perf_counter() - t0, 1)}
+                       "peak_mem_gib": round(mem, 2) if mem is not None else None, "wall_s": round(time.perf_counter() - t0, 1)}
                 results.append(row)
                 log(f"train {case} {provider}: {row['seq_per_s']} seq/s, MFU {row['mfu']}, {row['peak_mem_gib']} GiB")
                 del opt, step, train_model
-                if inference and world == 1 and case == "base-128":
+                if inference and world == 1 and case == cases[0]:
                     model.eval()
-                    f = _infer_fn(provider, model)
-                    sec = _time(f, gpu_batches, steps, warmup)
+                    f = _infer_fn(provider, model, device.type)
+                    sec = _time(f, gpu_batches, steps, warmup, device)
                     fl = statistics.mean(forward_flops(config, c[0], c[1], 0, c[3]) for c in counts)
                     irow = {"case": case, "provider": provider, "seq_per_s": round(batch / sec, 1),
                             "step_ms": round(sec * 1e3, 2), "model_tflops": round(fl / sec / 1e12, 1),
                             "mfu": round(fl / sec / peak, 4) if peak else None}
                     infer_results.append(irow)
                     log(f"infer {case} {provider}: {irow['seq_per_s']} seq/s, MFU {irow['mfu']}")
-            except torch.cuda.OutOfMemoryError as e:
+            except torch.OutOfMemoryError as e:
                 results.append({"case": case, "provider": provider, "error": f"out of memory: {e}"[:200]})
                 log(f"train {case} {provider}: out of memory")
             finally:
                 model = None
                 gc.collect()
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
                 torch._dynamo.reset()
-    out: dict[str, Any] = {"benchmark": "model", "steps": steps, "warmup": warmup,
-                           "peak_bf16_tflops": peak / 1e12 if peak else None, "train": results,
-                           "inference": infer_results, "speedups": _speedups(results, infer_results)}
-    if rank == 0:
-        out["device"] = device_block(device)
+            out["speedups"] = _speedups(results, infer_results)
+            if on_row is not None and rank == 0:
+                on_row(out)
     distributed.teardown(dist)
     return out
 

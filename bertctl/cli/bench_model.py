@@ -20,6 +20,8 @@ def bench_model_command(
     warmup: int = typer.Option(5, "--warmup", help="Untimed steps first (compilation happens here)."),
     cases: str = typer.Option("base-128,base-512,large-128", "--cases",
                               help="Comma-separated: base-128 (batch 256), base-512 (batch 32), large-128 (batch 256)."),
+    compile_cases: Optional[str] = typer.Option(None, "--compile-cases", help="Cases timed under torch.compile "
+                                                "(default: the first of --cases; each compile costs about a minute)."),
     no_inference: bool = typer.Option(False, "--no-inference", help="Skip the encoder inference timing."),
 ) -> None:
     """Pretraining-step throughput (sequences/s, MFU, peak memory) and encoder inference, bf16, on this GPU.
@@ -37,14 +39,16 @@ def bench_model_command(
     providers = ["bertctl"] + (["hf"] if compare else [])
     if compile:
         providers += [p + "+compile" for p in providers]
+    from bertctl.io import write_json
+
+    compile_on = [c.strip() for c in compile_cases.split(",") if c.strip()] if compile_cases else None
     result = bench_model(chosen, providers, steps=steps, warmup=warmup, inference=not no_inference,
-                         log=lambda m: stderr.print(m))
+                         log=lambda m: stderr.print(m), compile_cases=compile_on,
+                         on_row=(lambda partial: write_json(output, partial)) if output else None)
     if int(os.environ.get("RANK", "0")) != 0:
         return
     text = json.dumps(result, indent=2)
     if output:
-        from bertctl.io import write_json
-
         write_json(output, result)
     print(text)
 
