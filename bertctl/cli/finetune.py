@@ -76,7 +76,8 @@ def glue(
     batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP, weight_decay: float = WD,
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
-    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
+    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data."""
     from bertctl.tasks import glue as g
@@ -105,11 +106,13 @@ def squad(
     n_best_size: int = typer.Option(20, "--n-best-size"),
     max_answer_length: int = typer.Option(30, "--max-answer-length"),
     write_nbest: bool = typer.Option(False, "--write-nbest", help="Also write nbest_predictions.json."),
-    model: Path = MODEL, output: Path = OUTPUT, epochs: float = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."), lr: float = LR,
+    epochs: float = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."),
+    model: Path = MODEL, output: Path = OUTPUT, lr: float = LR,
     lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP,
     weight_decay: float = WD, dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE,
     no_bf16: bool = NO_BF16, no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE,
-    max_steps: Optional[int] = MAX_STEPS, save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
+    max_steps: Optional[int] = MAX_STEPS, save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune span question answering on SQuAD v1.1 or v2.0 (windows of 384 tokens, stride 128)."""
     from bertctl.tasks import squad as s
@@ -131,7 +134,8 @@ def ner(
     batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP, weight_decay: float = WD,
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
-    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
+    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune NER on CoNLL-format data; the epoch is chosen on valid, scores reported on test."""
     from bertctl.tasks import ner as n
@@ -151,7 +155,8 @@ def swag(
     batch_size: int = BATCH, eval_batch_size: int = EVAL_BATCH, warmup: float = WARMUP, weight_decay: float = WD,
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
-    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET, log_steps: int = LOG_STEPS,
+    save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
+    log_steps: int = LOG_STEPS,
 ) -> None:
     """Fine-tune multiple choice (four endings, softmax over [CLS] scores) on SWAG."""
     from bertctl.tasks import swag as w
