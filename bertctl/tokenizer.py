@@ -25,6 +25,7 @@ Character classes follow ``tokenizers`` (whose Unicode tables are older than Pyt
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import re
@@ -357,14 +358,20 @@ class BertTokenizer:
                 ids.extend(hit[0])
             return ids, None
         offsets: list[tuple[int, int]] = []
+        append = offsets.append
         for m in _CHUNK.finditer(text):
             chunk = m.group()
             hit = cache.get(chunk)
             if hit is None:
                 hit = self._cache_chunk(chunk)
-            ids.extend(hit[0])
+            chunk_ids, chunk_offsets = hit
+            ids.extend(chunk_ids)
             s = m.start()
-            offsets.extend((s + a, s + b) for a, b in hit[1])
+            if len(chunk_offsets) == 1:  # most chunks are one token
+                a, b = chunk_offsets[0]
+                append((s + a, s + b))
+            else:
+                offsets.extend([(s + a, s + b) for a, b in chunk_offsets])
         return ids, offsets
 
     def _cache_chunk(self, chunk: str):
@@ -521,6 +528,7 @@ class BertTokenizer:
         Returns ``input_ids``, ``token_type_ids``, ``attention_mask``. ``padding="longest"`` pads
         to the longest row, ``"max_length"`` to ``max_length``.
         """
+        import numpy as np
         import torch
 
         if pairs is not None and len(pairs) != len(texts):
@@ -536,14 +544,15 @@ class BertTokenizer:
         width = max((len(e) for e in encs), default=0)
         if padding in (True, "max_length") and max_length is not None:
             width = max(width, max_length)
-        ids = torch.full((len(encs), width), self.pad_token_id, dtype=torch.int64)
-        types = torch.zeros((len(encs), width), dtype=torch.int64)
-        mask = torch.zeros((len(encs), width), dtype=torch.int64)
-        for r, e in enumerate(encs):
-            n = len(e)
-            ids[r, :n] = torch.tensor(e.input_ids, dtype=torch.int64)
-            types[r, :n] = torch.tensor(e.token_type_ids, dtype=torch.int64)
-            mask[r, :n] = 1
+        # Scatter the concatenated rows into (B, S) arrays through the attention mask: one numpy
+        # operation per field instead of a tensor construction per row.
+        lengths = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
+        mask = np.arange(width)[None, :] < lengths[:, None]  # (B, S) bool
+        ids = np.full((len(encs), width), self.pad_token_id, dtype=np.int64)
+        ids[mask] = np.fromiter(itertools.chain.from_iterable(e.input_ids for e in encs), dtype=np.int64)
+        types = np.zeros((len(encs), width), dtype=np.int64)
+        types[mask] = np.fromiter(itertools.chain.from_iterable(e.token_type_ids for e in encs), dtype=np.int64)
+        ids, types, mask = (torch.from_numpy(x) for x in (ids, types, mask.astype(np.int64)))
         return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
