@@ -4,6 +4,8 @@ C++ sources always build.  CUDA sources build only when a CUDA toolkit and a
 CUDA build of torch are both present; ``BERTCTL_CUDA=1`` forces them on (and
 fails loudly if impossible), ``BERTCTL_CUDA=0`` forces them off.
 ``BERTCTL_DEBUG=1`` builds without optimisation and with debug symbols.
+The CPU kernels use at::vec's AVX2 path (SLEEF exp/erf/tanh from libtorch) when the
+build machine has AVX2+FMA; ``BERTCTL_AVX2=0/1`` overrides (0 = portable build).
 """
 import glob
 import os
@@ -24,17 +26,31 @@ def want_cuda() -> bool:
     return available
 
 
+def want_avx2() -> bool:
+    switch = os.environ.get("BERTCTL_AVX2", "auto").lower()
+    if switch in ("0", "1"):
+        return switch == "1"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
 def extension():
     debug = os.environ.get("BERTCTL_DEBUG", "0") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O3"]
-    cxx += ["-std=c++17", "-fopenmp"]
+    cxx += ["-std=c++20", "-fopenmp"]
+    if want_avx2():  # at::vec selects its AVX2 specialisations from these macros
+        cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     kwargs = dict(extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
     if want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         nvcc = ["-O0", "-G"] if debug else ["-O3", "--use_fast_math"]
         nvcc += [
-            "-std=c++17",
+            "-std=c++20",
             # Hopper first; compute_80 PTX keeps the module loadable on older GPUs.
             "-gencode=arch=compute_90,code=sm_90",
             "-gencode=arch=compute_80,code=compute_80",

@@ -1,5 +1,9 @@
 // Operator schemas for the bertctl namespace.  Implementations register per
-// device in csrc/cpu/*.cpp and csrc/cuda/*.cu with TORCH_LIBRARY_IMPL.
+// device in csrc/cpu/*.cpp and csrc/cuda/*.cu with TORCH_LIBRARY_IMPL; the
+// Python side (bertctl/ops) adds register_fake and register_autograd.
+//
+// Every forward and every backward is its own op, so torch.compile keeps both
+// in the graph as opaque kernels.
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -22,5 +26,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 
 TORCH_LIBRARY(bertctl, m) {
-  // Schemas are added here by the kernels (softmax, layer_norm, bias_gelu).
+  // y = softmax(scale * x + mask) over the last dim.  mask: None, or (B, Sk) bool
+  // (True = attend) or float32 additive, for x of shape (B, heads, Sq, Sk).
+  m.def("softmax(Tensor x, Tensor? mask, float scale) -> Tensor");
+  // dx = scale * y * (dy - sum(dy * y)).
+  m.def("softmax_backward(Tensor grad_y, Tensor y, float scale) -> Tensor");
+  // (y, mean, rstd) of LayerNorm(x + residual) over the last dim; mean and rstd
+  // are float32 of shape x.shape[:-1].
+  m.def("layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
+  // (dx, dweight, dbias); dx is also the gradient of the residual.
+  m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor? residual, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
+  // y = GELU(x + bias); approximate is "none" (erf, BERT's) or "tanh".
+  m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> Tensor");
+  // (dx, dbias).
+  m.def("bias_gelu_backward(Tensor grad_y, Tensor x, Tensor bias, str approximate) -> (Tensor, Tensor)");
 }

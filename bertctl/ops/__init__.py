@@ -4,40 +4,204 @@ Public entry points (stable; the model calls only these):
 
 - ``softmax(scores, mask=None, scale=1.0)``: softmax(scale * scores + mask) over the
   last dim.  ``scores`` (B, heads, Sq, Sk).  ``mask`` is a key-padding mask of shape
-  (B, Sk): bool (True = attend) or additive float (0 / -inf or a large negative).
-  Fully masked rows give exact zeros.
-- ``layer_norm(x, weight, bias, eps, residual=None)``: LayerNorm(x + residual).
-- ``bias_gelu(x, bias, approximate="none")``: GELU(x + bias), "none" = exact erf, "tanh".
+  (B, Sk) or (B, 1, 1, Sk): bool (True = attend) or additive float (0 / -inf or a large
+  negative).  Fully masked rows give exact zeros.
+- ``layer_norm(x, weight, bias, eps, residual=None)``: LayerNorm(x + residual) over the
+  last dim; mean and rstd are kept in float32 for the backward.
+- ``bias_gelu(x, bias, approximate="none")``: GELU(x + bias), "none" = exact erf (BERT's),
+  "tanh" = the tanh approximation.
 
-This file currently holds the plain-PyTorch versions; the compiled kernels replace
-them where available.
+Each op runs the compiled ``torch.ops.bertctl`` kernel (C++ on CPU, CUDA on NVIDIA GPUs)
+when the extension loaded and the inputs meet the kernel's preconditions (one gate
+function per op: ``softmax_kernel_ok``, ``layer_norm_kernel_ok``, ``bias_gelu_kernel_ok``);
+otherwise the plain-PyTorch version in ``bertctl.ops.reference`` (same maths, hand-derived
+backward).  Forward and backward are separate ops with fake (meta) implementations, so
+``torch.compile(fullgraph=True)`` keeps them in the graph.  Outputs have the input dtype.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
+
+from bertctl._ext import compiled, kernels_loaded
+from bertctl.ops import reference
+
+__all__ = ["softmax", "layer_norm", "bias_gelu", "fused_available",
+           "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "reference"]
+
+# Which compiled ops are registered for which dispatch keys, read once at import
+# (a constant for torch.compile's tracer).
+_KERNELS: dict[str, tuple[str, ...]] = {name: tuple(keys) for name, keys in kernels_loaded().items()}
+_DTYPES = {
+    "cpu": (torch.float64, torch.float32, torch.float16, torch.bfloat16),
+    "cuda": (torch.float32, torch.float16, torch.bfloat16),
+}
+_KEY = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def fused_available() -> bool:
+    """True when the compiled module loaded with all six ops (what ``kernels="auto"`` resolves to)."""
+    names = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "bias_gelu", "bias_gelu_backward")
+    return all(_KERNELS.get(name) for name in names)
+
+
+def _has_kernel(op: str, x: torch.Tensor) -> bool:
+    key = _KEY.get(x.device.type)
+    return (key is not None and key in _KERNELS.get(op, ()) and key in _KERNELS.get(op + "_backward", ())
+            and x.dtype in _DTYPES[x.device.type])
+
+
+def _param_ok(x: torch.Tensor, p: torch.Tensor) -> bool:
+    # Per-feature parameters: 1-D of size H, the input's dtype or float32 (mixed precision).
+    return (p.dim() == 1 and p.shape[0] == x.shape[-1] and p.device == x.device
+            and p.dtype in (x.dtype, torch.float32))
+
+
+# --- softmax ------------------------------------------------------------------------------
+
+def _mask_2d(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A key-padding mask as the kernel takes it, (B, Sk) bool or float32; None if it is not one."""
+    if mask is None or scores.dim() != 4:
+        return None
+    if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
+        mask = mask[:, 0, 0, :]
+    if mask.dim() != 2 or tuple(mask.shape) != (scores.shape[0], scores.shape[3]):
+        return None
+    if mask.dtype != torch.bool:
+        if not mask.dtype.is_floating_point:
+            return None
+        mask = mask.float()  # (B, Sk): small next to the scores
+    return mask
+
+
+def softmax_kernel_ok(scores: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """The compiled softmax takes: scores of a supported dtype on a device with a kernel (CPU: fp64/fp32/fp16/bf16,
+    CUDA: fp32/fp16/bf16), at least 1-D and non-empty; a mask only with 4-D scores (B, heads, Sq, Sk), of shape (B, Sk)
+    or (B, 1, 1, Sk), bool or floating, on the same device."""
+    if not (_has_kernel("softmax", scores) and scores.dim() >= 1 and scores.numel() > 0):
+        return False
+    if mask is None:
+        return True
+    m = _mask_2d(scores, mask)
+    return m is not None and m.device == scores.device
 
 
 def softmax(scores: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
-    x = scores.float() * scale
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            x = x.masked_fill(~mask[:, None, None, :], float("-inf"))
-        else:
-            x = x + mask[:, None, None, :].float()
-    y = torch.softmax(x, dim=-1)
-    # A fully masked row is all -inf: softmax gives NaN there; define it as zeros.
-    y = torch.nan_to_num(y, nan=0.0)
-    return y.to(scores.dtype)
+    """softmax(scale * scores + mask) over the last dim; see the module docstring."""
+    if softmax_kernel_ok(scores, mask):
+        return torch.ops.bertctl.softmax(scores, _mask_2d(scores, mask), float(scale))
+    return reference.softmax(scores, mask, scale)
 
 
-def layer_norm(x, weight, bias, eps: float, residual=None):
-    if residual is not None:
-        x = x + residual
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+# --- LayerNorm ----------------------------------------------------------------------------
+
+def layer_norm_kernel_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                         residual: torch.Tensor | None = None) -> bool:
+    """The compiled LayerNorm takes: x of a supported dtype on a device with a kernel, at least 1-D and non-empty;
+    weight and bias 1-D of size H = x.shape[-1], one dtype, x's or float32; a residual of x's shape, dtype, device."""
+    if not (_has_kernel("layer_norm", x) and x.dim() >= 1 and x.numel() > 0):
+        return False
+    if not (_param_ok(x, weight) and _param_ok(x, bias) and weight.dtype == bias.dtype):
+        return False
+    return residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                and residual.device == x.device)
 
 
-def bias_gelu(x, bias, approximate: str = "none"):
-    return F.gelu(x + bias, approximate=approximate)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm(x + residual) over the last dim (Ba et al., 2016), output in x's dtype (promoted with residual's)."""
+    if residual is not None and residual.dtype != x.dtype:
+        # Mixed precision: a bf16 sublayer output added to an fp32 residual stream.
+        common = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(common), residual.to(common)
+    if layer_norm_kernel_ok(x, weight, bias, residual):
+        return torch.ops.bertctl.layer_norm(x, residual, weight, bias, float(eps))[0]
+    return reference.layer_norm(x, weight, bias, eps, residual)
+
+
+# --- bias + GELU --------------------------------------------------------------------------
+
+def bias_gelu_kernel_ok(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> bool:
+    """The compiled bias+GELU takes: x of a supported dtype on a device with a kernel, at least 1-D and non-empty;
+    bias 1-D of size H = x.shape[-1], x's dtype or float32; approximate "none" or "tanh"."""
+    return (_has_kernel("bias_gelu", x) and x.dim() >= 1 and x.numel() > 0 and _param_ok(x, bias)
+            and approximate in ("none", "tanh"))
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU(x + bias); ``approximate`` "none" is the exact erf form (BERT), "tanh" the approximation."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f'bias_gelu: approximate must be "none" or "tanh", got {approximate!r}')
+    if bias_gelu_kernel_ok(x, bias, approximate):
+        return torch.ops.bertctl.bias_gelu(x, bias, approximate)
+    return reference.bias_gelu(x, bias, approximate)
+
+
+# --- registration: fake (meta) kernels for torch.compile, and autograd --------------------
+
+def _register() -> None:
+    lib = "bertctl::"
+
+    @torch.library.register_fake(lib + "softmax")
+    def _softmax_fake(x, mask, scale):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake(lib + "softmax_backward")
+    def _softmax_backward_fake(grad_y, y, scale):
+        return y.new_empty(y.shape)
+
+    def _stats_dtype(x):
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    @torch.library.register_fake(lib + "layer_norm")
+    def _layer_norm_fake(x, residual, weight, bias, eps):
+        stats = x.new_empty(x.shape[:-1], dtype=_stats_dtype(x))
+        return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
+
+    @torch.library.register_fake(lib + "layer_norm_backward")
+    def _layer_norm_backward_fake(grad_y, x, residual, weight, mean, rstd):
+        return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+    @torch.library.register_fake(lib + "bias_gelu")
+    def _bias_gelu_fake(x, bias, approximate):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake(lib + "bias_gelu_backward")
+    def _bias_gelu_backward_fake(grad_y, x, bias, approximate):
+        return x.new_empty(x.shape), bias.new_empty(bias.shape)
+
+    def softmax_setup(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.scale = inputs[2]
+
+    def softmax_backward(ctx, grad_y):
+        (y,) = ctx.saved_tensors
+        return torch.ops.bertctl.softmax_backward(grad_y, y, ctx.scale), None, None
+
+    def layer_norm_setup(ctx, inputs, output):
+        x, residual, weight, bias, _ = inputs
+        # x and residual are kept (not their sum): the backward re-adds them, which moves the
+        # same bytes as reading a saved sum and saves the forward a write.
+        ctx.save_for_backward(x, residual, weight, output[1], output[2])
+        ctx.bias_dtype = bias.dtype
+
+    def layer_norm_backward(ctx, grad_y, _grad_mean, _grad_rstd):
+        x, residual, weight, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = torch.ops.bertctl.layer_norm_backward(grad_y, x, residual, weight, mean, rstd)
+        return dx, (dx if residual is not None else None), dweight, dbias.to(ctx.bias_dtype), None
+
+    def bias_gelu_setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.approximate = inputs[2]
+
+    def bias_gelu_backward(ctx, grad_y):
+        x, bias = ctx.saved_tensors
+        dx, dbias = torch.ops.bertctl.bias_gelu_backward(grad_y, x, bias, ctx.approximate)
+        return dx, dbias, None
+
+    torch.library.register_autograd(lib + "softmax", softmax_backward, setup_context=softmax_setup)
+    torch.library.register_autograd(lib + "layer_norm", layer_norm_backward, setup_context=layer_norm_setup)
+    torch.library.register_autograd(lib + "bias_gelu", bias_gelu_backward, setup_context=bias_gelu_setup)
+
+
+if compiled() is not None and _KERNELS:
+    _register()

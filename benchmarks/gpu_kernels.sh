@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the GPU machine: build the CUDA extension, run the CUDA tests of the kernels, then
+# `bertctl bench ops`.  Logs and JSON go to $OUT (default ./gpu-out).
+#   benchmarks/gpu_kernels.sh [quick|full|bench]   (bench: skip the tests)
+set -uo pipefail
+MODE=${1:-quick}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} BERTCTL_CUDA=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+start=$(date +%s)
+if ! python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT/build.log" | head -40
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+# Registers / spills of every kernel (no spills expected).
+cuobjdump -res-usage bertctl/_C*.so 2>/dev/null | grep -B1 -E "STACK:[1-9]|LOCAL:[1-9]" | head -20 > "$OUT/spills.txt"
+echo "kernels with stack/local memory: $(grep -c Function "$OUT/spills.txt")"
+python3 -m bertctl env
+if [ "$MODE" != bench ]; then
+  start=$(date +%s)
+  python3 -m pytest -q -x -m cuda -p no:cacheprovider tests/test_ops.py tests/test_fused_model.py \
+    > "$OUT/pytest-cuda.log" 2>&1
+  echo "pytest -m cuda: rc=$? in $(( $(date +%s) - start )) s"; tail -15 "$OUT/pytest-cuda.log"
+fi
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE "H100|H200|A100|L40S|[A-Z][0-9]+" | head -1)
+quick=""; [ "$MODE" = quick ] && quick="--quick"
+python3 -m bertctl bench ops --device cuda --dtype bfloat16 $quick --output "$OUT/ops-${name,,}-bf16.json" \
+  2> "$OUT/bench.log"
+echo "bench rc=$?"; tail -40 "$OUT/bench.log"

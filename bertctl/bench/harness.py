@@ -1,0 +1,156 @@
+"""The timing harness every bertctl benchmark uses.
+
+- ``device_block(device)``: the JSON ``device`` block (device name, torch / CUDA versions, date,
+  git commit, CPU threads, measured device-to-device copy bandwidth).
+- ``copy_bandwidth(device)``: GB/s of a large tensor copy, counting bytes read + written: the
+  practical ceiling for memory-bound kernels, measured in the same run.
+- ``measure(fn, inputs, device)``: warm-up, then the median of many timed calls.  On CUDA each
+  call is timed with CUDA events after a short device-side sleep that lets the host queue the
+  call's kernels ahead, so the figure is kernel time (host launch overhead excluded); on CPU
+  with ``time.perf_counter``.  ``inputs`` is a list of argument tuples used in rotation, so that
+  inputs smaller than the last-level cache are not timed hot (``rotation_count`` sizes it).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+# Bytes the rotated input sets should exceed: about twice the largest cache in the way
+# (H100/H200 L2 is 50 MB; a server CPU's L3 is of that order too).
+CACHE_BYTES = 128 * 2**20
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    runs: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms, "runs": self.runs}
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def git_commit(repo: Path | None = None) -> str:
+    """HEAD of the checkout this package lives in, '+dirty' when it has local changes; 'unknown' outside git."""
+    repo = repo or Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def rotation_count(bytes_per_set: int, limit: int = 16) -> int:
+    """How many input sets to rotate through so that together they exceed CACHE_BYTES."""
+    return max(1, min(limit, -(-CACHE_BYTES // max(bytes_per_set, 1))))
+
+
+def _percentiles(samples: list[float]) -> Timing:
+    s = sorted(samples)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return Timing(statistics.median(s), pick(0.1), pick(0.9), len(s))
+
+
+def measure(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.device | str, *,
+            warmup: int = 5, reps: int = 50, min_time_s: float = 0.0) -> Timing:
+    """Median time of ``fn(*inputs[i % len(inputs)])`` over ``reps`` calls (more if ``min_time_s`` asks)."""
+    device = torch.device(device)
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    synchronize(device)
+    if device.type != "cuda":
+        samples: list[float] = []
+        start_all = time.perf_counter()
+        i = 0
+        while i < reps or time.perf_counter() - start_all < min_time_s:
+            args = inputs[i % len(inputs)]
+            t0 = time.perf_counter()
+            fn(*args)
+            samples.append((time.perf_counter() - t0) * 1e3)
+            i += 1
+        return _percentiles(samples)
+    # Host time of one call bounds how long the GPU must be kept busy while it is queued.
+    t0 = time.perf_counter()
+    for i in range(3):
+        fn(*inputs[i % len(inputs)])
+    host_s = (time.perf_counter() - t0) / 3
+    synchronize(device)
+    clock_hz = 2.0e9  # about a Hopper SM clock; only sizes the sleep, which needs no precision
+    sleep_cycles = int(min(2 * host_s + 20e-6, 0.05) * clock_hz)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        fn(*inputs[i % len(inputs)])
+        end.record()
+    torch.cuda.synchronize(device)
+    return _percentiles([s.elapsed_time(e) for s, e in events])
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, reps: int = 20) -> float:
+    """GB/s (1e9 bytes/s) of ``dst.copy_(src)``, counting bytes read plus bytes written."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = 1 * 2**30 if device.type == "cuda" else 256 * 2**20
+    n = nbytes // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), [()], device, warmup=3, reps=reps)
+    return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
+
+
+def device_block(device: torch.device | str, copy_gbps: float | None = None) -> dict[str, Any]:
+    """What the numbers were measured on: device, versions, date, commit, copy bandwidth (GB/s)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = props.name
+        extra = {"sm_count": props.multi_processor_count, "capability": f"{props.major}.{props.minor}",
+                 "memory_gib": round(props.total_memory / 2**30, 1)}
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+        except OSError:
+            pass
+        extra = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+    return {
+        "type": device.type,
+        "name": name,
+        **extra,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "copy_gbps": round(copy_gbps if copy_gbps is not None else copy_bandwidth(device), 1),
+    }
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain fixed-width table (for stderr)."""
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""Benchmark of the fused ops against eager PyTorch and torch.compile of the same expression.
+
+For each op (softmax with scale + key-padding mask, LayerNorm + residual, bias + GELU), each
+mode (``fwd``, ``fwdbwd``) and each provider (``fused``: bertctl.ops; ``eager``: the plain
+PyTorch expression the model runs with ``kernels="torch"``; ``compile``: torch.compile of that
+expression), at BERT-Base and BERT-Large shapes, it reports the median kernel time, GB/s from the
+minimal bytes moved (each input read once, each output written once) and that as a percentage of
+the device-to-device copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from bertctl import ops
+from bertctl.bench import harness
+
+PROVIDERS = ("fused", "eager", "compile")
+MODES = ("fwd", "fwdbwd")
+
+
+@dataclass
+class Case:
+    op: str          # softmax | layer_norm | bias_gelu
+    shape: tuple     # scores (B, heads, S, S); tokens x features otherwise
+    label: str       # e.g. "base s512 b64"
+    quick: bool = False
+
+
+# BERT-Base: hidden 768, 12 heads, intermediate 3072; BERT-Large: 1024, 16 heads, 4096.
+# Tokens = batch x seq: 256 x 128 and 64 x 512 are both 32768 tokens.
+CUDA_CASES = [
+    Case("softmax", (64, 12, 512, 512), "base s512 b64", quick=True),
+    Case("softmax", (256, 12, 128, 128), "base s128 b256", quick=True),
+    Case("softmax", (32, 16, 512, 512), "large s512 b32"),
+    Case("layer_norm", (32768, 768), "base 32768 tok", quick=True),
+    Case("layer_norm", (8192, 768), "base 8192 tok"),
+    Case("layer_norm", (32768, 1024), "large 32768 tok"),
+    Case("bias_gelu", (32768, 3072), "base 32768 tok", quick=True),
+    Case("bias_gelu", (8192, 3072), "base 8192 tok"),
+    Case("bias_gelu", (32768, 4096), "large 32768 tok"),
+]
+# CPU: BERT-Base sizes at a batch a 2-core machine runs: 8 x 128 tokens of attention,
+# 4096 tokens (e.g. 32 x 128) through LayerNorm / the FFN.
+CPU_CASES = [
+    Case("softmax", (8, 12, 128, 128), "base s128 b8", quick=True),
+    Case("layer_norm", (4096, 768), "base 4096 tok", quick=True),
+    Case("bias_gelu", (4096, 3072), "base 4096 tok", quick=True),
+]
+TINY_CASES = [  # for the CLI's test: seconds, not minutes
+    Case("softmax", (2, 2, 16, 16), "tiny", quick=True),
+    Case("layer_norm", (64, 32), "tiny", quick=True),
+    Case("bias_gelu", (64, 64), "tiny", quick=True),
+]
+
+
+# --- the three expressions --------------------------------------------------------------
+
+def eager_softmax(x, mask, scale):
+    # The model's kernels="torch" path: scale, mask, softmax (three passes).
+    return torch.softmax((x * scale).masked_fill(~mask[:, None, None, :], float("-inf")), dim=-1)
+
+
+def eager_layer_norm(x, residual, weight, bias, eps):
+    return F.layer_norm(x + residual, (x.shape[-1],), weight, bias, eps)
+
+
+def eager_bias_gelu(x, bias):
+    return F.gelu(x + bias, approximate="none")
+
+
+def fused_softmax(x, mask, scale):
+    return ops.softmax(x, mask, scale)
+
+
+def fused_layer_norm(x, residual, weight, bias, eps):
+    return ops.layer_norm(x, weight, bias, eps, residual=residual)
+
+
+def fused_bias_gelu(x, bias):
+    return ops.bias_gelu(x, bias, "none")
+
+
+EXPRESSIONS = {
+    "softmax": (fused_softmax, eager_softmax),
+    "layer_norm": (fused_layer_norm, eager_layer_norm),
+    "bias_gelu": (fused_bias_gelu, eager_bias_gelu),
+}
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+                grad: bool) -> tuple[tuple, list[torch.Tensor]]:
+    """(args, differentiable tensors) for one input set; parameters in the activation dtype."""
+    def randn(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
+
+    if case.op == "softmax":
+        B, H, S, _ = case.shape
+        x = randn(*case.shape, std=4.0).requires_grad_(grad)
+        lengths = torch.randint(S // 2, S + 1, (B,), generator=gen, device=device)
+        mask = torch.arange(S, device=device)[None, :] < lengths[:, None]  # (B, S) key padding
+        return (x, mask, 0.125), [x]
+    N, D = case.shape
+    x = randn(N, D).requires_grad_(grad)
+    if case.op == "layer_norm":
+        res = randn(N, D).requires_grad_(grad)
+        w = (1 + 0.1 * randn(D)).requires_grad_(grad)
+        b = (0.1 * randn(D)).requires_grad_(grad)
+        return (x, res, w, b, 1e-12), [x, res, w, b]
+    bias = (0.1 * randn(D)).requires_grad_(grad)
+    return (x, bias), [x, bias]
+
+
+def min_bytes(case: Case, mode: str, itemsize: int) -> int:
+    """Fewest bytes an implementation must move: each input read once, each output written once."""
+    n = 1
+    for d in case.shape:
+        n *= d
+    big = n * itemsize
+    if case.op == "softmax":
+        mask = case.shape[0] * case.shape[3]
+        # fwd: x -> y; bwd: dy, y -> dx
+        return 2 * big + mask if mode == "fwd" else 5 * big + mask
+    params = case.shape[1] * itemsize
+    if case.op == "layer_norm":
+        # fwd: x, residual -> y (+ weight, bias; mean/rstd rows); bwd: dy, x, residual -> dx, dweight, dbias
+        stats = case.shape[0] * 4 * 2
+        return 3 * big + 2 * params + stats if mode == "fwd" else 7 * big + 6 * params + 2 * stats
+    # bias_gelu fwd: x -> y; bwd: dy, x -> dx, dbias
+    return 2 * big + params if mode == "fwd" else 5 * big + 3 * params
+
+
+def _runner(fn: Callable, mode: str, n_args_grad: int) -> Callable:
+    if mode == "fwd":
+        def run(args, wrt, dy):
+            with torch.no_grad():
+                return fn(*args)
+    else:
+        def run(args, wrt, dy):
+            y = fn(*args)
+            return torch.autograd.grad(y, wrt, dy)
+    return run
+
+
+@dataclass
+class OpsBenchConfig:
+    device: str = "cuda"
+    dtypes: tuple[str, ...] = ("bfloat16",)
+    quick: bool = False
+    tiny: bool = False
+    providers: tuple[str, ...] = PROVIDERS
+    modes: tuple[str, ...] = MODES
+    reps: int = 0            # 0: 100 on CUDA, 20 on CPU (10 / 5 with quick)
+    seed: int = 0
+    copy_gbps: float | None = None  # measured when None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> dict:
+    """Runs the benchmark described by ``cfg``; returns {"device": ..., "rows": [...], "summary": [...]}."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    block = harness.device_block(device, cfg.copy_gbps)
+    block["fused_kernels"] = ops.fused_available()
+    copy_gbps = block["copy_gbps"]
+    log(f"device: {block['name']}  copy bandwidth {copy_gbps:.0f} GB/s  torch {block['torch']}  commit {block['commit']}")
+    cases = TINY_CASES if cfg.tiny else (CUDA_CASES if device.type == "cuda" else CPU_CASES)
+    if cfg.quick:
+        cases = [c for c in cases if c.quick]
+    reps = cfg.reps or ((10 if cfg.quick else 100) if device.type == "cuda" else (5 if cfg.quick else 20))
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    # One static graph per shape and mode, never a silent fall-back to eager after many shapes.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    rows: list[dict[str, Any]] = []
+    for dtype_name in cfg.dtypes:
+        dtype = getattr(torch, dtype_name)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for case in cases:
+            fused_fn, eager_fn = EXPRESSIONS[case.op]
+            fns = {"fused": fused_fn, "eager": eager_fn, "compile": torch.compile(eager_fn, dynamic=False)}
+            for mode in cfg.modes:
+                grad = mode == "fwdbwd"
+                nbytes = min_bytes(case, mode, itemsize)
+                sets = []
+                for _ in range(harness.rotation_count(nbytes, limit=4 if device.type == "cuda" else 2)):
+                    args, wrt = make_inputs(case, dtype, device, gen, grad)
+                    out_shape = case.shape
+                    dy = torch.randn(out_shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+                    sets.append((args, wrt, dy))
+                for provider in cfg.providers:
+                    run = _runner(fns[provider], mode, len(sets[0][1]))
+                    t = harness.measure(lambda a, w, d: run(a, w, d), sets, device, reps=reps,
+                                        warmup=3 if provider == "compile" else 5)
+                    gbps = nbytes / (t.median_ms * 1e-3) / 1e9
+                    rows.append({
+                        "op": case.op, "mode": mode, "shape": list(case.shape), "label": case.label,
+                        "dtype": dtype_name, "provider": provider, "median_ms": round(t.median_ms, 5),
+                        "p10_ms": round(t.p10_ms, 5), "p90_ms": round(t.p90_ms, 5), "runs": t.runs,
+                        "min_bytes": nbytes, "gbps": round(gbps, 1),
+                        "pct_of_copy_bw": round(100 * gbps / copy_gbps, 1),
+                    })
+                    log(f"{case.op:<10} {mode:<6} {case.label:<16} {dtype_name:<8} {provider:<7} "
+                        f"{t.median_ms:9.4f} ms {gbps:8.1f} GB/s {100 * gbps / copy_gbps:5.1f}%")
+                del sets
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    summary = summarise(rows)
+    log(harness.format_table(summary, ["op", "mode", "label", "dtype", "fused_ms", "pct_of_copy_bw",
+                                       "vs_eager", "vs_compile"]))
+    return {"device": block, "config": {"quick": cfg.quick, "reps": reps, "seed": cfg.seed}, "rows": rows,
+            "summary": summary}
+
+
+def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (op, mode, shape, dtype): fused time, % of copy bandwidth, speedups over eager and compile."""
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["op"], r["mode"], tuple(r["shape"]), r["dtype"]), {})[r["provider"]] = r
+    out = []
+    for (op, mode, shape, dtype), prov in by_key.items():
+        if "fused" not in prov:
+            continue
+        f = prov["fused"]
+        line = {"op": op, "mode": mode, "shape": list(shape), "label": f["label"], "dtype": dtype,
+                "fused_ms": f["median_ms"], "pct_of_copy_bw": f["pct_of_copy_bw"]}
+        for other in ("eager", "compile"):
+            if other in prov:
+                line[f"vs_{other}"] = round(prov[other]["median_ms"] / f["median_ms"], 2)
+        out.append(line)
+    return out

@@ -1,0 +1,51 @@
+"""``bertctl bench ops``: the fused ops against eager PyTorch and torch.compile."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from bertctl.errors import BertctlError
+
+
+def register(bench_app: typer.Typer) -> None:
+    @bench_app.command("ops")
+    def ops_cmd(
+        device: str = typer.Option("cuda", "--device", help="cpu or cuda."),
+        dtype: list[str] = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (repeatable). "
+                                        "Default: bfloat16 on cuda, float32 on cpu."),
+        quick: bool = typer.Option(False, "--quick", help="BERT-Base shapes only, fewer repetitions."),
+        tiny: bool = typer.Option(False, "--tiny", hidden=True, help="Tiny shapes (tests)."),
+        provider: list[str] = typer.Option(None, "--provider", help="fused, eager, compile (repeatable; default all)."),
+        reps: int = typer.Option(0, "--reps", help="Timed calls per measurement (0: default for the device)."),
+        output: Path = typer.Option(None, "--output", "-o", help="Write the JSON report here (else to stdout)."),
+    ) -> None:
+        """Time softmax, LayerNorm+residual and bias+GELU (fwd and fwd+bwd): median ms, GB/s, % of copy bandwidth."""
+        import torch
+
+        from bertctl.bench.ops import MODES, PROVIDERS, OpsBenchConfig, run_ops_bench
+        from bertctl.io import write_json
+
+        if device not in ("cpu", "cuda"):
+            raise BertctlError(f"--device must be cpu or cuda, not {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BertctlError("--device cuda: no CUDA device is available")
+        dtypes = tuple(dtype) if dtype else (("bfloat16",) if device == "cuda" else ("float32",))
+        for d in dtypes:
+            if d not in ("float32", "float16", "bfloat16"):
+                raise BertctlError(f"--dtype must be float32, float16 or bfloat16, not {d!r}")
+        providers = tuple(provider) if provider else PROVIDERS
+        for p in providers:
+            if p not in PROVIDERS:
+                raise BertctlError(f"--provider must be one of {', '.join(PROVIDERS)}, not {p!r}")
+        cfg = OpsBenchConfig(device=device, dtypes=dtypes, quick=quick, tiny=tiny, providers=providers,
+                             modes=MODES, reps=reps)
+        report = run_ops_bench(cfg)
+        if output is None:
+            json.dump(report, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            write_json(output, report)
+            typer.echo(str(output))

@@ -1,0 +1,86 @@
+// Host-side argument checks and shape bookkeeping shared by the CPU and CUDA
+// implementations.  Every op views its input as (rows, cols) with cols = the
+// last dimension; non-contiguous inputs are made contiguous here once.
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+
+namespace bertctl {
+
+inline int64_t last_dim(const at::Tensor& x) { return x.dim() == 0 ? 1 : x.size(-1); }
+
+inline int64_t rows_of(const at::Tensor& x) {
+  const int64_t cols = last_dim(x);
+  return cols == 0 ? 0 : x.numel() / cols;
+}
+
+// How the softmax key-padding mask is stored.
+enum class MaskKind : int { kNone = 0, kBool = 1, kFloat = 2 };
+
+struct SoftmaxArgs {
+  at::Tensor x;     // contiguous scores
+  at::Tensor mask;  // contiguous (B, Sk) or undefined
+  MaskKind kind = MaskKind::kNone;
+  int64_t rows = 0, cols = 0;
+  int64_t rows_per_batch = 1;  // heads * Sq: rows that share one mask row
+};
+
+inline SoftmaxArgs softmax_args(const at::Tensor& x, const c10::optional<at::Tensor>& mask) {
+  TORCH_CHECK(x.dim() >= 1, "bertctl::softmax: scores must have at least one dimension");
+  SoftmaxArgs a;
+  a.x = x.contiguous();
+  a.cols = last_dim(x);
+  a.rows = rows_of(x);
+  if (mask.has_value() && mask->defined()) {
+    const auto& m = *mask;
+    TORCH_CHECK(x.dim() == 4, "bertctl::softmax: a mask needs scores of shape (B, heads, Sq, Sk), got ", x.sizes());
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == x.size(0) && m.size(1) == x.size(3),
+                "bertctl::softmax: mask must have shape (B, Sk) = (", x.size(0), ", ", x.size(3), "), got ", m.sizes());
+    TORCH_CHECK(m.scalar_type() == at::kBool || m.scalar_type() == at::kFloat,
+                "bertctl::softmax: mask must be bool or float32, got ", m.scalar_type());
+    TORCH_CHECK(m.device() == x.device(), "bertctl::softmax: mask is on ", m.device(), ", scores on ", x.device());
+    a.mask = m.contiguous();
+    a.kind = m.scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kFloat;
+    a.rows_per_batch = x.size(1) * x.size(2);
+  }
+  return a;
+}
+
+inline void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const char* what) {
+  TORCH_CHECK(a.sizes() == b.sizes(), op, ": ", what, " shape ", b.sizes(), " differs from ", a.sizes());
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), op, ": ", what, " dtype ", b.scalar_type(), " differs from ",
+              a.scalar_type());
+  TORCH_CHECK(a.device() == b.device(), op, ": ", what, " is on ", b.device(), ", expected ", a.device());
+}
+
+// Per-feature parameters (LayerNorm weight/bias, GELU bias): 1-D of size cols,
+// dtype equal to the input's or float32 (mixed precision keeps fp32 params).
+inline void check_param(const at::Tensor& x, const at::Tensor& p, const char* op, const char* what) {
+  TORCH_CHECK(p.dim() == 1 && p.size(0) == last_dim(x), op, ": ", what, " must have shape (", last_dim(x), "), got ",
+              p.sizes());
+  TORCH_CHECK(p.scalar_type() == x.scalar_type() || p.scalar_type() == at::kFloat, op, ": ", what, " dtype ",
+              p.scalar_type(), " must be ", x.scalar_type(), " or float32");
+  TORCH_CHECK(p.device() == x.device(), op, ": ", what, " is on ", p.device(), ", expected ", x.device());
+}
+
+// Only the two GELU forms BERT implementations use.
+inline bool gelu_tanh(const std::string& approximate) {
+  TORCH_CHECK(approximate == "none" || approximate == "tanh",
+              "bertctl::bias_gelu: approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");
+  return approximate == "tanh";
+}
+
+// mean and rstd of LayerNorm, shape x.shape[:-1]: float32 (float64 for double
+// inputs, so that fp64 gradient checks see fp64 statistics).
+inline at::ScalarType stats_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+inline at::Tensor stats_like(const at::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  return at::empty(sizes, x.options().dtype(stats_dtype(x)));
+}
+
+}  // namespace bertctl

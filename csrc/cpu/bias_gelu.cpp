@@ -1,0 +1,145 @@
+// CPU GELU(x + bias) (erf form, or the tanh approximation) and its backward.
+// Parallel over rows; each row vectorised with at::vec::Vectorized (erf, exp
+// and tanh from its SLEEF-backed functions) in fp32 (fp64 for double).
+// dbias: per-chunk partial column sums, added in chunk order.
+#include <cmath>
+
+#include "../common.h"
+#include "cpu_util.h"
+
+namespace bertctl::cpu {
+namespace {
+
+constexpr double kSqrt1_2 = 0.70710678118654752440;   // 1/sqrt(2)
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1/sqrt(2*pi)
+constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2/pi)
+constexpr double kTanhC = 0.044715;
+
+template <typename Vec, typename acc_t>
+inline Vec gelu(Vec v, bool tanh_form) {
+  if (tanh_form) {
+    Vec inner = Vec(acc_t(kSqrt2OverPi)) * (v + Vec(acc_t(kTanhC)) * v * v * v);
+    return Vec(acc_t(0.5)) * v * (Vec(acc_t(1)) + inner.tanh());
+  }
+  return Vec(acc_t(0.5)) * v * (Vec(acc_t(1)) + (v * Vec(acc_t(kSqrt1_2))).erf());
+}
+
+// d GELU(v) / dv
+template <typename Vec, typename acc_t>
+inline Vec gelu_grad(Vec v, bool tanh_form) {
+  if (tanh_form) {
+    Vec v2 = v * v;
+    Vec t = (Vec(acc_t(kSqrt2OverPi)) * (v + Vec(acc_t(kTanhC)) * v2 * v)).tanh();
+    Vec dinner = Vec(acc_t(kSqrt2OverPi)) * (Vec(acc_t(1)) + Vec(acc_t(3 * kTanhC)) * v2);
+    return Vec(acc_t(0.5)) * (Vec(acc_t(1)) + t) + Vec(acc_t(0.5)) * v * (Vec(acc_t(1)) - t * t) * dinner;
+  }
+  Vec cdf = Vec(acc_t(0.5)) * (Vec(acc_t(1)) + (v * Vec(acc_t(kSqrt1_2))).erf());
+  Vec pdf = Vec(acc_t(kInvSqrt2Pi)) * (Vec(acc_t(-0.5)) * v * v).exp();
+  return cdf + v * pdf;
+}
+
+template <typename scalar_t>
+void bias_gelu_rows(const at::Tensor& x_, const at::Tensor& b_, bool tanh_form, at::Tensor& y_) {
+  using acc_t = acc_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  const int64_t cols = last_dim(x_), rows = rows_of(x_);
+  auto b = param_acc<acc_t>(b_);
+  b.resize(b.size() + Vec::size(), acc_t(0));  // room for a padded tail load
+  const scalar_t* x = x_.data_ptr<scalar_t>();
+  scalar_t* y = y_.data_ptr<scalar_t>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> in_buf(cols), out_buf(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      const acc_t* xr = load_row<acc_t>(x + r * cols, in_buf.data(), cols);
+      acc_t* o = out_row<acc_t>(y + r * cols, out_buf.data());
+      int64_t j = 0;
+      for (; j + Vec::size() <= cols; j += Vec::size())
+        gelu<Vec, acc_t>(Vec::loadu(xr + j) + Vec::loadu(b.data() + j), tanh_form).store(o + j);
+      if (j < cols) {
+        const int64_t n = cols - j;
+        gelu<Vec, acc_t>(Vec::loadu(xr + j, n) + Vec::loadu(b.data() + j, n), tanh_form).store(o + j, n);
+      }
+      store_row<acc_t>(o, y + r * cols, cols);
+    }
+  });
+}
+
+template <typename scalar_t>
+void bias_gelu_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& b_, bool tanh_form,
+                             at::Tensor& dx_, double* db_sum) {
+  using acc_t = acc_type<scalar_t>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  const int64_t cols = last_dim(x_), rows = rows_of(x_);
+  auto b = param_acc<acc_t>(b_);
+  b.resize(b.size() + Vec::size(), acc_t(0));
+  const scalar_t* dy = dy_.data_ptr<scalar_t>();
+  const scalar_t* x = x_.data_ptr<scalar_t>();
+  scalar_t* dx = dx_.data_ptr<scalar_t>();
+  const int64_t chunks = num_chunks(rows);
+  std::vector<acc_t> db_part(chunks * cols + Vec::size(), acc_t(0));
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    std::vector<acc_t> in_buf(cols), g_buf(cols), out_buf(cols);
+    for (int64_t c = cb; c < ce; ++c) {
+      acc_t* dbp = db_part.data() + c * cols;
+      for (int64_t r = c * rows / chunks; r < (c + 1) * rows / chunks; ++r) {
+        const acc_t* xr = load_row<acc_t>(x + r * cols, in_buf.data(), cols);
+        const acc_t* g = load_row<acc_t>(dy + r * cols, g_buf.data(), cols);
+        acc_t* o = out_row<acc_t>(dx + r * cols, out_buf.data());
+        int64_t j = 0;
+        for (; j + Vec::size() <= cols; j += Vec::size()) {
+          Vec d = Vec::loadu(g + j) * gelu_grad<Vec, acc_t>(Vec::loadu(xr + j) + Vec::loadu(b.data() + j), tanh_form);
+          d.store(o + j);
+          (Vec::loadu(dbp + j) + d).store(dbp + j);
+        }
+        if (j < cols) {
+          const int64_t n = cols - j;
+          Vec d = Vec::loadu(g + j, n) *
+                  gelu_grad<Vec, acc_t>(Vec::loadu(xr + j, n) + Vec::loadu(b.data() + j, n), tanh_form);
+          d.store(o + j, n);
+          (Vec::loadu(dbp + j, n) + d).store(dbp + j, n);
+        }
+        store_row<acc_t>(o, dx + r * cols, cols);
+      }
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t j = 0; j < cols; ++j) db_sum[j] += db_part[c * cols + j];
+}
+
+at::Tensor bias_gelu_cpu(const at::Tensor& x, const at::Tensor& bias, std::string approximate) {
+  const char* op = "bertctl::bias_gelu";
+  TORCH_CHECK(x.dim() >= 1, op, ": input must have at least one dimension");
+  check_param(x, bias, op, "bias");
+  const bool tanh_form = gelu_tanh(approximate);
+  auto xc = x.contiguous();
+  auto y = at::empty_like(xc);
+  if (x.numel() == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_bias_gelu_cpu",
+                                  [&] { bias_gelu_rows<scalar_t>(xc, bias, tanh_form, y); });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& x,
+                                                          const at::Tensor& bias, std::string approximate) {
+  const char* op = "bertctl::bias_gelu_backward";
+  check_same(x, grad_y, op, "grad_y");
+  check_param(x, bias, op, "bias");
+  const bool tanh_form = gelu_tanh(approximate);
+  auto xc = x.contiguous(), dyc = grad_y.contiguous();
+  auto dx = at::empty_like(xc);
+  auto db = at::zeros({last_dim(x)}, x.options().dtype(at::kDouble));
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_bias_gelu_backward_cpu", [&] {
+      bias_gelu_backward_rows<scalar_t>(dyc, xc, bias, tanh_form, dx, db.data_ptr<double>());
+    });
+  }
+  return {dx, db.to(bias.scalar_type())};
+}
+
+}  // namespace
+}  // namespace bertctl::cpu
+
+TORCH_LIBRARY_IMPL(bertctl, CPU, m) {
+  m.impl("bias_gelu", &bertctl::cpu::bias_gelu_cpu);
+  m.impl("bias_gelu_backward", &bertctl::cpu::bias_gelu_backward_cpu);
+}

@@ -1,0 +1,135 @@
+// Device helpers shared by the bertctl CUDA kernels: 16-byte vector packs,
+// float conversion, warp/sub-warp reductions, the launch context (device guard,
+// current stream) and the second stage of the column reductions (dweight, dbias).
+#pragma once
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace bertctl::cuda {
+
+constexpr int kWarp = 32;
+
+// N elements of T loaded or stored as one (or, past 16 bytes, several) 16-byte accesses.
+template <typename T, int N>
+struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = static_cast<float>(pk.v[i]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = static_cast<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+// Butterfly reductions within groups of WIDTH consecutive lanes (WIDTH a power of two <= 32).
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o, WIDTH);
+  return v;
+}
+
+template <int WIDTH>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o, WIDTH));
+  return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the result.  smem: 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* smem) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = (blockDim.x + kWarp - 1) / kWarp;
+  v = group_sum<kWarp>(v);
+  __syncthreads();  // smem may still be read from a previous call
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < warps ? smem[lane] : 0.f;
+  return group_sum<kWarp>(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* smem) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = (blockDim.x + kWarp - 1) / kWarp;
+  v = group_max<kWarp>(v);
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < warps ? smem[lane] : -INFINITY;
+  return group_max<kWarp>(v);
+}
+
+// Dispatch over the dtypes the CUDA kernels take (fp32, fp16, bf16); fp64 stays on
+// the plain-PyTorch path (see bertctl/ops gates).
+#define BERTCTL_DISPATCH_CUDA(TYPE, NAME, ...)                                          \
+  [&] {                                                                                 \
+    switch (TYPE) {                                                                     \
+      case at::kFloat: { using scalar_t = float; return __VA_ARGS__(); }                 \
+      case at::kHalf: { using scalar_t = at::Half; return __VA_ARGS__(); }               \
+      case at::kBFloat16: { using scalar_t = at::BFloat16; return __VA_ARGS__(); }       \
+      default: TORCH_CHECK(false, NAME, ": unsupported dtype ", TYPE);                   \
+    }                                                                                   \
+  }()
+
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Second stage of a column reduction: the column sums of part (nb, cols) fp32,
+// written in OutT; columns c < split go to out0[c], the rest to out1[c - split]
+// (so one launch finishes dweight and dbias stored side by side).  Block = 32
+// columns x 16 row groups; the 16 partial sums of a column are added in a fixed
+// order, so the result is deterministic.
+template <typename OutT>
+__global__ void __launch_bounds__(512) column_sum_kernel(const float* __restrict__ part, int64_t nb, int64_t cols,
+                                                         int64_t split, OutT* __restrict__ out0,
+                                                         OutT* __restrict__ out1) {
+  __shared__ float tile[16][33];
+  const int64_t c = blockIdx.x * 32 + threadIdx.x;
+  float s = 0.f;
+  if (c < cols)
+    for (int64_t b = threadIdx.y; b < nb; b += 16) s += part[b * cols + c];
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) t += tile[i][threadIdx.x];
+    if (c < split) out0[c] = static_cast<OutT>(t);
+    else out1[c - split] = static_cast<OutT>(t);
+  }
+}
+
+// Column sums of part (nb, n * width) fp32 as n tensors of `width` elements in `dtype`.
+inline std::vector<at::Tensor> column_sums(const at::Tensor& part, int64_t nb, int64_t width, int n,
+                                           at::ScalarType dtype, cudaStream_t stream) {
+  TORCH_INTERNAL_ASSERT(n == 1 || n == 2);
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < n; ++i) out.push_back(at::empty({width}, part.options().dtype(dtype)));
+  if (width == 0) return out;
+  const int64_t cols = n * width;
+  const dim3 block(32, 16), grid(static_cast<unsigned>(ceil_div(cols, 32)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bertctl_column_sum", [&] {
+    column_sum_kernel<scalar_t><<<grid, block, 0, stream>>>(part.data_ptr<float>(), nb, cols, width,
+                                                            out[0].data_ptr<scalar_t>(),
+                                                            out[n - 1].data_ptr<scalar_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace bertctl::cuda

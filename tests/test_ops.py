@@ -1,0 +1,302 @@
+"""The fused ops (bertctl.ops) against a float64 reference, on CPU and (marked cuda) on a GPU.
+
+The reference is ``bertctl.ops.reference`` evaluated in float64 on the same (rounded)
+inputs; its hand-derived backward is itself checked against torch autograd here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bertctl import ops
+from bertctl._ext import kernels_loaded
+from bertctl.ops import reference
+
+OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "bias_gelu", "bias_gelu_backward")
+SIZES = (1, 7, 13, 127, 768, 1000, 1024, 4096)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# One rounding of an O(1) result: fp32 math inside; fp16 has 11 significant bits, bf16 8.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+pytestmark = pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str, scale: float = 1.0) -> None:
+    """assert_close against a float64 reference, tolerances of `dtype` (atol times `scale` for large sums)."""
+    tol = dict(TOL[dtype])
+    tol["atol"] *= scale
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), **tol, equal_nan=False,
+                               msg=lambda m: f"{what} ({dtype}):\n{m}")
+
+
+def rand(*shape, dtype, device, std=1.0, gen=None):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).to(device=device, dtype=dtype)
+
+
+# --- softmax ------------------------------------------------------------------------------
+
+def make_mask(kind: str, B: int, Sk: int, device, gen) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    keep = torch.rand(B, Sk, generator=gen) < 0.7
+    keep[:, 0] = True
+    keep[-1] = False  # the last batch element is fully masked
+    if kind == "bool":
+        return keep.to(device)
+    if kind == "additive_inf":
+        return torch.zeros(B, Sk).masked_fill(~keep, float("-inf")).to(device)
+    if kind == "additive_4d":  # the (B, 1, 1, Sk) layout, large finite negative, bf16
+        return torch.zeros(B, Sk).masked_fill(~keep, -10000.0)[:, None, None, :].to(device, torch.bfloat16)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Sk", SIZES)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive_inf", "additive_4d"])
+def test_softmax_matches_float64(device, dtype, Sk, mask_kind):
+    gen = torch.Generator().manual_seed(Sk)
+    B, H, Sq, scale = 3, 2, 5, 0.125
+    x = rand(B, H, Sq, Sk, dtype=dtype, device=device, std=8.0, gen=gen).requires_grad_()
+    mask = make_mask(mask_kind, B, Sk, device, gen)
+    assert ops.softmax_kernel_ok(x, mask)
+    y = ops.softmax(x, mask, scale)
+    ref_mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    y_ref = reference.softmax_forward(x.detach().double(), ref_mask, scale)
+    assert y.dtype == dtype and y.shape == x.shape
+    if mask_kind == "additive_4d":
+        # A row masked with a finite -1e4 everywhere is softmax of (-1e4 + small): fp32 keeps only ~3 digits
+        # of the small part, so that row is compared for being a distribution; the others exactly.
+        torch.testing.assert_close(y[-1].double().sum(-1).cpu(), torch.ones(H, Sq, dtype=torch.float64),
+                                   **TOL[dtype])
+        y, y_ref = y[:-1], y_ref[:-1]
+    close(y, y_ref, dtype, "softmax forward")
+    if mask_kind in ("bool", "additive_inf"):  # fully masked rows: exact zeros, and zero gradient
+        assert torch.equal(y[-1].detach().cpu(), torch.zeros_like(y[-1].cpu()))
+    dy = rand(*y.shape, dtype=dtype, device=device, gen=gen)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    dx = dx[: y.shape[0]]
+    dx_ref = reference.softmax_backward(dy.double(), y_ref, scale)
+    close(dx, dx_ref, dtype, "softmax backward")
+    if mask_kind in ("bool", "additive_inf"):
+        assert torch.equal(dx[-1].cpu(), torch.zeros_like(dx[-1].cpu()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_noncontiguous_and_3d(device):
+    gen = torch.Generator().manual_seed(1)
+    base = rand(2, 64, 3, 48, dtype=torch.float32, device=device, gen=gen)
+    x = base.transpose(1, 2)  # (2, 3, 64, 48), not contiguous
+    assert not x.is_contiguous()
+    mask = torch.rand(2, 48, generator=gen).to(device) > 0.3
+    close(ops.softmax(x, mask, 0.5), reference.softmax_forward(x.double(), mask, 0.5), torch.float32, "non-contiguous")
+    z = rand(4, 9, 33, dtype=torch.float32, device=device, gen=gen)  # any rank without a mask
+    close(ops.softmax(z, None, 2.0), torch.softmax(2.0 * z.double(), -1), torch.float32, "3-d")
+
+
+def test_softmax_other_mask_shapes_fall_back():
+    x = torch.randn(2, 3, 4, 5)
+    full = torch.randn(2, 1, 4, 5)  # a (B, 1, Sq, Sk) mask is not a key-padding mask: plain PyTorch path
+    assert not ops.softmax_kernel_ok(x, full)
+    close(ops.softmax(x, full, 1.0), torch.softmax(x.double() + full.double(), -1), torch.float32, "fallback")
+
+
+# --- LayerNorm ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", SIZES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_matches_float64(device, dtype, H, with_residual):
+    gen = torch.Generator().manual_seed(H)
+    N, eps = 37, 1e-12
+    x = rand(N, H, dtype=dtype, device=device, std=3.0, gen=gen).add_(1.5).requires_grad_()
+    res = rand(N, H, dtype=dtype, device=device, gen=gen).requires_grad_() if with_residual else None
+    # bf16/fp16 activations keep fp32 parameters (mixed precision); fp32 has fp32 ones.
+    w = rand(H, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    b = rand(H, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    assert ops.layer_norm_kernel_ok(x, w, b, res)
+    y = ops.layer_norm(x, w, b, eps, residual=res)
+    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    y_ref, mean, rstd = reference.layer_norm_forward(d(x), d(res), d(w), d(b), eps)
+    assert y.dtype == dtype
+    close(y, y_ref, dtype, "layer_norm forward")
+    dy = rand(N, H, dtype=dtype, device=device, gen=gen)
+    inputs = (x, w, b) + ((res,) if with_residual else ())
+    grads = torch.autograd.grad(y, inputs, dy)
+    dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy.double(), d(x), d(res), d(w), mean, rstd)
+    close(grads[0], dx_ref, dtype, "layer_norm dx")
+    # dweight/dbias are fp32 sums of N rounded-input products: fp32 tolerance, scaled by sqrt(N).
+    close(grads[1], dw_ref, dtype, "layer_norm dweight", scale=N**0.5)
+    close(grads[2], db_ref, dtype, "layer_norm dbias", scale=N**0.5)
+    if with_residual:
+        close(grads[3], dx_ref, dtype, "layer_norm dresidual")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layer_norm_16bit_params_and_mixed_residual(device, dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = rand(8, 4, 96, dtype=dtype, device=device, gen=gen)
+    w, b = rand(96, dtype=dtype, device=device, gen=gen), rand(96, dtype=dtype, device=device, gen=gen)
+    close(ops.layer_norm(x, w, b, 1e-5), F.layer_norm(x.double(), (96,), w.double(), b.double(), 1e-5), dtype, "16-bit")
+    res32 = rand(8, 4, 96, dtype=torch.float32, device=device, gen=gen)  # bf16 sublayer + fp32 residual stream
+    y = ops.layer_norm(x, w, b, 1e-5, residual=res32)
+    assert y.dtype == torch.float32
+    close(y, F.layer_norm(x.double() + res32.double(), (96,), w.double(), b.double(), 1e-5), torch.float32, "mixed")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_noncontiguous(device):
+    gen = torch.Generator().manual_seed(4)
+    x = rand(64, 10, dtype=torch.float32, device=device, gen=gen).t()  # (10, 64) view
+    res = rand(10, 128, dtype=torch.float32, device=device, gen=gen)[:, ::2]
+    w = rand(128, dtype=torch.float32, device=device, gen=gen)[::2]
+    b = rand(64, dtype=torch.float32, device=device, gen=gen)
+    assert not (x.is_contiguous() or res.is_contiguous() or w.is_contiguous())
+    expected = F.layer_norm(x.double() + res.double(), (64,), w.double(), b.double(), 1e-12)
+    close(ops.layer_norm(x, w, b, 1e-12, residual=res), expected, torch.float32, "non-contiguous")
+
+
+# --- bias + GELU --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", SIZES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_matches_float64(device, dtype, H, approximate):
+    gen = torch.Generator().manual_seed(H)
+    N = 19
+    x = rand(N, H, dtype=dtype, device=device, std=2.0, gen=gen).requires_grad_()
+    b = rand(H, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    assert ops.bias_gelu_kernel_ok(x, b, approximate)
+    y = ops.bias_gelu(x, b, approximate)
+    # torch's own GELU in float64 is the independent reference here.
+    y_ref = F.gelu(x.detach().double() + b.detach().double(), approximate=approximate)
+    assert y.dtype == dtype
+    close(y, y_ref, dtype, "bias_gelu forward")
+    dy = rand(N, H, dtype=dtype, device=device, gen=gen)
+    dx, db = torch.autograd.grad(y, (x, b), dy)
+    xd, bd = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    dx_ref, db_ref = torch.autograd.grad(F.gelu(xd + bd, approximate=approximate), (xd, bd), dy.double())
+    close(dx, dx_ref, dtype, "bias_gelu dx")
+    close(db, db_ref, dtype, "bias_gelu dbias", scale=N**0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_gelu_noncontiguous_and_16bit_bias(device):
+    gen = torch.Generator().manual_seed(5)
+    x = rand(3, 40, 24, dtype=torch.bfloat16, device=device, gen=gen).transpose(0, 1)  # (40, 3, 24) view
+    b = rand(24, dtype=torch.bfloat16, device=device, gen=gen)
+    close(ops.bias_gelu(x, b), F.gelu(x.double() + b.double()), torch.bfloat16, "non-contiguous")
+
+
+def test_bias_gelu_rejects_unknown_approximation():
+    with pytest.raises(ValueError, match="approximate"):
+        ops.bias_gelu(torch.randn(2, 3), torch.randn(3), approximate="sigmoid")
+
+
+# --- the reference's hand-derived backward against autograd; gradcheck; opcheck ----------
+
+def test_reference_backward_matches_autograd():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 4, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 9, generator=gen) > 0.3
+    dy = torch.randn(2, 3, 4, 9, generator=gen, dtype=torch.float64)
+    auto = torch.softmax((0.3 * x).masked_fill(~mask[:, None, None, :], float("-inf")), -1)
+    torch.testing.assert_close(torch.autograd.grad(reference.softmax(x, mask, 0.3), x, dy),
+                               torch.autograd.grad(auto, x, dy))
+    h = torch.randn(5, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(5, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(11, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 11, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(reference.layer_norm(h, w, b, 1e-5, r), (h, r, w, b), g),
+                               torch.autograd.grad(F.layer_norm(h + r, (11,), w, b, 1e-5), (h, r, w, b), g))
+    for approximate in ("none", "tanh"):
+        torch.testing.assert_close(torch.autograd.grad(reference.bias_gelu(h, b, approximate), (h, b), g),
+                                   torch.autograd.grad(F.gelu(h + b, approximate=approximate), (h, b), g))
+
+
+def test_gradcheck_float64_cpu():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 2, 3, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 7, generator=gen) > 0.3
+    mask[:, 0] = True
+    assert torch.autograd.gradcheck(lambda t: ops.softmax(t, mask, 0.7), (x,))
+    h = torch.randn(4, 13, generator=gen, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(4, 13, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: ops.layer_norm(t[0], t[2], t[3], 1e-12, residual=t[1]), (h, r, w, b))
+    for approximate in ("none", "tanh"):
+        assert torch.autograd.gradcheck(lambda t, u: ops.bias_gelu(t, u, approximate), (h, b))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    gen = torch.Generator().manual_seed(8)
+    x = rand(2, 3, 4, 16, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    mask = (torch.rand(2, 16, generator=gen) > 0.3).to(device)
+    h = rand(6, 32, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    r = rand(6, 32, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    w = rand(32, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    b = rand(32, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    y = rand(2, 3, 4, 16, dtype=torch.float32, device=device, gen=gen).softmax(-1)
+    _, mean, rstd = torch.ops.bertctl.layer_norm(h, r, w, b, 1e-5)
+    bl = torch.ops.bertctl
+    cases = [
+        (bl.softmax.default, (x, mask, 0.5)),
+        (bl.softmax.default, (x, None, 1.0)),
+        (bl.softmax_backward.default, (torch.randn_like(y), y, 0.5)),
+        (bl.layer_norm.default, (h, r, w, b, 1e-12)),
+        (bl.layer_norm.default, (h, None, w, b, 1e-5)),
+        (bl.layer_norm_backward.default, (torch.randn_like(h), h.detach(), r.detach(), w.detach(), mean, rstd)),
+        (bl.bias_gelu.default, (h, b, "none")),
+        (bl.bias_gelu.default, (h, b, "tanh")),
+        (bl.bias_gelu_backward.default, (torch.randn_like(h), h.detach(), b.detach(), "none")),
+    ]
+    for op, args in cases:
+        # Backward ops have no derivative of their own (no double backward): skip that check for them.
+        utils = [u for u in torch.library._OPCHECK_DEFAULT_UTILS
+                 if not (u == "test_autograd_registration" and "backward" in op.name())]
+        torch.library.opcheck(op, args, test_utils=utils)
+
+
+def test_kernels_loaded_lists_every_op_for_cpu():
+    loaded = kernels_loaded()
+    assert set(loaded) == set(OP_NAMES)
+    assert all("CPU" in keys for keys in loaded.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph_parity(device):
+    """The ops trace into one graph (fake kernels + registered autograd) and compute the same values and grads."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(9)
+
+    def f(scores, mask, h, res, w, b, bias):
+        p = ops.softmax(scores, mask, 0.125)
+        y = ops.layer_norm(ops.bias_gelu(h, bias), w, b, 1e-12, residual=res)
+        return p, y
+
+    scores = rand(2, 2, 4, 8, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    mask = (torch.rand(2, 8, generator=gen) > 0.3).to(device)
+    h, res = (rand(6, 16, dtype=torch.float32, device=device, gen=gen).requires_grad_() for _ in range(2))
+    w, b, bias = (rand(16, dtype=torch.float32, device=device, gen=gen).requires_grad_() for _ in range(3))
+    args = (scores, mask, h, res, w, b, bias)
+    grads_in = [a for a in args if a.requires_grad]
+    dp, dy = torch.randn(2, 2, 4, 8, generator=gen).to(device), torch.randn(6, 16, generator=gen).to(device)
+
+    eager = f(*args)
+    eager_grads = torch.autograd.grad(eager, grads_in, (dp, dy))
+    compiled = torch.compile(f, fullgraph=True)(*args)
+    compiled_grads = torch.autograd.grad(compiled, grads_in, (dp, dy))
+    for a, e in zip(compiled + compiled_grads, eager + eager_grads):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
