@@ -55,7 +55,7 @@ _ASCII_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # Chunks are cut at ASCII white space only: other white space (and characters Python treats as
 # white space but BERT drops as control characters, e.g. U+0085) is handled inside a chunk.
 _CHUNK = re.compile(r"[^ \t\n\r]+")
-_CACHE_LIMIT = 1 << 20  # chunks; the cache is cleared when it grows past this
+_CACHE_LIMIT = 1 << 18  # entries per cache (~50-100 MB at most); a full cache is cleared
 
 
 def _table_lookup(starts: list[int], runs: list[tuple], cp: int):
@@ -145,6 +145,13 @@ class BertTokenizer:
         self._basic_cache: dict[str, tuple[str, ...]] = {}
         self._special_words = frozenset(SPECIAL_TOKENS.values())
 
+    def __getstate__(self) -> dict:
+        # Caches are rebuilt on demand: a tokenizer sent to worker processes pickles small.
+        state = dict(self.__dict__)
+        for key in ("_chunk_cache", "_word_cache", "_char_cache", "_basic_cache"):
+            state[key] = {}
+        return state
+
     # ------------------------------------------------------------------ construction / files
     @property
     def vocab_size(self) -> int:
@@ -160,22 +167,20 @@ class BertTokenizer:
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> "BertTokenizer":
-        """Load ``vocab.txt`` and (if present) ``tokenizer_config.json`` from a model directory."""
+        """Load a tokenizer directory as ``transformers`` does.
+
+        ``tokenizer.json`` (what ``transformers`` 5 writes) wins when present: vocabulary and
+        normaliser settings come from it. Otherwise ``vocab.txt`` with the settings of
+        ``tokenizer_config.json`` (do_lower_case, strip_accents, tokenize_chinese_chars; defaults
+        as BERT: lower-cased). ``model_max_length`` comes from ``tokenizer_config.json``.
+        """
         directory = Path(directory)
         if not directory.is_dir():
             raise BertctlError(f"{directory}: no such model directory")
-        vocab_path = directory / "vocab.txt"
-        if not vocab_path.is_file():
-            raise BertctlError(f"{vocab_path}: missing (a model directory needs vocab.txt)")
         config_path = directory / "tokenizer_config.json"
         kw: dict = {}
         if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise BertctlError(f"{config_path}: not valid JSON ({e})") from None
-            if not isinstance(config, dict):
-                raise BertctlError(f"{config_path}: expected a JSON object")
+            config = _read_json(config_path)
             for key in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
                 if key in config:
                     kw[key] = config[key]
@@ -183,13 +188,22 @@ class BertTokenizer:
             # Hugging Face writes a huge sentinel (int(1e30)) for "no limit": keep BERT's 512 then.
             if isinstance(max_len, int) and 0 < max_len < 1_000_000:
                 kw["model_max_length"] = max_len
-        return cls(read_vocab(vocab_path), **_checked_kwargs(config_path, kw))
+        kw = _checked_kwargs(config_path, kw)
+        json_path = directory / "tokenizer.json"
+        if json_path.is_file():
+            vocab, settings = _read_tokenizer_json(json_path)
+            kw.update(settings)
+            return cls(vocab, **kw)
+        vocab_path = directory / "vocab.txt"
+        if not vocab_path.is_file():
+            raise BertctlError(f"{vocab_path}: missing (a tokenizer directory needs vocab.txt or tokenizer.json)")
+        return cls(read_vocab(vocab_path), **kw)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write ``vocab.txt``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
+        """Write ``vocab.txt``, ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
 
-        The directory loads in ``transformers`` (``AutoTokenizer`` / ``BertTokenizerFast``) with
-        the same ids. Files are written atomically; other files in the directory are kept.
+        The directory loads in ``transformers`` (``AutoTokenizer`` / ``BertTokenizerFast``) and in
+        ``tokenizers`` with the same ids. Files are written atomically; other files are kept.
         """
         from bertctl.io import atomic_open, write_json
 
@@ -198,8 +212,39 @@ class BertTokenizer:
         with atomic_open(directory / "vocab.txt", "w", encoding="utf-8", newline="\n") as f:
             for tok in self.ids_to_tokens:
                 f.write(tok + "\n")
+        with atomic_open(directory / "tokenizer.json", "w", encoding="utf-8") as f:
+            json.dump(self.tokenizer_json(), f, ensure_ascii=False, indent=2)
+            f.write("\n")
         write_json(directory / "tokenizer_config.json", self.config())
         write_json(directory / "special_tokens_map.json", dict(SPECIAL_TOKENS))
+
+    def tokenizer_json(self) -> dict:
+        """The ``tokenizers`` serialisation of this tokenizer (BertNormalizer, BertPreTokenizer, WordPiece)."""
+        def special(tok: str) -> dict:
+            return {"id": self.vocab[tok], "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+                    "normalized": False, "special": True}
+
+        cls_, sep = {"id": "[CLS]", "type_id": 0}, {"id": "[SEP]", "type_id": 0}
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": sorted((special(t) for t in SPECIAL_TOKENS.values()), key=lambda d: d["id"]),
+            "normalizer": {"type": "BertNormalizer", "clean_text": True,
+                           "handle_chinese_chars": self.tokenize_chinese_chars,
+                           "strip_accents": self.strip_accents, "lowercase": self.do_lower_case},
+            "pre_tokenizer": {"type": "BertPreTokenizer"},
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": cls_}, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": sep}],
+                "pair": [{"SpecialToken": cls_}, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": sep},
+                         {"Sequence": {"id": "B", "type_id": 1}}, {"SpecialToken": {"id": "[SEP]", "type_id": 1}}],
+                "special_tokens": {t: {"id": t, "ids": [self.vocab[t]], "tokens": [t]} for t in ("[CLS]", "[SEP]")},
+            },
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": True},
+            "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                      "max_input_chars_per_word": MAX_INPUT_CHARS_PER_WORD, "vocab": dict(self.vocab)},
+        }
 
     def config(self) -> dict:
         """The Hugging Face ``tokenizer_config.json`` content (also stored in data manifests)."""
@@ -660,6 +705,44 @@ def _checked_kwargs(where_, kw: dict) -> dict:
     if "strip_accents" in kw and kw["strip_accents"] is not None and not isinstance(kw["strip_accents"], bool):
         raise BertctlError(f"{where_}: strip_accents must be true, false or null, got {kw['strip_accents']!r}")
     return kw
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BertctlError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BertctlError(f"{path}: expected a JSON object")
+    return data
+
+
+def _read_tokenizer_json(path: Path) -> tuple[list[str], dict]:
+    """Vocabulary and BertNormalizer settings of a ``tokenizers`` file; BertctlError unless BERT WordPiece."""
+    data = _read_json(path)
+    model, norm = data.get("model") or {}, data.get("normalizer") or {}
+    pre = data.get("pre_tokenizer") or {}
+    if model.get("type") != "WordPiece" or norm.get("type") != "BertNormalizer" or pre.get("type") != "BertPreTokenizer":
+        raise BertctlError(
+            f"{path}: not a BERT WordPiece tokenizer (model {model.get('type')}, normalizer {norm.get('type')}, "
+            f"pre-tokenizer {pre.get('type')})")
+    if model.get("continuing_subword_prefix", "##") != "##" or model.get("max_input_chars_per_word", 100) != 100:
+        raise BertctlError(f"{path}: WordPiece options other than prefix '##' and 100 characters are not supported")
+    if not norm.get("clean_text", True):
+        raise BertctlError(f"{path}: BertNormalizer without clean_text is not supported")
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not vocab:
+        raise BertctlError(f"{path}: model.vocab is missing or empty")
+    ids = sorted(vocab.values())
+    if ids != list(range(len(ids))):
+        raise BertctlError(f"{path}: vocabulary ids are not 0..{len(ids) - 1}")
+    tokens = sorted(vocab, key=vocab.get)
+    missing = [t for t in SPECIAL_TOKENS.values() if t not in vocab]
+    if missing:
+        raise BertctlError(f"{path}: vocabulary lacks the special token(s) {' '.join(missing)}")
+    settings = {"do_lower_case": bool(norm.get("lowercase", True)), "strip_accents": norm.get("strip_accents"),
+                "tokenize_chinese_chars": bool(norm.get("handle_chinese_chars", True))}
+    return tokens, _checked_kwargs(path, settings)
 
 
 def read_vocab(path: str | os.PathLike) -> list[str]:

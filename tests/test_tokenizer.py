@@ -275,21 +275,48 @@ def test_decode_matches_hf(uncased, hf_uncased):
 
 # ---------------------------------------------------------------- files
 def test_save_pretrained_loads_in_transformers(tmp_path, cased):
-    texts = ["Hello World, İstanbul café [MASK] 北京", "second line"]
+    tokenizers = pytest.importorskip("tokenizers")
+    texts = ["Hello World, İstanbul café [MASK] 北京", "second line", "naïve e\u0301 Ǆ"]
     for tok, lower in [(cased, False), (BertTokenizer(read_vocab(VOCAB), strip_accents=False), True)]:
         out = tmp_path / f"tok-{lower}"
         tok.save_pretrained(out)
-        assert {p.name for p in out.iterdir()} == {"vocab.txt", "tokenizer_config.json", "special_tokens_map.json"}
+        assert {p.name for p in out.iterdir()} == {
+            "vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
         config = json.loads((out / "tokenizer_config.json").read_text())
         assert config["tokenizer_class"] == "BertTokenizer" and config["do_lower_case"] is lower
         ref = transformers.AutoTokenizer.from_pretrained(str(out))
         assert ref.backend_tokenizer.normalizer.lowercase is lower
+        raw = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
         for text in texts:
-            assert tok.encode(text).input_ids == ref(text)["input_ids"]
+            enc = tok.encode(text, "pair text", return_offsets=True)
+            assert enc.input_ids == ref(text, "pair text")["input_ids"]
+            got = raw.encode(text, "pair text")
+            assert (enc.input_ids, enc.token_type_ids, enc.offsets) == (got.ids, got.type_ids, got.offsets)
+        # Without tokenizer.json, transformers converts vocab.txt + tokenizer_config.json: same ids.
+        (out / "tokenizer.json").unlink()
+        ref = transformers.AutoTokenizer.from_pretrained(str(out))
+        assert [tok.encode(t).input_ids for t in texts] == [ref(t)["input_ids"] for t in texts]
         back = BertTokenizer.from_pretrained(out)
         assert back.ids_to_tokens == tok.ids_to_tokens
         assert (back.do_lower_case, back.strip_accents) == (tok.do_lower_case, tok.strip_accents)
         assert back.encode(texts[0]).input_ids == tok.encode(texts[0]).input_ids
+
+
+def test_from_pretrained_reads_transformers_output(tmp_path):
+    # transformers 5 writes tokenizer.json + tokenizer_config.json only (no vocab.txt).
+    for lower, strip in [(True, False), (False, None)]:
+        ref = hf_tokenizer(do_lower_case=lower, strip_accents=strip)
+        out = tmp_path / f"hf-{lower}-{strip}"
+        ref.save_pretrained(str(out))
+        assert not (out / "vocab.txt").exists()
+        tok = BertTokenizer.from_pretrained(out)
+        assert (tok.do_lower_case, tok.strip_accents, tok.vocab_size) == (lower, strip, 30522)
+        text = "Héllo WORLD café, naïve [SEP] x"
+        assert tok.encode(text).input_ids == ref(text)["input_ids"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}}))
+    with pytest.raises(BertctlError, match="not a BERT WordPiece tokenizer"):
+        BertTokenizer.from_pretrained(tmp_path / "other")
 
 
 def test_from_pretrained_reads_shipped_model_dir(uncased):
@@ -319,7 +346,7 @@ def test_bad_vocab_files(tmp_path):
     with pytest.raises(BertctlError, match="no such model directory"):
         BertTokenizer.from_pretrained(tmp_path / "nothing")
     (tmp_path / "model").mkdir()
-    with pytest.raises(BertctlError, match="vocab.txt: missing"):
+    with pytest.raises(BertctlError, match="vocab.txt: missing .a tokenizer directory needs vocab.txt or tokenizer.json"):
         BertTokenizer.from_pretrained(tmp_path / "model")
     (tmp_path / "model" / "vocab.txt").write_text("\n".join(TOY) + "\n")
     (tmp_path / "model" / "tokenizer_config.json").write_text("{not json")
