@@ -341,14 +341,22 @@ class Trainer:
     # ----------------------------------------------------------------- one step
 
     def _train_step(self, sb: StepBatch, stats: torch.Tensor) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; returns the step's loss (device scalar)."""
+        """One optimizer step over this rank's micro-batches; returns the step's loss (device scalar).
+
+        ``stats`` (device, fp32): running mlm_sum, nsp_sum, mlm_correct, nsp_correct of the log window.
+        Nothing here waits for the GPU: the normalisers are host numbers (one process) or an
+        asynchronous all-reduce (several).
+        """
         W = self.dist.world_size
         micro = [to_device(m, self.device) for m in sb.micro]
-        # Global normalisers: masked tokens and sequences over all ranks and micro-batches.
-        counts = torch.tensor([sb.masked, float(sb.sequences)], dtype=torch.float32).to(self.device, non_blocking=True)
-        distributed.all_reduce_sum(counts, self.dist)
-        mlm_scale = W / counts[0].clamp(min=1.0)
-        nsp_scale = W / counts[1].clamp(min=1.0)
+        if self.dist.enabled:
+            # Global normalisers: masked tokens and sequences over all ranks and micro-batches.
+            counts = torch.tensor([sb.masked, float(sb.sequences)], dtype=torch.float32).to(self.device)
+            distributed.all_reduce_sum(counts, self.dist)
+            mlm_scale = W / counts[0].clamp(min=1.0)
+            nsp_scale = W / counts[1].clamp(min=1.0)
+        else:
+            mlm_scale, nsp_scale = 1.0 / max(sb.masked, 1.0), 1.0 / max(sb.sequences, 1)
         step_loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
@@ -361,9 +369,7 @@ class Trainer:
             with torch.no_grad():
                 step_loss += loss.detach() / W
                 stats += torch.stack([s["mlm_sum"].detach(), s["nsp_sum"].detach(), s["mlm_correct"].float(),
-                                      s["nsp_correct"].float(),
-                                      (mb["masked_lm_labels"] != IGNORE_INDEX).sum().float(),
-                                      torch.tensor(float(mb["input_ids"].shape[0]), device=self.device)])
+                                      s["nsp_correct"].float()])
         if self.cfg.max_grad_norm and self.cfg.optimizer != "lamb":  # LAMB normalises by the global norm itself
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
@@ -477,9 +483,9 @@ class Trainer:
         multiple = 64 if cfg.compile else 8  # fewer distinct shapes when compiling
         loader = Prefetcher(self._batches(self.step), self.micro, multiple=multiple,
                             pin=self.device.type == "cuda")
-        stats = torch.zeros(6, device=self.device)      # mlm_sum, nsp_sum, mlm_ok, nsp_ok, n_masked, n_seq
+        stats = torch.zeros(4, device=self.device)      # mlm_sum, nsp_sum, mlm_ok, nsp_ok (this window)
         bad = torch.zeros((), dtype=torch.int32, device=self.device)
-        window = {"t": time.perf_counter(), "seq": 0, "tok": 0.0, "flops": 0.0, "steps": 0}
+        window = {"t": time.perf_counter(), "seq": 0, "tok": 0.0, "flops": 0.0, "steps": 0, "masked": 0.0}
         t_start = time.monotonic()
         last_train: dict = {}
         evals = [eval_start] if eval_start else []
@@ -497,6 +503,7 @@ class Trainer:
                     bad += (~torch.isfinite(loss)).int()
                     self.step += 1
                     window["steps"] += 1
+                    window["masked"] += sb.masked * self.dist.world_size
                     window["seq"] += sb.sequences * self.dist.world_size
                     window["tok"] += sb.tokens * self.dist.world_size
                     window["flops"] += train_flops(self.model_config, sb.tokens, sb.attn_pairs, sb.masked,
@@ -534,7 +541,7 @@ class Trainer:
         finally:
             loader.close()
         self._check_finite(bad)
-        if stats[5] > 0 or not last_train:
+        if window["steps"] > 0 or not last_train:
             last_train = self._log_window(stats, bad, window, peak) or last_train
         ckpt = self.save("interrupted" if stop_reason and stop_reason != "time limit" else "final")
         eval_end = None
@@ -572,7 +579,8 @@ class Trainer:
     def _log_window(self, stats: torch.Tensor, bad: torch.Tensor, window: dict, peak: float | None) -> dict:
         s = stats.clone()
         distributed.all_reduce_sum(s, self.dist)
-        mlm_sum, nsp_sum, mlm_ok, nsp_ok, n_masked, n_seq = s.tolist()  # the one host sync per log window
+        mlm_sum, nsp_sum, mlm_ok, nsp_ok = s.tolist()  # the one host sync per log window
+        n_masked, n_seq = window["masked"], window["seq"]
         stats.zero_()
         if n_seq == 0:
             return {}
@@ -590,7 +598,7 @@ class Trainer:
             rec["mfu"] = window["flops"] / dt / peak / self.dist.world_size
         if self.scaler.is_enabled():
             rec["loss_scale"] = self.scaler.get_scale()
-        window.update(t=now, seq=0, tok=0.0, flops=0.0, steps=0)
+        window.update(t=now, seq=0, tok=0.0, flops=0.0, steps=0, masked=0.0)
         self.log.log(event="train", **rec)
         return rec
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The model benchmark and a short real pretraining run on the GPU machine, run from the repo root.
+#
+#   benchmarks/gpu_model.sh one   # 1 GPU: bench model --compare hf --compile (BERT-Base 128/512,
+#                                 #   BERT-Large 128), then the default-job corpus pretraining
+#                                 #   BERT-Base, bf16 + torch.compile, batch 256
+#   benchmarks/gpu_model.sh two   # 2 GPUs: 1-GPU and torchrun 2-GPU DDP throughput of the same step
+#                                 #   on the same machine, and (in the background, on 4 CPU threads,
+#                                 #   a laptop's worth) the built-in default job
+#
+# Results go to $OUT (default ./gpu-out): log.txt, model-<gpu>.json, pretrain-<gpu>.json (the run's
+# JSON summary), pretrain-metrics.jsonl, pretrain-curves.png, scaling-<gpu>.json, default-job-cpu.json.
+# The compiled extension is built unless a CUDA build is already importable; the built module is
+# copied to $OUT so that a later machine can be handed it instead of building again.
+set -uo pipefail
+MODE=${1:-one}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} BERTCTL_CUDA=1
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+say() { echo "$@" | tee -a "$LOG"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE "H100|H200|A100|L40S" | head -1)
+name=${name:-gpu}; name=${name,,}
+python3 -c "import torch, transformers, typer, rich; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
+
+has_cuda_ext() {
+  python3 -c "from bertctl._ext import kernels_loaded; import sys; sys.exit(0 if 'CUDA' in kernels_loaded().get('layer_norm', []) else 1)" 2>/dev/null
+}
+if ! has_cuda_ext; then
+  start=$(date +%s)
+  if ! python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+    grep -E "error|Error" "$OUT/build.log" | head -40; exit 1
+  fi
+  rm -f "$OUT/build.log"
+  say "build: $(( $(date +%s) - start )) s"
+  [ "$MODE" = one ] && cp bertctl/_C*.so "$OUT/" 2>/dev/null
+fi
+python3 -m bertctl env 2>&1 | tail -20 >> "$LOG"
+
+if [ "$MODE" = one ]; then
+  start=$(date +%s)
+  python3 -m bertctl bench model --compare hf --compile --steps ${STEPS:-10} --warmup 3 \
+    --output "$OUT/model-$name.json" > /dev/null 2>> "$LOG"
+  say "bench model rc=$? in $(( $(date +%s) - start )) s"
+
+  # A short real run: Python's docs -> vocabulary -> shards -> BERT-Base, bf16 + compile.
+  start=$(date +%s)
+  python3 -m bertctl pretrain --model-size base --batch-size 256 --lr 1e-4 --max-steps ${PRETRAIN_STEPS:-80} \
+    --warmup-steps 8 --compile --precision bf16 --minutes 6 --log-every 10 --no-progress \
+    --output /tmp/bertctl-base-run > "$OUT/pretrain-$name.json" 2>> "$LOG"
+  say "pretrain rc=$? in $(( $(date +%s) - start )) s"
+  cp /tmp/bertctl-base-run/metrics.jsonl "$OUT/pretrain-metrics.jsonl" 2>/dev/null
+  cp /tmp/bertctl-base-run/curves.png "$OUT/pretrain-curves.png" 2>/dev/null
+  grep '"event": "train"' /tmp/bertctl-base-run/metrics.jsonl | tail -3 | tee -a "$LOG"
+else
+  # The default job on the CPU, 4 threads, while the GPUs are measured.
+  (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -m bertctl pretrain --device cpu --no-progress \
+     --output /tmp/bertctl-default-run > "$OUT/default-job-cpu.json" 2> "$OUT/default-job-cpu.log") &
+  cpu_job=$!
+  start=$(date +%s)
+  python3 -m bertctl bench model --cases base-128 --no-inference --steps ${STEPS:-10} --warmup 3 \
+    --output "$OUT/scaling-1gpu.json" > /dev/null 2>> "$LOG"
+  say "1 GPU rc=$? in $(( $(date +%s) - start )) s"
+  start=$(date +%s)
+  python3 -m torch.distributed.run --nproc-per-node 2 -m bertctl bench model --cases base-128 --no-inference \
+    --steps ${STEPS:-10} --warmup 3 --output "$OUT/scaling-2gpu.json" > /dev/null 2>> "$LOG"
+  say "2 GPUs rc=$? in $(( $(date +%s) - start )) s"
+  python3 - "$OUT" "$name" <<'PY' 2>&1 | tee -a "$LOG"
+import json, sys
+out, name = sys.argv[1], sys.argv[2]
+one = json.load(open(f"{out}/scaling-1gpu.json"))
+two = json.load(open(f"{out}/scaling-2gpu.json"))
+r1, r2 = one["train"][0], two["train"][0]
+res = {"benchmark": "ddp-scaling", "case": r1["case"], "device": one["device"], "one_gpu": r1, "two_gpus": r2,
+       "speedup": round(r2["seq_per_s"] / r1["seq_per_s"], 3)}
+json.dump(res, open(f"{out}/scaling-{name}.json", "w"), indent=2)
+print(f"DDP scaling {r1['case']}: 1 GPU {r1['seq_per_s']} seq/s, 2 GPUs {r2['seq_per_s']} seq/s -> {res['speedup']}x")
+PY
+  rm -f "$OUT/scaling-1gpu.json" "$OUT/scaling-2gpu.json"
+  wait $cpu_job
+  say "default job (CPU) rc=$?"; tail -3 "$OUT/default-job-cpu.log" | tee -a "$LOG"
+fi
