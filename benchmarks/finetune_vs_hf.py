@@ -15,7 +15,9 @@ sync per step) against ``transformers.Trainer`` fed as the example scripts feed 
 
 Throughput is training examples (windows for SQuAD) per second over the training steps only
 (evaluation excluded on both sides), and each side's train-loop wall time is reported.
-Writes ``finetune-<task>.json`` per task to ``--out`` and prints a summary table.
+Writes ``finetune-<task>-seed<N>.json`` per task and seed to ``--out``, and
+``finetune-<task>.json`` (mean over the seeds found there, per-seed runs inside); ``--merge``
+rebuilds the latter from per-seed files gathered from several runs on the same kind of card.
 """
 from __future__ import annotations
 
@@ -382,15 +384,57 @@ def squad_task(a, out: Path) -> dict:
 TASKS = {"sst2": sst2, "conll": conll, "squad": squad_task}
 
 
+def summarise(task: str, runs: list[dict]) -> dict:
+    """One result per task from its per-seed runs: the metric and throughput averaged over seeds."""
+    m = runs[0]["metric"]
+    mean = {side: {k: float(np.mean([r[side][k] for r in runs])) for k in (m, "train_examples_per_second")}
+            for side in ("bertctl", "hf")}
+    return {"task": task, "metric": m, "seeds": [r["seed"] for r in runs], "bertctl": mean["bertctl"],
+            "hf": mean["hf"], "delta": mean["bertctl"][m] - mean["hf"][m],
+            "speedup": mean["bertctl"]["train_examples_per_second"] / mean["hf"]["train_examples_per_second"],
+            "settings": runs[0]["settings"], "device": runs[-1]["device"], "runs": runs}
+
+
+def merge(folder: Path) -> list[dict]:
+    """Rebuild finetune-<task>.json in ``folder`` from every finetune-<task>-seed<N>.json there."""
+    rows = []
+    for task in TASKS:
+        runs = [json.loads(p.read_text()) for p in sorted(folder.glob(f"finetune-{task}-seed*.json"))]
+        if not runs:
+            continue
+        devices = {r["device"]["device"] for r in runs}
+        if len(devices) > 1:  # timings are only comparable on one kind of card
+            raise SystemExit(f"{task}: runs from different devices {devices}; merge them separately")
+        row = summarise(task, runs)
+        (folder / f"finetune-{task}.json").write_text(json.dumps(row, indent=2) + "\n")
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> None:
+    print(f"\n{'task':<6} {'metric':<9} {'seeds':<8} {'bertctl':>9} {'HF':>9} {'delta':>7} {'ex/s ours':>10} "
+          f"{'ex/s HF':>9} {'speedup':>7}")
+    for r in rows:
+        m = r["metric"]
+        scale = 1.0 if m == "f1" else 100.0
+        seeds = ",".join(map(str, r["seeds"]))
+        print(f"{r['task']:<6} {m:<9} {seeds:<8} {scale * r['bertctl'][m]:9.2f} {scale * r['hf'][m]:9.2f} "
+              f"{scale * r['delta']:7.2f} {r['bertctl']['train_examples_per_second']:10.1f} "
+              f"{r['hf']['train_examples_per_second']:9.1f} {r['speedup']:7.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True, help="pretrained model directory (HF layout)")
-    p.add_argument("--data", type=Path, required=True, help="folder with SST-2/, conll2003/, squad/")
+    p.add_argument("--model", type=Path, help="pretrained model directory (HF layout)")
+    p.add_argument("--data", type=Path, help="folder with SST-2/, conll2003/, squad/")
     p.add_argument("--out", type=Path, required=True, help="where the finetune-<task>.json results go")
     p.add_argument("--work", type=Path, default=None, help="fine-tuned models and predictions (default: --out)")
+    p.add_argument("--merge", action="store_true", help="only rebuild the per-task summaries in --out from the "
+                                                         "per-seed files there (runs from several calls)")
+    p.add_argument("--no-merge", action="store_true", help="write the per-seed files only")
     p.add_argument("--tasks", default="sst2,conll,squad")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seeds", default="42", help="comma-separated; both sides run once per seed")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-5, help="SST-2 lr")
     p.add_argument("--lr-conll", type=float, default=1e-4)
@@ -401,28 +445,29 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="slice the data (CPU smoke runs)")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.merge:
+        table(merge(a.out))
+        return 0
+    if a.model is None or a.data is None:
+        p.error("--model and --data are required (except with --merge)")
     work = a.work or a.out
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
     for name in a.tasks.split(","):
-        t = time.perf_counter()
-        r = TASKS[name](a, work)
-        m = r["metric"]
-        r = {"task": name, **r, "delta": r["bertctl"][m] - r["hf"][m],
-             "speedup": r["bertctl"]["train_examples_per_second"] / r["hf"]["train_examples_per_second"],
-             "device": {**device_info(), "commit": commit(), "transformers": __import__("transformers").__version__},
-             "seconds": time.perf_counter() - t}
-        with open(a.out / f"finetune-{name}.json", "w") as f:
-            json.dump(r, f, indent=2)
-        rows.append(r)
-        print(json.dumps({k: r[k] for k in ("task", "bertctl", "hf", "delta", "speedup")}), flush=True)
-    print(f"\n{'task':<6} {'metric':<9} {'bertctl':>9} {'HF':>9} {'delta':>7} {'ex/s ours':>10} {'ex/s HF':>9} {'speedup':>7}")
-    for r in rows:
-        m = r["metric"]
-        scale = 1.0 if m == "f1" else 100.0
-        print(f"{r['task']:<6} {m:<9} {scale * r['bertctl'][m]:9.2f} {scale * r['hf'][m]:9.2f} "
-              f"{scale * r['delta']:7.2f} {r['bertctl']['train_examples_per_second']:10.1f} "
-              f"{r['hf']['train_examples_per_second']:9.1f} {r['speedup']:7.2f}")
+        for seed in (int(x) for x in a.seeds.split(",")):
+            a.seed = seed
+            t = time.perf_counter()
+            r = TASKS[name](a, work / f"seed{seed}")
+            m = r["metric"]
+            r = {"task": name, "seed": seed, **r, "delta": r["bertctl"][m] - r["hf"][m],
+                 "speedup": r["bertctl"]["train_examples_per_second"] / r["hf"]["train_examples_per_second"],
+                 "device": {**device_info(), "commit": commit(),
+                            "transformers": __import__("transformers").__version__},
+                 "seconds": time.perf_counter() - t}
+            (a.out / f"finetune-{name}-seed{seed}.json").write_text(json.dumps(r, indent=2) + "\n")
+            print(json.dumps({k: r[k] for k in ("task", "seed", "bertctl", "hf", "delta", "speedup", "seconds")}),
+                  flush=True)
+    if not a.no_merge:
+        table(merge(a.out))
     return 0
 
 
