@@ -452,8 +452,8 @@ def main(argv=None) -> int:
         p.error("--model and --data are required (except with --merge)")
     work = a.work or a.out
     work.mkdir(parents=True, exist_ok=True)
-    for name in a.tasks.split(","):
-        for seed in (int(x) for x in a.seeds.split(",")):
+    for seed in (int(x) for x in a.seeds.split(",")):  # seeds outer: a cut-off run still has whole seeds
+        for name in a.tasks.split(","):
             a.seed = seed
             t = time.perf_counter()
             r = TASKS[name](a, work / f"seed{seed}")
