@@ -184,3 +184,27 @@ def test_unlabelled_test_file_gets_predictions(tiny, sst2, tmp_path):
     assert r.exit_code == 0, r.output
     rows = (tmp_path / "pred" / "predictions_sst2.tsv").read_text().splitlines()
     assert len(rows) == 3 and all(r.split("\t")[1] in ("0", "1") for r in rows[1:])
+
+
+def test_eval_of_a_transformers_fine_tuned_model_matches_transformers(tiny, sst2, tmp_path):
+    """A classifier saved by transformers (labels LABEL_0/LABEL_1) is scored like transformers scores it."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    torch.manual_seed(3)
+    config = transformers.BertConfig.from_pretrained(tiny, num_labels=2)
+    hf = transformers.BertForSequenceClassification(config).eval()
+    d = tmp_path / "hf"
+    hf.save_pretrained(d)
+    shutil.copy(tiny / "vocab.txt", d / "vocab.txt")
+    tok = transformers.BertTokenizerFast(vocab_file=str(d / "vocab.txt"))
+    rows = [l.split("\t") for l in (sst2 / "dev.tsv").read_text().splitlines()[1:]]
+    enc = tok([r[0] for r in rows], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    with torch.no_grad():
+        want = (hf(**enc).logits.argmax(-1).numpy() == np.array([int(r[1]) for r in rows])).mean()
+    r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(d), "--quiet",
+                "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(want)
