@@ -177,8 +177,12 @@ def test_nsp_and_short_sequence_rates(static_build):
 
 
 def test_word_cache_matches_tokenizer(corpus, minilm_vocab):
-    texts = [s for doc in read_documents(list_inputs(corpus[:1], "*.txt")[:5], "text", ReadStats())
-             for p in doc.pieces for s in split_sentences(p)]
+    """Every distinct word of the test corpus, and tricky strings, give the tokenizer's ids."""
+    words = sorted({w for doc in read_documents(list_inputs(corpus, "*.txt"), "text", ReadStats())
+                    for p in doc.pieces for w in p.split()})
+    assert len(words) > 15000
+    texts = [" ".join(words[i : i + 40]) for i in range(0, len(words), 40)]  # fresh words: cache misses
+    texts += ["Hello, World!!", "x" * 101, "y" * 100, "unaffable UNAFFABLE Unaffable", "3.14159 1,000,000"]
     texts += ["Hello, World!!", "\"Quoted\" (bracketed) [x]... ok?", "Caf\u00e9 na\u00efve \u00c9T\u00c9", "a\x1cb c\x0bd",
               "\u4e2d\u6587 mixed\u4e2dtext", "__init__ don't re-use 3.14 $5", "\u00bfQu\u00e9? \u2014dash\u2014", ""]
     for lower in (True, False):

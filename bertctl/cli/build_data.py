@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
                                              help="Store unmasked instances; the loader draws new masks every epoch."),
         seed: int = typer.Option(12345, "--seed"),
         shard_size: int = typer.Option(65536, "--shard-size", help="Instances per shard file at most."),
-        unit_mb: float = typer.Option(1.0, "--unit-mb",
+        unit_mb: float = typer.Option(0.5, "--unit-mb",
                                       help="Raw text per work unit in MiB (also the pool for random next sentences)."),
         holdout_fraction: float = typer.Option(0.0, "--holdout-fraction",
                                                help="Share of documents written to a separate 'eval' split."),

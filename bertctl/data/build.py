@@ -83,6 +83,7 @@ def tokenizer_info(tokenizer) -> dict:
 # BERT's BasicTokenizer deletes these control characters where str.split() would
 # split on them; a text holding one goes through the tokenizer whole.
 _SPLIT_MISMATCH = re.compile("[\x0b\x0c\x1c-\x1f\x85]")
+MAX_INPUT_CHARS_PER_WORD = 100  # longer words are one [UNK] (google-research/bert)
 _ASCII_PUNCT = string.punctuation  # BERT's _is_punctuation holds every ASCII non-alphanumeric printable
 
 
@@ -104,6 +105,8 @@ class WordCache:
         self.tokenizer = tokenizer
         self.max_words = max_words
         self.lower = bool(getattr(tokenizer, "do_lower_case", False))
+        self.vocab = tokenizer.vocab
+        self.unk = tokenizer.vocab["[UNK]"]
         self.cache: dict[str, list[int]] = {}
         self.cores: dict[str, list[int]] = {}
         self.misses = 0
@@ -111,13 +114,37 @@ class WordCache:
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
 
+    def _wordpiece(self, word: str) -> list[int]:
+        """Greedy longest-match-first WordPiece (google-research/bert's WordpieceTokenizer)."""
+        if len(word) > MAX_INPUT_CHARS_PER_WORD:
+            return [self.unk]
+        ids, start, n = [], 0, len(word)
+        while start < n:
+            end = n
+            while end > start:
+                piece = self.vocab.get(word[start:end] if start == 0 else "##" + word[start:end])
+                if piece is not None:
+                    break
+                end -= 1
+            else:
+                return [self.unk]
+            ids.append(piece)
+            start = end
+        return ids
+
     def _core(self, core: str) -> list[int]:
         key = core.lower() if self.lower and core.isascii() else core
         ids = self.cores.get(key)
         if ids is None:
             if len(self.cores) >= self.max_words:
                 self.cores.clear()
-            ids = self.cores[key] = self._tokenize(key)
+            # An ASCII letters-and-digits word passes BERT's basic tokenizer unchanged
+            # (nothing to clean, split, strip or, once lowered, lower): WordPiece alone.
+            if key.isascii() and key.isalnum():
+                ids = self._wordpiece(key)
+            else:
+                ids = self._tokenize(key)
+            self.cores[key] = ids
             self.misses += 1
         return ids
 
@@ -238,6 +265,7 @@ class ChunkWorker:
                                   cfg.dynamic_masking)
 
     def __call__(self, chunk: Chunk) -> dict:
+        cpu_start = time.process_time()
         cfg, special = self.cfg, self.special
         counts = {"documents_read": len(chunk.docs), "documents": 0, "sentences": 0, "short_documents": 0}
         documents: list[list[list[int]]] = []
@@ -281,7 +309,8 @@ class ChunkWorker:
         record = {"unit": chunk.name, "split": chunk.split, "index": chunk.index, "text_sha256": chunk.text_sha256,
                   "bytes": chunk.nbytes, "shards": shards, "counts": counts, "stats": vars(stats)}
         write_json(self.output_dir / BUILD_DIR / f"{chunk.name}.json", record)
-        return record
+        # Timing stays out of the record file and the manifest (they must not depend on the run).
+        return {**record, "cpu_seconds": time.process_time() - cpu_start, "worker_pid": os.getpid()}
 
 
 _worker: ChunkWorker | None = None
@@ -516,7 +545,12 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     shutil.rmtree(output_dir / BUILD_DIR, ignore_errors=True)
 
     seconds = time.perf_counter() - start
+    per_worker: dict[int, float] = {}
+    for r in records:
+        if "worker_pid" in r:
+            per_worker[r["worker_pid"]] = per_worker.get(r["worker_pid"], 0.0) + r["cpu_seconds"]
     summary = dict(summary)
+    summary["worker_cpu_seconds"] = sorted((round(v, 3) for v in per_worker.values()), reverse=True)
     summary.update(output=str(output_dir), shards=sum(len(s["shards"]) for s in splits.values()),
                    resumed_units=skipped_units, workers=workers, seconds=round(seconds, 3),
                    mb_per_second=round(read.bytes / 1e6 / max(seconds, 1e-9), 3))

@@ -34,7 +34,7 @@ class DataConfig:
     dynamic_masking: bool = False  # masks drawn by the loader from (seed, epoch, index)
     seed: int = 12345
     shard_size: int = 65536  # instances per shard file at most
-    chunk_bytes: int = 1 << 20  # raw text per work unit (also the random-document pool)
+    chunk_bytes: int = 1 << 19  # raw text per work unit (also the random-document pool)
     holdout_fraction: float = 0.0  # share of documents written to the "eval" split
 
     def resolved(self) -> "DataConfig":
