@@ -47,10 +47,18 @@ if [ "$MODE" = one ]; then
     --output "$OUT/model-$name.json" > /dev/null 2>> "$LOG"
   say "bench model rc=$? in $(( $(date +%s) - start )) s"
 
-  # A short real run: Python's docs -> vocabulary -> shards -> BERT-Base, bf16 + compile.
+  # A short real run: Python's docs -> vocabulary -> shards -> BERT-Base, bf16 + compile, with
+  # whichever kernels were faster under compile in the benchmark just run.
+  kernels=$(python3 - "$OUT/model-$name.json" <<'PY'
+import json, sys
+rows = {r["provider"]: r.get("seq_per_s", 0) for r in json.load(open(sys.argv[1]))["train"] if r["case"] == "base-128"}
+print("torch" if rows.get("bertctl/torch-ops+compile", 0) > rows.get("bertctl+compile", 0) else "auto")
+PY
+)
+  say "pretrain with --kernels ${kernels:-auto}"
   start=$(date +%s)
   python3 -m bertctl pretrain --model-size base --batch-size 256 --lr 1e-4 --max-steps ${PRETRAIN_STEPS:-80} \
-    --warmup-steps 8 --compile --precision bf16 --minutes 6 --log-every 10 --no-progress \
+    --warmup-steps 8 --compile --kernels ${kernels:-auto} --precision bf16 --minutes 6 --log-every 10 --no-progress \
     --output /tmp/bertctl-base-run > "$OUT/pretrain-$name.json" 2>> "$LOG"
   say "pretrain rc=$? in $(( $(date +%s) - start )) s"
   cp /tmp/bertctl-base-run/metrics.jsonl "$OUT/pretrain-metrics.jsonl" 2>/dev/null

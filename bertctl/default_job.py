@@ -185,6 +185,8 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
         max_steps = int(min(20000, max(20, 0.85 * budget / t_step)))
         stderr.print(f"default job: {t_step * 1e3:.0f} ms/step here -> {max_steps} steps in ~{minutes:g} min")
     options = {"warmup_fraction": 0.05, "eval_batches": 8, **train_options}
+    if not options.get("eval_every"):
+        options["eval_every"] = max(10, max_steps // 5)  # a few points on the accuracy curve
     cfg = TrainConfig(output=str(output), data=str(data_dir), model_size=model_size,
                       model_overrides=model_overrides, batch_size=batch_size, lr=lr or 2e-3, max_steps=max_steps,
                       minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed, **options)

@@ -9,7 +9,9 @@ LayerNorm), gradient clipping at 1.0:
   sequence; loss sums normalised by host-side counts (no host sync in the step).
 - ``hf``: ``transformers.BertForPreTraining(attn_implementation="sdpa")``, labels on all positions
   with -100 elsewhere (as HF's MLM collator makes them), the model's own loss.
-- ``+compile``: the same under ``torch.compile``.
+- ``+compile``: the same under ``torch.compile``; ``bertctl/torch-ops+compile`` compiles the model
+  with plain PyTorch LayerNorm / GELU instead of the fused ops (inductor fuses those itself).
+Encoder inference (``model.bert`` forward, no grad) is timed for the eager providers on the first case.
 
 Synthetic data looks like ``build-data`` output: 90% of sequences fill ``max_seq_length`` and
 10% are short (the reference's ``short_seq_prob``), 15% of tokens masked (at most
@@ -37,7 +39,7 @@ CASES: dict[str, tuple[str, int, int]] = {
     "large-128": ("large", 128, 256),
     "tiny-64": ("tiny", 64, 8),  # a smoke case: runs anywhere in seconds
 }
-PROVIDERS = ("bertctl", "bertctl+compile", "hf", "hf+compile")
+PROVIDERS = ("bertctl", "bertctl+compile", "bertctl/torch-ops+compile", "hf", "hf+compile")
 MASK_ID, CLS_ID, SEP_ID = 4, 2, 3
 
 
@@ -198,7 +200,10 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 continue
             torch.manual_seed(0)
             try:
-                conf = BertConfig.preset(size, attn_implementation="sdpa", kernels="auto")
+                # "/torch-ops": plain PyTorch LayerNorm / GELU / softmax instead of the fused ops, so
+                # that under torch.compile inductor may fuse them with their neighbours.
+                kernels = "torch" if "/torch-ops" in provider else "auto"
+                conf = BertConfig.preset(size, attn_implementation="sdpa", kernels=kernels)
                 model = (hf_model if provider.startswith("hf") else bertctl_model)(conf, device)
                 config = _config_of(model)
                 train_model = model
@@ -224,7 +229,7 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 results.append(row)
                 log(f"train {case} {provider}: {row['seq_per_s']} seq/s, MFU {row['mfu']}, {row['peak_mem_gib']} GiB")
                 del opt, step, train_model
-                if inference and world == 1 and case == cases[0]:
+                if inference and world == 1 and case == cases[0] and not provider.endswith("+compile"):
                     model.eval()
                     f = _infer_fn(provider, model, device.type)
                     sec = _time(f, gpu_batches, steps, warmup, device)

@@ -15,7 +15,8 @@ def bench_model_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the JSON result here."),
     compare: Optional[str] = typer.Option(None, "--compare", help="'hf': also time transformers "
                                           "BertForPreTraining (sdpa, bf16, fused AdamW) on the same batches."),
-    compile: bool = typer.Option(False, "--compile", help="Also time every provider under torch.compile."),
+    compile: bool = typer.Option(False, "--compile", help="Also time under torch.compile (bertctl with the fused "
+                                 "ops and with plain PyTorch ops, and hf)."),
     steps: int = typer.Option(20, "--steps", help="Timed steps per repeat (3 repeats, median)."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed steps first (compilation happens here)."),
     cases: str = typer.Option("base-128,base-512,large-128", "--cases",
@@ -38,7 +39,7 @@ def bench_model_command(
         raise BertctlError(f"--compare: only 'hf' is supported, not {compare!r}")
     providers = ["bertctl"] + (["hf"] if compare else [])
     if compile:
-        providers += [p + "+compile" for p in providers]
+        providers += ["bertctl+compile", "bertctl/torch-ops+compile"] + (["hf+compile"] if compare else [])
     from bertctl.io import write_json
 
     compile_on = [c.strip() for c in compile_cases.split(",") if c.strip()] if compile_cases else None

@@ -51,7 +51,9 @@ def pretrain_command(
     save_minutes: Optional[float] = typer.Option(30.0, "--save-minutes", help="Checkpoint every N minutes."),
     keep: int = typer.Option(3, "--keep", help="Checkpoints kept (the newest)."),
     log_every: int = typer.Option(10, "--log-every", help="Steps between metric lines (the only host syncs)."),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Steps between held-out evaluations."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Steps between held-out evaluations "
+                                             "(always at the start and the end) [default: 1000; default job: "
+                                             "5 times a run]."),
     eval_batches: int = typer.Option(20, "--eval-batches"),
     dropout: Optional[float] = typer.Option(None, "--dropout", help="Override hidden and attention dropout."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (metrics still logged)."),
@@ -83,6 +85,7 @@ def pretrain_command(
         if output is None:
             raise BertctlError("--output is required with --data")
         common["model_size"] = model_size or "base"
+        common["eval_every"] = eval_every or 1000
         cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch_size or 256, lr=lr or 1e-4, **common)
         summary = pretrain(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 prints

@@ -488,7 +488,6 @@ class Trainer:
         window = {"t": time.perf_counter(), "seq": 0, "tok": 0.0, "flops": 0.0, "steps": 0, "masked": 0.0}
         t_start = time.monotonic()
         last_train: dict = {}
-        evals = [eval_start] if eval_start else []
         stop_reason = None
         start_step = self.step
         sync_every = 1 if not self.dist.enabled else max(1, cfg.log_every)
@@ -526,10 +525,10 @@ class Trainer:
                     if log_now or want_stop:
                         last_train = self._log_window(stats, bad, window, peak)
                         bar.update(task, info=_info(last_train))
+                    paused = time.perf_counter()  # evaluation and checkpoints do not count as training time
                     if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.max_steps:
                         ev = self.evaluate()
                         if ev is not None:
-                            evals.append(ev)
                             self.log.log(event="eval", step=self.step, **ev)
                     if want_stop:
                         stop_reason = stop.requested or "time limit"
@@ -538,6 +537,7 @@ class Trainer:
                         self._check_finite(bad)
                         self.save("periodic")
                         self._curves()
+                    window["t"] += time.perf_counter() - paused
         finally:
             loader.close()
         self._check_finite(bad)
@@ -548,7 +548,6 @@ class Trainer:
         if stop_reason is None or stop_reason == "time limit":
             eval_end = self.evaluate()
             if eval_end is not None:
-                evals.append(eval_end)
                 self.log.log(event="eval", step=self.step, **eval_end)
         model_dir = self.export() if stop_reason is None or stop_reason == "time limit" else None
         png = self._curves()
