@@ -239,9 +239,9 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                             "mfu": round(fl / sec / peak, 4) if peak else None}
                     infer_results.append(irow)
                     log(f"infer {case} {provider}: {irow['seq_per_s']} seq/s, MFU {irow['mfu']}")
-            except torch.OutOfMemoryError as e:
-                results.append({"case": case, "provider": provider, "error": f"out of memory: {e}"[:200]})
-                log(f"train {case} {provider}: out of memory")
+            except Exception as e:  # out of memory, a compile failure: record it, time the rest
+                results.append({"case": case, "provider": provider, "error": f"{type(e).__name__}: {e}"[:300]})
+                log(f"train {case} {provider}: {type(e).__name__}: {str(e)[:300]}")
             finally:
                 model = None
                 gc.collect()
