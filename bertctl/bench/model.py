@@ -225,7 +225,8 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                        "tokens_per_s": round(statistics.mean(c[0] for c in counts) * world / sec),
                        "model_tflops_per_gpu": round(flops / sec / 1e12, 1),
                        "mfu": round(flops / sec / peak, 4) if peak else None,
-                       "peak_mem_gib": round(mem, 2) if mem is not None else None, "wall_s": round(time.perf_counter() - t0, 1)}
+                       "peak_mem_gib": round(mem, 2) if mem is not None else None,
+                       "wall_s": round(time.perf_counter() - t0, 1)}
                 results.append(row)
                 log(f"train {case} {provider}: {row['seq_per_s']} seq/s, MFU {row['mfu']}, {row['peak_mem_gib']} GiB")
                 del opt, step, train_model
