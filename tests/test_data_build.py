@@ -287,6 +287,10 @@ def test_formats_lines_and_jsonl(tmp_path, tokenizer, minilm_vocab):
     s = build_data([text], tmp_path / "text", tokenizer, DataConfig(format="text", doc_separator="---"),
                    progress=False)
     assert s["documents"] == 3 and s["sentences"] == 7
+    # a document past max_document_bytes is cut at the next paragraph break (memory bound)
+    s = build_data([text], tmp_path / "text-cut", tokenizer, DataConfig(format="text", max_document_bytes=30),
+                   progress=False)
+    assert s["documents_cut_at_max_bytes"] == 1 and s["documents_read"] == 2
 
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text('{"body": "One sentence. Two sentences here."}\nnot json\n{"other": 1}\n'

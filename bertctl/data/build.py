@@ -421,6 +421,7 @@ def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
         "lines": read.skipped_lines,
         "documents_with_fewer_than_2_sentences": counts["short_documents"],
     }
+    summary["documents_cut_at_max_bytes"] = read.cut_documents
     summary["non_utf8_files"] = read.non_utf8_files
     summary["encoding_policy"] = "utf-8 per line, else cp1252, else latin-1"
     summary["counters"] = vars(stats)
@@ -475,7 +476,8 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
 
     read = ReadStats()
     chunks = make_chunks(read_documents(files, cfg.format, read, text_field=cfg.text_field,
-                                        doc_separator=cfg.doc_separator), cfg)
+                                        doc_separator=cfg.doc_separator,
+                                        max_document_bytes=cfg.max_document_bytes), cfg)
     records: list[dict] = []
     skipped_units = 0
     total_bytes = sum(f.stat().st_size for f in files)

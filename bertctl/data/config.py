@@ -36,6 +36,7 @@ class DataConfig:
     shard_size: int = 65536  # instances per shard file at most
     chunk_bytes: int = 1 << 19  # raw text per work unit (also the random-document pool)
     holdout_fraction: float = 0.0  # share of documents written to the "eval" split
+    max_document_bytes: int = 16 << 20  # longer documents are cut at a sentence/paragraph break
 
     def resolved(self) -> "DataConfig":
         """A copy with the ``None`` defaults filled in, validated."""
@@ -67,6 +68,8 @@ class DataConfig:
             raise bad("shard_size", f"must be >= 1, got {self.shard_size}")
         if self.chunk_bytes < 1:
             raise bad("chunk_bytes", f"must be >= 1, got {self.chunk_bytes}")
+        if self.max_document_bytes < 1:
+            raise bad("max_document_bytes", f"must be >= 1, got {self.max_document_bytes}")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise bad("holdout_fraction", f"must be in [0, 1), got {self.holdout_fraction}")
 

@@ -55,6 +55,7 @@ class ReadStats:
     non_utf8_files: list[str] = field(default_factory=list)
     skipped_inputs: list[dict] = field(default_factory=list)  # {"path", "reason"}
     skipped_lines: dict = field(default_factory=dict)  # reason -> {"count", "first"}
+    cut_documents: int = 0  # documents cut at max_document_bytes (memory bound)
 
     def skip_line(self, reason: str, location: str) -> None:
         entry = self.skipped_lines.setdefault(reason, {"count": 0, "first": location})
@@ -67,6 +68,7 @@ class ReadStats:
             "non_utf8_files": list(self.non_utf8_files),
             "skipped_inputs": list(self.skipped_inputs),
             "skipped_lines": dict(self.skipped_lines),
+            "cut_documents": self.cut_documents,
         }
 
 
@@ -129,26 +131,35 @@ def _lines(path: Path, stats: ReadStats) -> Iterator[tuple[str, int]]:
 
 
 def read_documents(files: list[Path], fmt: str, stats: ReadStats, *, text_field: str = "text",
-                   doc_separator: str | None = None) -> Iterator[Document]:
-    """Stream the documents of ``files`` in order; only one document is held at a time."""
+                   doc_separator: str | None = None, max_document_bytes: int = 16 << 20) -> Iterator[Document]:
+    """Stream the documents of ``files`` in order; only one document is held at a time.
+
+    A ``lines`` or ``text`` document that grows past ``max_document_bytes`` (a huge
+    file with no document breaks) is cut at the next sentence or paragraph
+    boundary, so memory stays bounded; cuts are counted in ``stats.cut_documents``.
+    """
     if fmt not in FORMATS:
         raise BertctlError(f"--format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     for path in files:
         if fmt == "lines":
-            yield from _read_lines_format(path, stats)
+            yield from _read_lines_format(path, stats, max_document_bytes)
         elif fmt == "text":
-            yield from _read_text_format(path, stats, doc_separator)
+            yield from _read_text_format(path, stats, doc_separator, max_document_bytes)
         else:
             yield from _read_jsonl_format(path, stats, text_field)
 
 
-def _read_lines_format(path: Path, stats: ReadStats) -> Iterator[Document]:
+def _read_lines_format(path: Path, stats: ReadStats, max_bytes: int) -> Iterator[Document]:
     sentences, nbytes = [], 0
     for line, n in _lines(path, stats):
         nbytes += n
         line = line.strip()
         if line:
             sentences.append(line)
+            if nbytes >= max_bytes:
+                stats.cut_documents += 1
+                yield Document(sentences, True, nbytes)
+                sentences, nbytes = [], 0
         elif sentences:
             yield Document(sentences, True, nbytes)
             sentences, nbytes = [], 0
@@ -156,17 +167,20 @@ def _read_lines_format(path: Path, stats: ReadStats) -> Iterator[Document]:
         yield Document(sentences, True, nbytes)
 
 
-def _read_text_format(path: Path, stats: ReadStats, doc_separator: str | None) -> Iterator[Document]:
+def _read_text_format(path: Path, stats: ReadStats, doc_separator: str | None, max_bytes: int) -> Iterator[Document]:
     lines, nbytes = [], 0
     for line, n in _lines(path, stats):
         nbytes += n
-        if doc_separator is not None and line.strip() == doc_separator:
+        separator = doc_separator is not None and line.strip() == doc_separator
+        if not separator:
+            lines.append(line)
+        cut = not separator and nbytes >= max_bytes and not line.strip()  # at a paragraph break
+        if separator or cut:
             paragraphs = split_paragraphs(lines)
             if paragraphs:
+                stats.cut_documents += cut
                 yield Document(paragraphs, False, nbytes)
             lines, nbytes = [], 0
-        else:
-            lines.append(line)
     paragraphs = split_paragraphs(lines)
     if paragraphs:
         yield Document(paragraphs, False, nbytes)
