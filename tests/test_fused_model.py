@@ -31,9 +31,11 @@ def pair(device, **kw) -> tuple[BertForPreTraining, BertForPreTraining]:
 
 
 def synthetic_batch(gen: torch.Generator, B: int = 8, S: int = 24, device="cpu") -> dict[str, torch.Tensor]:
-    """A learnable toy task: each sequence counts up from a random start (mod vocab); predict masked tokens."""
-    start = torch.randint(5, 96, (B, 1), generator=gen)
-    ids = 5 + (start + torch.arange(S)) % 91
+    """A learnable toy task: each sequence repeats one of 10 tokens with a few random ones mixed in;
+    predict 4 masked tokens (copy the dominant token) and a next-sentence label equal to its parity."""
+    token = torch.randint(5, 15, (B, 1), generator=gen)
+    noise = torch.randint(5, 96, (B, S), generator=gen)
+    ids = torch.where(torch.rand(B, S, generator=gen) < 0.8, token, noise)
     lengths = torch.randint(S // 2, S + 1, (B,), generator=gen)
     attention = (torch.arange(S)[None, :] < lengths[:, None]).long()
     ids = ids * attention  # [PAD] = 0 after each length
@@ -41,8 +43,7 @@ def synthetic_batch(gen: torch.Generator, B: int = 8, S: int = 24, device="cpu")
     labels = ids.gather(1, positions)
     masked = ids.scatter(1, positions, 4)  # 4 stands for [MASK]
     batch = dict(input_ids=masked, token_type_ids=torch.zeros_like(ids), attention_mask=attention,
-                 masked_positions=positions, masked_lm_labels=labels,
-                 next_sentence_label=torch.randint(0, 2, (B,), generator=gen))
+                 masked_positions=positions, masked_lm_labels=labels, next_sentence_label=token[:, 0] % 2)
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -89,7 +90,7 @@ def test_fused_training_converges_like_torch(device):
             losses.append(loss.item())
         curves[name] = torch.tensor(losses)
     torch.testing.assert_close(curves["fused"], curves["torch"], atol=2e-3, rtol=1e-3)
-    assert curves["fused"][-5:].mean() < 0.8 * curves["fused"][:5].mean()
+    assert curves["fused"][-5:].mean() < 0.7 * curves["fused"][:5].mean()
 
 
 @pytest.mark.cuda

@@ -143,7 +143,7 @@ def device_block(device: torch.device | str, copy_gbps: float | None = None) -> 
         "python": platform.python_version(),
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": round(copy_gbps if copy_gbps is not None else copy_bandwidth(device), 1),
+        "copy_gbps": float(f"{copy_gbps if copy_gbps is not None else copy_bandwidth(device):.6g}"),
     }
 
 

@@ -165,7 +165,10 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device")
-    block = harness.device_block(device, cfg.copy_gbps)
+    copy = cfg.copy_gbps
+    if copy is None and cfg.tiny:  # tests: a small copy is enough to fill the field
+        copy = harness.copy_bandwidth(device, nbytes=16 * 2**20, reps=5)
+    block = harness.device_block(device, copy)
     block["fused_kernels"] = ops.fused_available()
     copy_gbps = block["copy_gbps"]
     log(f"device: {block['name']}  copy bandwidth {copy_gbps:.0f} GB/s  torch {block['torch']}  commit {block['commit']}")
@@ -199,10 +202,10 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                     gbps = nbytes / (t.median_ms * 1e-3) / 1e9
                     rows.append({
                         "op": case.op, "mode": mode, "shape": list(case.shape), "label": case.label,
-                        "dtype": dtype_name, "provider": provider, "median_ms": round(t.median_ms, 5),
-                        "p10_ms": round(t.p10_ms, 5), "p90_ms": round(t.p90_ms, 5), "runs": t.runs,
-                        "min_bytes": nbytes, "gbps": round(gbps, 1),
-                        "pct_of_copy_bw": round(100 * gbps / copy_gbps, 1),
+                        "dtype": dtype_name, "provider": provider, "median_ms": _sig(t.median_ms),
+                        "p10_ms": _sig(t.p10_ms), "p90_ms": _sig(t.p90_ms), "runs": t.runs,
+                        "min_bytes": nbytes, "gbps": _sig(gbps),
+                        "pct_of_copy_bw": _sig(100 * gbps / copy_gbps),
                     })
                     log(f"{case.op:<10} {mode:<6} {case.label:<16} {dtype_name:<8} {provider:<7} "
                         f"{t.median_ms:9.4f} ms {gbps:8.1f} GB/s {100 * gbps / copy_gbps:5.1f}%")
@@ -214,6 +217,10 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                                        "vs_eager", "vs_compile"]))
     return {"device": block, "config": {"quick": cfg.quick, "reps": reps, "seed": cfg.seed}, "rows": rows,
             "summary": summary}
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.6g}")
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

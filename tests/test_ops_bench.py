@@ -1,0 +1,49 @@
+"""``bertctl bench ops`` on tiny shapes: the report's structure and its arithmetic."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from bertctl import ops
+from bertctl.bench import harness
+from bertctl.bench.ops import Case, min_bytes
+from bertctl.cli.app import app
+
+
+@pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+def test_bench_ops_cli_writes_report(tmp_path):
+    out = tmp_path / "ops.json"
+    result = CliRunner().invoke(app, ["bench", "ops", "--device", "cpu", "--tiny", "--reps", "3",
+                                      "--provider", "fused", "--provider", "eager", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    device = report["device"]
+    for key in ("name", "torch", "cuda", "commit", "date", "copy_gbps"):
+        assert key in device
+    assert device["copy_gbps"] > 0
+    rows = report["rows"]
+    assert {(r["op"], r["mode"], r["provider"]) for r in rows} == {
+        (op, mode, p) for op in ("softmax", "layer_norm", "bias_gelu") for mode in ("fwd", "fwdbwd")
+        for p in ("fused", "eager")}
+    for r in rows:
+        assert r["median_ms"] > 0
+        # GB/s is the minimal byte count over the median time; % is against the measured copy bandwidth.
+        assert r["gbps"] == pytest.approx(r["min_bytes"] / (r["median_ms"] * 1e-3) / 1e9, rel=1e-2, abs=0.1)
+        assert r["pct_of_copy_bw"] == pytest.approx(100 * r["gbps"] / device["copy_gbps"], rel=1e-2, abs=0.1)
+    assert len(report["summary"]) == 6 and all("vs_eager" in s for s in report["summary"])
+
+
+def test_bench_ops_rejects_bad_device():
+    result = CliRunner().invoke(app, ["bench", "ops", "--device", "tpu"])
+    assert result.exit_code == 2
+    assert "--device" in result.output
+
+
+def test_min_bytes_counts_each_tensor_once():
+    # LayerNorm fwd on 4 x 8 fp32: x, residual, y (3 x 128 B) + weight, bias (2 x 32 B) + mean, rstd (2 x 16 B)
+    assert min_bytes(Case("layer_norm", (4, 8), "t"), "fwd", 4) == 3 * 128 + 2 * 32 + 2 * 16
+    # softmax fwd+bwd on (1, 1, 2, 4) bf16: x, y, dy, y, dx (5 x 16 B) + the (1, 4) mask
+    assert min_bytes(Case("softmax", (1, 1, 2, 4), "t"), "fwdbwd", 2) == 5 * 16 + 4
+    assert harness.rotation_count(harness.CACHE_BYTES // 3) == 4
