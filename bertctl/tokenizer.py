@@ -5,8 +5,8 @@ The pipeline is the one of google-research/bert's ``FullTokenizer`` as Hugging F
 equal that implementation's:
 
 1. special tokens (``[CLS] [SEP] [PAD] [MASK] [UNK]``) written in the raw text stay whole;
-2. text cleaning: NUL, U+FFFD and control/format/unassigned characters are dropped, every other
-   white space character becomes a word boundary;
+2. text cleaning: NUL, U+FFFD and control, format and private-use characters are dropped, every
+   other white space character becomes a word boundary;
 3. CJK ideographs become single-character words;
 4. accent stripping (NFD, then drop the non-spacing marks, category Mn) and lower-casing; accents are
    stripped when ``strip_accents`` is True, or when it is None and ``do_lower_case`` is True;
@@ -19,8 +19,12 @@ Speed: text is cut at ASCII white space into chunks, and each distinct chunk's (
 computed once and cached (natural text repeats chunks such as ``the`` or ``said,`` heavily), so the
 per-chunk cost of the full Unicode pipeline is paid only on the first occurrence.
 
-Character classes follow ``tokenizers`` (whose Unicode tables are older than Python's): see
-``bertctl/_wordpiece_tables.py`` for the differences.
+Character classes, non-spacing marks and lower-case mappings come from tables generated from
+``tokenizers`` itself (``bertctl/_wordpiece_tables.py``, by ``python -m bertctl._wordpiece_gen``):
+its Unicode data differ from Python's ``unicodedata`` (older categories, so e.g. characters
+assigned since are kept as letters; newer case mappings), and only its own tables give identical
+results on every code point. Offsets follow its alignment rules, including the re-ordering of
+combining marks by NFD.
 """
 from __future__ import annotations
 
@@ -297,7 +301,10 @@ class BertTokenizer:
             )
 
     def _normalize_char(self, c: str) -> tuple[str, str]:
-        """(class, normalised form) of one character; NFD ordering is fixed up per word."""
+        """(class, normalised form) of one character; NFD ordering is fixed up per word.
+
+        Classes: see ``_char_class``, plus "m" for a letter whose normal form holds punctuation.
+        """
         hit = self._char_cache.get(c)
         if hit is not None:
             return hit
@@ -307,6 +314,12 @@ class BertTokenizer:
         form = c
         if cls in ("w", "p", "c") and self._strip:
             form = _nfd(c)
+        if cls == "w":
+            # A few letters decompose into punctuation (U+2260 NOT EQUAL TO -> "=" + U+0338), which
+            # tokenizers then splits off, since it splits after normalising: class "m" (mixed).
+            final = "".join(_lower(d) for d in form) if self.do_lower_case else form
+            if any(_char_class(d) != "w" for d in form + final):
+                cls = "m"
         self._char_cache[c] = hit = (cls, form)
         return hit
 
@@ -335,6 +348,19 @@ class BertTokenizer:
                 for d in form:
                     chars.append(d)
                     index.append(i)
+            elif cls == "m":
+                for d in form:
+                    kind = _char_class(d)
+                    if kind == "p":
+                        flush()
+                        chars.append(d)
+                        index.append(i)
+                        flush()
+                    elif kind == " ":
+                        flush()
+                    else:
+                        chars.append(d)
+                        index.append(i)
             else:  # punctuation and CJK ideographs are words of their own
                 flush()
                 for d in form:
@@ -518,8 +544,8 @@ class BertTokenizer:
 
         ``max_length`` (tokens, specials included) applies only when given: ``truncation`` is
         "longest_first" (drop from the longer sequence, as Hugging Face does), "only_first",
-        "only_second", or False/None (no truncation). ``padding``: False, "longest" (no-op for one
-        text), True / "max_length" (pad to ``max_length``).
+        "only_second", or False/None (no truncation). ``padding``: False, True / "longest" (no-op for
+        one text, as in Hugging Face), "max_length" (pad to ``max_length``).
         """
         a, a_off = self._encode_text(text, return_offsets)
         b, b_off = (None, None) if pair is None else self._encode_text(pair, return_offsets)
@@ -549,7 +575,7 @@ class BertTokenizer:
             if b is not None:
                 offsets += [*b_off, (0, 0)]
         mask = [1] * len(ids)
-        if padding in (True, "max_length") and max_length is not None and len(ids) < max_length:
+        if padding == "max_length" and max_length is not None and len(ids) < max_length:
             n = max_length - len(ids)
             ids += [self.pad_token_id] * n
             types += [0] * n
@@ -587,7 +613,7 @@ class BertTokenizer:
             for k, t in enumerate(texts)
         ]
         width = max((len(e) for e in encs), default=0)
-        if padding in (True, "max_length") and max_length is not None:
+        if padding == "max_length" and max_length is not None:
             width = max(width, max_length)
         # Scatter the concatenated rows into (B, S) arrays through the attention mask: one numpy
         # operation per field instead of a tensor construction per row.

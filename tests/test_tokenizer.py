@@ -135,6 +135,8 @@ def test_parity_edge_cases(uncased, cased, hf_uncased, hf_cased):
         "\U00011938 \u1c89 \ua7cb", "क्षि தமிழ் ไทย 한국어 日本語カタカナ", "word\u0300\u0301\u0302\u0303", "\u0345\u0301a",
         # canonical reordering of marks moves characters; offsets follow tokenizers' NFD alignment
         "\u302e\u0316", "\u014c\u302e", "a\u0301\u0316\u302eb", "x\u0344\u302e\u0316",
+        # letters whose NFD holds punctuation, split off after normalising: ≠ -> "=" + U+0338
+        "a\u1fefb", "x\u2260y \u226e\u226f", "\u2260\u0301z",
     ]
     compare(uncased, hf_uncased, texts, "uncased")
     compare(cased, hf_cased, texts, "cased")
@@ -155,6 +157,17 @@ _pieces = st.one_of(
     st.text(alphabet=st.characters(min_codepoint=0x3000, max_codepoint=0x9FFF), max_size=4),
     st.text(alphabet=st.characters(min_codepoint=0x80, max_codepoint=0x24F), max_size=6),
 )
+def _interesting_chars() -> list[str]:
+    """Where tokenizers' Unicode tables have edges: ends of character-class and mark runs, the
+    NFD exceptions, case mappings, and letters whose NFD holds punctuation."""
+    from bertctl import _wordpiece_tables as tables
+
+    cps = {cp for run in tables.CLASS_RUNS for cp in run[:2]} | {cp for run in tables.MARK_RUNS for cp in run}
+    cps |= set(tables.NFD) | set(list(tables.LOWER)[::7]) | {0x1FEF, 0x2260, 0x226E, 0x226F, 0x0338, 0x0130}
+    return sorted(chr(cp) for cp in cps if not 0xD800 <= cp <= 0xDFFF)
+
+
+_pieces = st.one_of(_pieces, st.text(alphabet=st.sampled_from(_interesting_chars()), max_size=6))
 _texts = st.lists(_pieces, max_size=12).map("".join).filter(lambda t: not any(0xD800 <= ord(c) <= 0xDFFF for c in t))
 
 
@@ -209,6 +222,16 @@ def test_parity_every_line_of_every_data_file(kind):
     for name, texts in data_texts().items():
         for k in range(0, len(texts), 20000):
             compare(ours, hf, texts[k : k + 20000], name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["uncased", "cased"])
+def test_parity_every_code_point(kind):
+    """Each code point alone, between letters, and doubled after an accented letter."""
+    cps = [cp for cp in range(0x110000) if not 0xD800 <= cp <= 0xDFFF]
+    for k in range(0, len(cps), 50000):
+        texts = [f"{chr(cp)} a{chr(cp)}b \u00e9{chr(cp)}{chr(cp)}" for cp in cps[k : k + 50000]]
+        compare(_tok(kind), _hf(kind), texts, f"code points from U+{cps[k]:04X}")
 
 
 # ---------------------------------------------------------------- encode options against HF
