@@ -502,11 +502,12 @@ class Trainer:
                     bad += (~torch.isfinite(loss)).int()
                     self.step += 1
                     window["steps"] += 1
-                    window["masked"] += sb.masked * self.dist.world_size
-                    window["seq"] += sb.sequences * self.dist.world_size
-                    window["tok"] += sb.tokens * self.dist.world_size
+                    # This rank's work (host numbers); summed over ranks when the window is logged.
+                    window["masked"] += sb.masked
+                    window["seq"] += sb.sequences
+                    window["tok"] += sb.tokens
                     window["flops"] += train_flops(self.model_config, sb.tokens, sb.attn_pairs, sb.masked,
-                                                   sb.sequences) * self.dist.world_size
+                                                   sb.sequences)
                     bar.update(task, completed=self.step)
                     # Decisions every rank must agree on (stop, save) are taken at sync points.
                     want_stop = stop.requested is not None or (
@@ -576,10 +577,14 @@ class Trainer:
                                f"(lower --lr, or use --precision fp16 with loss scaling)")
 
     def _log_window(self, stats: torch.Tensor, bad: torch.Tensor, window: dict, peak: float | None) -> dict:
-        s = stats.clone()
-        distributed.all_reduce_sum(s, self.dist)
-        mlm_sum, nsp_sum, mlm_ok, nsp_ok = s.tolist()  # the one host sync per log window
-        n_masked, n_seq = window["masked"], window["seq"]
+        host = torch.tensor([window["masked"], window["seq"], window["tok"], window["flops"]], dtype=torch.float64)
+        if self.dist.enabled:  # ranks hold different numbers of masked tokens and real tokens
+            s = torch.cat([stats.double(), host.to(self.device)])
+            distributed.all_reduce_sum(s, self.dist)
+        else:
+            s = torch.cat([stats.double().cpu(), host])
+        # The one host sync per log window.
+        mlm_sum, nsp_sum, mlm_ok, nsp_ok, n_masked, n_seq, n_tok, flops = s.tolist()
         stats.zero_()
         if n_seq == 0:
             return {}
@@ -590,11 +595,11 @@ class Trainer:
             "step": self.step, "loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
             "mlm_acc": mlm_ok / max(n_masked, 1), "nsp_acc": nsp_ok / n_seq,
             "lr": self.scheduler.get_last_lr()[0],
-            "seq_per_s": window["seq"] / dt, "tokens_per_s": window["tok"] / dt,
-            "tflops": window["flops"] / dt / 1e12,
+            "seq_per_s": n_seq / dt, "tokens_per_s": n_tok / dt,
+            "tflops": flops / dt / 1e12,
         }
         if peak:
-            rec["mfu"] = window["flops"] / dt / peak / self.dist.world_size
+            rec["mfu"] = flops / dt / peak / self.dist.world_size
         if self.scaler.is_enabled():
             rec["loss_scale"] = self.scaler.get_scale()
         window.update(t=now, seq=0, tok=0.0, flops=0.0, steps=0, masked=0.0)
