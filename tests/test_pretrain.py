@@ -368,3 +368,17 @@ def test_lamb_with_accumulation_lowers_the_loss(data_dir, tmp_path):
                              micro_batch_size=8, optimizer="lamb", lr=2e-2, max_steps=12, device="cpu",
                              eval_batches=2, log_every=4, show_progress=False, save_minutes=1000))
     assert s["eval_end"]["mlm_loss"] < s["eval_start"]["mlm_loss"] - 0.5  # 6.57 -> 5.75 seen
+
+
+def test_model_from_a_config_file(data_dir, tmp_path):
+    from bertctl.config import BertConfig
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    conf = tmp_path / "config.json"
+    BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+               max_position_embeddings=64).to_json_file(conf)
+    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_config=str(conf), batch_size=8,
+                             max_steps=1, device="cpu", eval_at_start=False, eval_batches=1, show_progress=False))
+    exported = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert (exported["num_hidden_layers"], exported["hidden_size"], exported["vocab_size"]) == (1, 32, 1000)
+    assert s["parameters"] < 100_000
