@@ -3,13 +3,14 @@
 #
 #   benchmarks/gpu_model.sh one   # 1 GPU: bench model --compare hf --compile (BERT-Base 128/512,
 #                                 #   BERT-Large 128), then the default-job corpus pretraining
-#                                 #   BERT-Base, bf16 + torch.compile, batch 256
+#                                 #   BERT-Base, bf16 + torch.compile, batch 256; meanwhile the
+#                                 #   built-in default job on 4 CPU threads (a laptop's worth)
 #   benchmarks/gpu_model.sh two   # 2 GPUs: 1-GPU and torchrun 2-GPU DDP throughput of the same step
-#                                 #   on the same machine, and (in the background, on 4 CPU threads,
-#                                 #   a laptop's worth) the built-in default job
+#                                 #   on the same machine, then a real torchrun pretraining run
 #
 # Results go to $OUT (default ./gpu-out): log.txt, model-<gpu>.json, pretrain-<gpu>.json (the run's
-# JSON summary), pretrain-metrics.jsonl, pretrain-curves.png, scaling-<gpu>.json, default-job-cpu.json.
+# JSON summary), pretrain-metrics.jsonl, pretrain-curves.png, default-job-cpu.json; two: scaling-<gpu>.json,
+# pretrain-ddp2-<gpu>.json.
 # The compiled extension is built unless a CUDA build is already importable; the built module is
 # copied to $OUT so that a later machine can be handed it instead of building again.
 set -uo pipefail
@@ -42,6 +43,10 @@ fi
 python3 -m bertctl env 2>&1 | tail -20 >> "$LOG"
 
 if [ "$MODE" = one ]; then
+  # The default job on the CPU, 4 threads (a laptop's worth), while the GPU is measured.
+  (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -m bertctl pretrain --device cpu --no-progress \
+     --output /tmp/bertctl-default-run > "$OUT/default-job-cpu.json" 2> "$OUT/default-job-cpu.log") &
+  cpu_job=$!
   start=$(date +%s)
   python3 -m bertctl bench model --compare hf --compile --steps ${STEPS:-10} --warmup 3 \
     --output "$OUT/model-$name.json" > /dev/null 2>> "$LOG"
@@ -64,11 +69,14 @@ PY
   cp /tmp/bertctl-base-run/metrics.jsonl "$OUT/pretrain-metrics.jsonl" 2>/dev/null
   cp /tmp/bertctl-base-run/curves.png "$OUT/pretrain-curves.png" 2>/dev/null
   grep '"event": "train"' /tmp/bertctl-base-run/metrics.jsonl | tail -3 | tee -a "$LOG"
+  wait $cpu_job
+  say "default job (CPU) rc=$?"; tail -3 "$OUT/default-job-cpu.log" | tee -a "$LOG"
+  cat "$OUT/default-job-cpu.log" >> "$LOG"; rm -f "$OUT/default-job-cpu.log"
 else
-  # The default job on the CPU, 4 threads, while the GPUs are measured.
-  (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -m bertctl pretrain --device cpu --no-progress \
-     --output /tmp/bertctl-default-run > "$OUT/default-job-cpu.json" 2> "$OUT/default-job-cpu.log") &
-  cpu_job=$!
+  # Data for a real 2-GPU run, built while the GPUs are measured.
+  (python3 -c "from bertctl.default_job import prepare_default_data as p; p('/tmp/ddp-work', show_progress=False)" \
+     >> "$LOG" 2>&1) &
+  prep=$!
   start=$(date +%s)
   python3 -m bertctl bench model --cases base-128 --no-inference --steps ${STEPS:-10} --warmup 3 \
     --output "$OUT/scaling-1gpu.json" > /dev/null 2>> "$LOG"
@@ -89,6 +97,12 @@ json.dump(res, open(f"{out}/scaling-{name}.json", "w"), indent=2)
 print(f"DDP scaling {r1['case']}: 1 GPU {r1['seq_per_s']} seq/s, 2 GPUs {r2['seq_per_s']} seq/s -> {res['speedup']}x")
 PY
   rm -f "$OUT/scaling-1gpu.json" "$OUT/scaling-2gpu.json"
-  wait $cpu_job
-  say "default job (CPU) rc=$?"; tail -3 "$OUT/default-job-cpu.log" | tee -a "$LOG"
+  wait $prep
+  # The real training loop under torchrun + NCCL: BERT-Base, global batch 512 (256 per GPU), bf16.
+  start=$(date +%s)
+  python3 -m torch.distributed.run --nproc-per-node 2 -m bertctl pretrain --data /tmp/ddp-work/data \
+    --model-size base --batch-size 512 --lr 1e-4 --max-steps ${DDP_STEPS:-40} --warmup-steps 4 --log-every 10 \
+    --no-progress --output /tmp/ddp-run > "$OUT/pretrain-ddp2-$name.json" 2>> "$LOG"
+  say "torchrun pretrain rc=$? in $(( $(date +%s) - start )) s"
+  grep '"event": "train"' /tmp/ddp-run/metrics.jsonl | tail -2 | tee -a "$LOG"
 fi

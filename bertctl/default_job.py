@@ -14,6 +14,7 @@ import importlib
 import inspect
 import io
 import json
+import os
 import sys
 import time
 import warnings
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
 from bertctl.progress import stderr
 
@@ -134,33 +136,21 @@ def _calibrate_step_seconds(model_config, batch_size: int, seq_len: int, max_pre
     return min(times[1:])
 
 
-def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | None = None,
-                    minutes: float | None = None, max_steps: int | None = None, model_size: str | None = None,
-                    vocab_size: int = 4000, max_seq_length: int = 128, max_modules: int | None = None,
-                    **train_options: Any) -> dict:
-    """gather corpus -> train vocabulary -> build shards -> pretrain a tiny BERT -> summary dict.
+def prepare_default_data(work: str | Path, *, vocab_size: int = 4000, max_seq_length: int = 128, seed: int = 0,
+                         max_modules: int | None = None, show_progress: bool = True) -> dict:
+    """corpus -> vocabulary -> shards under ``work`` (each stage skipped when its output exists).
 
-    Each preparation stage is skipped when its output already exists in ``output/work``,
-    so a rerun (or ``--resume``) goes straight to training.
+    Returns {"corpus": stats, "vocabulary": path, "tokenizer": BertTokenizer, "data": shard folder}.
     """
-    from bertctl.config import BertConfig
-    from bertctl.data import DataConfig, PretrainingData, build_data
+    from bertctl.data import DataConfig, build_data
     from bertctl.tokenizer import BertTokenizer
-    from bertctl.train.pretrain import TrainConfig, pretrain
     from bertctl.vocab import VocabConfig, train_vocab, write_vocab
 
-    output = Path(output)
-    minutes = DEFAULT_MINUTES if minutes is None else minutes
-    batch_size = batch_size or 16
-    model_size = model_size or "tiny"
-    seed = train_options.pop("seed", 0)
-    work = output / "work"
+    work = Path(work)
     corpus = work / "python-docs"
-    t0 = time.monotonic()
     if not (work / "corpus.json").is_file():
         stderr.print("default job: gathering Python's bundled documentation (pydoc_data.topics + stdlib docstrings)")
-        stats = gather_python_docs(corpus, max_modules=max_modules)
-        write_json(work / "corpus.json", stats)
+        write_json(work / "corpus.json", gather_python_docs(corpus, max_modules=max_modules))
     corpus_stats = {"path": str(corpus), **json.loads((work / "corpus.json").read_text(encoding="utf-8"))}
     vocab_file = work / "vocab.txt"
     if not vocab_file.is_file():
@@ -171,8 +161,40 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     if not (data_dir / "manifest.json").is_file():
         stderr.print("default job: building pretraining shards (5% of documents held out)")
         build_data([corpus], data_dir, tokenizer,
-                   DataConfig(format="text", max_seq_length=max_seq_length, dupe_factor=3,
-                              holdout_fraction=0.05, seed=seed), progress=train_options.get("show_progress", True))
+                   DataConfig(format="text", max_seq_length=max_seq_length, dupe_factor=3, holdout_fraction=0.05,
+                              seed=seed), progress=show_progress)
+    return {"corpus": corpus_stats, "vocabulary": vocab_file, "tokenizer": tokenizer, "data": data_dir}
+
+
+def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | None = None,
+                    minutes: float | None = None, max_steps: int | None = None, model_size: str | None = None,
+                    vocab_size: int = 4000, max_seq_length: int = 128, max_modules: int | None = None,
+                    **train_options: Any) -> dict:
+    """gather corpus -> train vocabulary -> build shards -> pretrain a tiny BERT -> summary dict.
+
+    Each preparation stage is skipped when its output already exists in ``output/work``,
+    so a rerun (or ``--resume``) goes straight to training.
+    """
+    from bertctl.config import BertConfig
+    from bertctl.data import PretrainingData
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    output = Path(output)
+    minutes = DEFAULT_MINUTES if minutes is None else minutes
+    batch_size = batch_size or 16
+    model_size = model_size or "tiny"
+    seed = train_options.pop("seed", 0)
+    t0 = time.monotonic()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and max_steps is None:
+        raise BertctlError("the default job under torchrun needs --max-steps (the time calibration is per process)")
+    if rank != 0:  # under torchrun rank 0 prepares the data; the others wait for its manifest
+        while not (output / "work" / "data" / "manifest.json").is_file():
+            time.sleep(1.0)
+    prepared = prepare_default_data(output / "work", vocab_size=vocab_size, max_seq_length=max_seq_length,
+                                    seed=seed, max_modules=max_modules,
+                                    show_progress=train_options.get("show_progress", True))
+    data_dir, tokenizer = prepared["data"], prepared["tokenizer"]
     prep_seconds = time.monotonic() - t0
 
     model_overrides = train_options.pop("model_overrides", {}) or {}
@@ -193,7 +215,7 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     summary = pretrain(cfg, tokenizer=tokenizer)
     ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}
     summary["default_job"] = {
-        "corpus": corpus_stats, "vocabulary": str(vocab_file), "data": str(data_dir),
+        "corpus": prepared["corpus"], "vocabulary": str(prepared["vocabulary"]), "data": str(data_dir),
         "prepare_seconds": round(prep_seconds, 1),
         "eval_mlm_accuracy_start": ev0.get("mlm_acc"), "eval_mlm_accuracy_end": ev1.get("mlm_acc"),
         "majority_token_baseline": ev1.get("mlm_majority_baseline", ev0.get("mlm_majority_baseline")),
