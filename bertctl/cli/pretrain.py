@@ -44,6 +44,8 @@ def pretrain_command(
     kernels: str = typer.Option("auto", "--kernels", help="fused, torch or auto."),
     attn: str = typer.Option("sdpa", "--attn", help="sdpa or explicit."),
     compile: bool = typer.Option(False, "--compile", help="torch.compile the model."),
+    bucket_lengths: bool = typer.Option(False, "--bucket-lengths", help="Length-bucketed batch order (less "
+                                        "padding when sequence lengths vary; every instance still once an epoch)."),
     precision: str = typer.Option("auto", "--precision", help="bf16, fp16 (loss scaling), fp32; auto = bf16 on "
                                   "GPU, fp32 on CPU."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
@@ -73,6 +75,7 @@ def pretrain_command(
         micro_batch_size=micro_batch_size, optimizer=optimizer, weight_decay=weight_decay,
         schedule=schedule, warmup_steps=warmup_steps, warmup_fraction=warmup_fraction,
         max_grad_norm=max_grad_norm, seed=seed, precision=precision, kernels=kernels, attn=attn, compile=compile,
+        bucket_lengths=bucket_lengths,
         device=device, resume=resume, save_every=save_every, save_minutes=save_minutes, keep=keep,
         log_every=log_every, eval_every=eval_every, eval_batches=eval_batches, show_progress=not no_progress,
     )

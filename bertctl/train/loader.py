@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from bertctl.train.metrics import batch_counts
@@ -105,6 +106,29 @@ class Prefetcher:
         except queue.Empty:
             pass
         self._thread.join(timeout=5)
+
+
+def bucketed_batches(data, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0,
+                     rank: int = 0, world_size: int = 1, window: int = 64) -> Iterator[dict[str, torch.Tensor]]:
+    """One epoch in length-bucketed order: less padding when lengths vary.
+
+    The epoch's permutation (the loader's, from (seed, epoch)) is cut into windows of
+    ``window`` global batches; inside a window the instances are sorted by length and cut
+    into global batches, whose order is then shuffled from (seed, epoch, window start).
+    Every instance is still seen once an epoch; rank r takes the r-th slice of each global
+    batch, and ``start_step`` seeks exactly (a window is recomputed, never replayed).
+    """
+    perm = data.permutation(seed, epoch)
+    steps = data.steps_per_epoch(global_batch_size)
+    b = global_batch_size // world_size
+    for w0 in range(start_step - start_step % window, steps, window):
+        w1 = min(steps, w0 + window)
+        idx = perm[w0 * global_batch_size:w1 * global_batch_size]
+        lengths = np.asarray(data.records(idx)["length"])
+        ordered = idx[np.argsort(lengths, kind="stable")].reshape(w1 - w0, global_batch_size)
+        ordered = ordered[np.random.default_rng([seed, epoch, w0, 7]).permutation(w1 - w0)]
+        for k in range(max(w0, start_step), w1):
+            yield data.collate(ordered[k - w0][rank * b:(rank + 1) * b], seed=seed, epoch=epoch, trim=True)
 
 
 def to_device(micro: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, progress, stderr
 from bertctl.train import distributed, state
-from bertctl.train.loader import Prefetcher, StepBatch, to_device
+from bertctl.train.loader import Prefetcher, StepBatch, bucketed_batches, to_device
 from bertctl.train.metrics import peak_flops, plot_curves, train_flops
 from bertctl.train.optim import build_optimizer, build_scheduler
 
@@ -80,6 +80,7 @@ class TrainConfig:
     kernels: str = "auto"
     attn: str = "sdpa"
     compile: bool = False
+    bucket_lengths: bool = False          # length-bucketed batch order (less padding for varied lengths)
     device: str | None = None             # cpu | cuda | None (cuda when available)
     # Never lose work.
     resume: bool = False
@@ -328,8 +329,12 @@ class Trainer:
         """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying)."""
         epoch, k = divmod(start_step, self.steps_per_epoch)
         while True:
-            yield from self.data.batches(self.cfg.batch_size, seed=self.cfg.seed, epoch=epoch, start_step=k,
-                                         rank=self.dist.rank, world_size=self.dist.world_size, trim=True)
+            kw = dict(seed=self.cfg.seed, epoch=epoch, start_step=k, rank=self.dist.rank,
+                      world_size=self.dist.world_size)
+            if self.cfg.bucket_lengths:
+                yield from bucketed_batches(self.data, self.cfg.batch_size, **kw)
+            else:
+                yield from self.data.batches(self.cfg.batch_size, trim=True, **kw)
             epoch, k = epoch + 1, 0
 
     def _autocast(self):
