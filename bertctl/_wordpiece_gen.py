@@ -36,6 +36,7 @@ def generate() -> str:
     marks: dict[int, str] = {}
     lower_map: dict[int, str] = {}
     nfd_map: dict[int, str] = {}
+    ccc: dict[int, int] = {}
     for cp in range(0x110000):
         if 0xD800 <= cp <= 0xDFFF:
             classes[cp] = "x"  # lone surrogates cannot be in valid text; drop them
@@ -54,8 +55,19 @@ def generate() -> str:
         else:
             raise RuntimeError(f"unexpected normalisation of U+{cp:04X}: {r!r}")
         d = nfd.normalize_str(c)
-        if d != unicodedata.normalize("NFD", c):
+        # Hangul syllables decompose algorithmically (stable since Unicode 2.0): left to unicodedata.
+        if d != c and not 0xAC00 <= cp <= 0xD7A3:
             nfd_map[cp] = d
+        # Combining classes never change once assigned (Unicode stability policy), but tokenizers
+        # does not know marks assigned after its tables: for it they are starters (class 0). A
+        # mark counts if tokenizers' NFD moves it before U+0345 (class 240), or, if itself of
+        # class 240, after U+0316 (class 220).
+        k = unicodedata.combining(c)
+        if k and d == c:
+            moved = (nfd.normalize_str("\u0345" + c) == c + "\u0345") if k < 240 else (
+                nfd.normalize_str(c + "\u0316") == "\u0316" + c)
+            if moved:
+                ccc[cp] = k
         # A character is a non-spacing mark for tokenizers if stripping accents deletes it
         # (it has no decomposition of its own when NFD leaves it unchanged).
         if d == c and strip.normalize_str(c) == "":
@@ -72,12 +84,15 @@ def generate() -> str:
         "CLASS_RUNS: (first, last, class) code point runs that are not word characters:",
         "'x' dropped by text cleaning, ' ' white space, 'p' punctuation, 'c' CJK ideograph.",
         "MARK_RUNS: non-spacing marks (Mn) removed by accent stripping. LOWER: lower-case map where",
-        "it changes the character. NFD: decompositions that differ from this Python's unicodedata.",
+        "it changes the character. NFD: canonical decompositions (Hangul syllables excepted).",
+        "CCC: canonical combining classes (non-zero ones that tokenizers knows), for the ordering of marks.",
+        "With these tables the results do not depend on the Python version's unicodedata.",
         '"""',
         f"CLASS_RUNS = {class_runs!r}",
         f"MARK_RUNS = {mark_runs!r}",
         f"LOWER = {lower_map!r}",
         f"NFD = {nfd_map!r}",
+        f"CCC = {ccc!r}",
         "",
     ]
     return "\n".join(lines)

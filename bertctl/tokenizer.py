@@ -85,7 +85,15 @@ def _is_mark(c: str) -> bool:
 
 
 def _nfd(c: str) -> str:
-    return _tables.NFD.get(ord(c)) or unicodedata.normalize("NFD", c)
+    """Canonical decomposition; only Hangul syllables (algorithmic, stable) come from unicodedata."""
+    cp = ord(c)
+    if 0xAC00 <= cp <= 0xD7A3:
+        return unicodedata.normalize("NFD", c)
+    return _tables.NFD.get(cp, c)
+
+
+def _combining(c: str) -> int:
+    return _tables.CCC.get(ord(c), 0)
 
 
 def _lower(c: str) -> str:
@@ -659,7 +667,7 @@ def _canonical_order(pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
     each original character's decomposition consumes the next original index (in text order),
     and the other characters of a decomposition take the index consumed last.
     """
-    ccc = [unicodedata.combining(c) for c, _ in pairs]
+    ccc = [_combining(c) for c, _ in pairs]
     if sum(1 for x in ccc if x) < 2:
         return pairs
     first = [k == 0 or pairs[k][1] != pairs[k - 1][1] for k in range(len(pairs))]
