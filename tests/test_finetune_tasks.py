@@ -249,3 +249,17 @@ def test_lr_sweep_keeps_the_best_on_dev_and_resume_skips_done_runs(tiny, tmp_pat
     assert r.exit_code == 0, r.output
     assert r.output.count("already done") == 4
     assert json.loads((out / "metrics.json").read_text())["accuracy"] == pytest.approx(metrics["accuracy"])
+
+
+def test_kernels_and_attention_choices_reach_the_model(tiny, tmp_path):
+    from bertctl.model import BertForMultipleChoice
+    from bertctl.tasks import common
+    from bertctl.tasks.trainer import TrainConfig
+
+    model = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(kernels="torch",
+                                                                                    attention="explicit"))
+    assert model.config.kernels == "torch" and model.config.attn_implementation == "explicit"
+    r = runner.invoke(app, ["finetune", "swag", "--train", str(data_path("swag", "sample.jsonl")), "--dev",
+                            str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
+                            str(tmp_path / "o"), "--max-steps", "1", "--attention", "bogus", "--quiet"])
+    assert r.exit_code == 2 and "attention backend must be one of" in r.output

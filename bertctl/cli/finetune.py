@@ -34,6 +34,8 @@ DEVICE = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 NO_BF16 = typer.Option(False, "--no-bf16", help="Train in fp32 on GPU (default: bf16 autocast).")
 NO_GROUP = typer.Option(False, "--no-group-by-length", help="Plain random batches (default: length-grouped).")
 COMPILE = typer.Option(False, "--compile", help="torch.compile the model.")
+KERNELS = typer.Option("auto", "--kernels", help="Model ops: auto (compiled kernels where built), fused or torch.")
+ATTENTION = typer.Option("sdpa", "--attention", help="Attention: sdpa (PyTorch's fused attention) or explicit.")
 MAX_STEPS = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps.")
 SAVE_STEPS = typer.Option(0, "--save-steps", help="Also checkpoint every N steps (0: at epoch ends only).")
 RESUME = typer.Option(False, "--resume", help="Continue from the last checkpoint in OUT.")
@@ -42,7 +44,8 @@ LOG_STEPS = typer.Option(50, "--log-steps", help="Log the mean training loss eve
 
 
 def _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                  no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps=50) -> TrainConfig:
+                  no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps=50, kernels="auto",
+                  attention="sdpa") -> TrainConfig:
     from bertctl.errors import BertctlError
 
     if batch_size < 1 or eval_batch_size < 1:
@@ -55,7 +58,7 @@ def _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay,
                        warmup_ratio=warmup, weight_decay=weight_decay, seed=seed, device=device, bf16=not no_bf16,
                        group_by_length=not no_group_by_length, compile=compile_, max_steps=max_steps,
                        save_steps=save_steps, progress=not quiet,
-                       log_steps=max(1, log_steps))
+                       log_steps=max(1, log_steps), kernels=kernels, attention=attention)
 
 
 @finetune_app.command("glue")
@@ -77,13 +80,13 @@ def glue(
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
     save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
-    log_steps: int = LOG_STEPS,
+    log_steps: int = LOG_STEPS, kernels: str = KERNELS, attention: str = ATTENTION,
 ) -> None:
     """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data."""
     from bertctl.tasks import glue as g
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps, kernels, attention)
     data = g.load_data(task=task, data_dir=data_dir, train=train, dev=dev, text_column=text_column,
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)
@@ -112,13 +115,13 @@ def squad(
     weight_decay: float = WD, dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE,
     no_bf16: bool = NO_BF16, no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE,
     max_steps: Optional[int] = MAX_STEPS, save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
-    log_steps: int = LOG_STEPS,
+    log_steps: int = LOG_STEPS, kernels: str = KERNELS, attention: str = ATTENTION,
 ) -> None:
     """Fine-tune span question answering on SQuAD v1.1 or v2.0 (windows of 384 tokens, stride 128)."""
     from bertctl.tasks import squad as s
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps, kernels, attention)
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     train_data = s.read_squad(train, articles=train_articles, version_2=version_2, training=True)
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
@@ -135,13 +138,13 @@ def ner(
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
     save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
-    log_steps: int = LOG_STEPS,
+    log_steps: int = LOG_STEPS, kernels: str = KERNELS, attention: str = ATTENTION,
 ) -> None:
     """Fine-tune NER on CoNLL-format data; the epoch is chosen on valid, scores reported on test."""
     from bertctl.tasks import ner as n
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps, kernels, attention)
     n.run_finetune(data_dir, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
                    dropout=dropout)
 
@@ -156,13 +159,13 @@ def swag(
     dropout: Optional[float] = DROPOUT, seed: int = SEED, device: str = DEVICE, no_bf16: bool = NO_BF16,
     no_group_by_length: bool = NO_GROUP, compile_: bool = COMPILE, max_steps: Optional[int] = MAX_STEPS,
     save_steps: int = SAVE_STEPS, resume: bool = RESUME, quiet: bool = QUIET,
-    log_steps: int = LOG_STEPS,
+    log_steps: int = LOG_STEPS, kernels: str = KERNELS, attention: str = ATTENTION,
 ) -> None:
     """Fine-tune multiple choice (four endings, softmax over [CLS] scores) on SWAG."""
     from bertctl.tasks import swag as w
 
     cfg = _train_config(epochs, lr, batch_size, eval_batch_size, warmup, weight_decay, seed, device, no_bf16,
-                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps)
+                        no_group_by_length, compile_, max_steps, save_steps, quiet, log_steps, kernels, attention)
     w.run_finetune(train, dev, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
                    dropout=dropout)
 

@@ -36,7 +36,8 @@ def load_tokenizer(model_dir: str | Path):
     return BertTokenizer.from_pretrained(model_dir_of(model_dir))
 
 
-def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | None = None, **head) -> torch.nn.Module:
+def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | None = None,
+                        cfg: TrainConfig | None = None, **head) -> torch.nn.Module:
     """A pretrained encoder (bertctl's or Hugging Face's) with a freshly initialised task head.
 
     ``head`` sets num_labels / id2label / label2id / problem_type in the config, so the saved
@@ -45,6 +46,8 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     from bertctl.checkpoint import load_pretrained
 
     overrides = dict(head)
+    if cfg is not None:  # runtime choices over the same weights
+        overrides.update(kernels=cfg.kernels, attn_implementation=cfg.attention)
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     return load_pretrained(model_cls, model_dir_of(model_dir), fresh_heads=True, **overrides)

@@ -423,7 +423,7 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
     main = main_metric_name(data)
 
     def build():
-        return common.load_for_finetuning(BertForSequenceClassification, model_dir, dropout=dropout, **head)
+        return common.load_for_finetuning(BertForSequenceClassification, model_dir, dropout=dropout, cfg=cfg, **head)
 
     def evaluate(model):
         return evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False)[0]

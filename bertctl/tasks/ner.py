@@ -192,7 +192,7 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
     head = dict(id2label=dict(enumerate(labels)), label2id=label_to_id)
 
     def build():
-        return common.load_for_finetuning(BertForTokenClassification, model_dir, dropout=dropout, **head)
+        return common.load_for_finetuning(BertForTokenClassification, model_dir, dropout=dropout, cfg=tcfg, **head)
 
     def evaluate(model):
         tags, _ = _predict_tags(model, valid, tokenizer, labels, tcfg, max_seq_length, False, valid_feats)

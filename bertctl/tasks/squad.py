@@ -400,7 +400,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
     main = "f1"
 
     def build():
-        return common.load_for_finetuning(BertForQuestionAnswering, model_dir, dropout=dropout)
+        return common.load_for_finetuning(BertForQuestionAnswering, model_dir, dropout=dropout, cfg=tcfg)
 
     def evaluate(model):
         preds = decode(dev, dev_features, _logits(model, dev_features, tcfg, False), dev_contexts, scfg)

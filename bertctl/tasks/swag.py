@@ -144,7 +144,7 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
     gold = [e.label for e in dev]
 
     def build():
-        return common.load_for_finetuning(BertForMultipleChoice, model_dir, dropout=dropout)
+        return common.load_for_finetuning(BertForMultipleChoice, model_dir, dropout=dropout, cfg=tcfg)
 
     def evaluate(model):
         return {"accuracy": accuracy(_choices(model, dev_feats, tcfg, False).argmax(-1), gold)}

@@ -55,6 +55,8 @@ class TrainConfig:
     bf16: bool = True  # autocast to bfloat16 on GPU (ignored on CPU)
     group_by_length: bool = True
     compile: bool = False
+    kernels: str = "auto"  # model ops: "auto" (compiled kernels where built), "fused" or "torch"
+    attention: str = "sdpa"  # attention backend: "sdpa" or "explicit"
     max_steps: int | None = None  # stop early (tests, smoke runs)
     save_steps: int = 0  # also checkpoint every N optimizer steps (0 = only at epoch ends)
     log_steps: int = 50
