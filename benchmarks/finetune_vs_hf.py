@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH, so a pinned copy of the package can be benchmarked
 
 from bertctl.tasks import glue, ner, squad  # noqa: E402
 from bertctl.tasks.metrics import accuracy, conlleval, squad_v1_evaluate  # noqa: E402
@@ -133,7 +133,8 @@ def sst2(a, out: Path) -> dict:
         data.devs = [(n, p, ex[: a.limit // 4]) for n, p, ex in data.devs]
     dev = data.devs[0][2]
     epochs, lr = a.sst2_epochs, a.lr
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False)
+    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False,
+                      kernels=a.kernels)
     t = time.perf_counter()
     ours = glue.run_finetune(data, a.model, out / "bertctl-sst2", cfg)
     ours_wall = time.perf_counter() - t
@@ -175,7 +176,8 @@ def sst2(a, out: Path) -> dict:
 def conll(a, out: Path) -> dict:
     d = a.data / "conll2003"
     epochs, lr = a.conll_epochs, a.lr_conll
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False)
+    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False,
+                      kernels=a.kernels)
     data_dir = d
     if a.limit:  # a slice for CPU smoke runs
         data_dir = out / "conll-slice"
@@ -275,7 +277,8 @@ def squad_task(a, out: Path) -> dict:
     sq = a.data / "squad"
     split = sq / "split.json"
     epochs, lr = a.squad_epochs, a.lr_squad
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False)
+    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False,
+                      kernels=a.kernels)
     scfg = squad.SquadConfig()
     train = squad.read_squad(sq / "dev-v1.1.json", articles=f"{split}:train", training=True)
     dev = squad.read_squad(sq / "dev-v1.1.json", articles=f"{split}:eval")
@@ -436,6 +439,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seeds", default="42", help="comma-separated; both sides run once per seed")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--kernels", default="auto", help="bertctl model ops: auto, fused or torch")
     p.add_argument("--lr", type=float, default=5e-5, help="SST-2 lr")
     p.add_argument("--lr-conll", type=float, default=1e-4)
     p.add_argument("--lr-squad", type=float, default=1e-4)
