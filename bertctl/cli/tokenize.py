@@ -15,7 +15,7 @@ tokenize_app = typer.Typer(
 )
 
 _VOCAB = typer.Option(None, "--vocab", help="vocab.txt (one token per line).", show_default=False)
-_MODEL = typer.Option(None, "--model", help="Model directory: vocab.txt and tokenizer_config.json (casing).",
+_MODEL = typer.Option(None, "--model", help="Model or tokenizer directory (vocab.txt or tokenizer.json; casing from it).",
                       show_default=False)
 _CASED = typer.Option(False, "--cased", help="Keep case and accents (with --vocab; a --model directory says itself).")
 
@@ -127,15 +127,20 @@ def train(
     no_strip_accents: bool = typer.Option(False, "--no-strip-accents", help="Keep accents when lower-casing."),
     min_frequency: int = typer.Option(2, "--min-frequency", help="A merged piece must occur this often.", min=1),
     limit_alphabet: int = typer.Option(1000, "--limit-alphabet", help="Keep the A most frequent characters.", min=1),
-    reserved_unused: int = typer.Option(0, "--reserved-unused", help="Reserve K [unusedN] slots after [PAD].", min=0),
+    reserved_unused: int = typer.Option(0, "--reserved-unused", help="Reserve K \\[unusedN] slots after [PAD].", min=0),
     sample_bytes: int = typer.Option(None, "--sample-bytes",
                                      help="Read about this many bytes, sampling lines evenly over all inputs.", min=1),
     max_sentences: int = typer.Option(None, "--max-sentences", help="Stop after this many (sampled) lines.", min=1),
     seed: int = typer.Option(0, "--seed", help="Seed of the line sampling."),
     save_dir: Path = typer.Option(None, "--save-dir",
-                                  help="Also write a tokenizer directory (vocab.txt + tokenizer_config.json)."),
+                                  help="Also write a tokenizer directory (vocab.txt, tokenizer.json, tokenizer_config.json)."),
 ) -> None:
-    """Learn a BERT WordPiece vocabulary: [PAD], [unused0..K-1], [UNK], [CLS], [SEP], [MASK], characters, pieces."""
+    """Learn a BERT WordPiece vocabulary: [PAD], \\[unused0..K-1], [UNK], [CLS], [SEP], [MASK], characters, pieces.
+
+    Words come from BERT's basic tokenizer (same casing and accent options as encoding); pieces
+    are learnt by frequency merges with ## continuations, as Hugging Face's WordPieceTrainer does.
+    Files that are not UTF-8 are read as ISO-8859-1.
+    """
     from bertctl.vocab import VocabConfig, train_vocab, write_vocab
 
     config = VocabConfig(
