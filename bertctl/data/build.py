@@ -30,7 +30,6 @@ import os
 import random
 import re
 import shutil
-import string
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -84,7 +83,9 @@ def tokenizer_info(tokenizer) -> dict:
 # split on them; a text holding one goes through the tokenizer whole.
 _SPLIT_MISMATCH = re.compile("[\x0b\x0c\x1c-\x1f\x85]")
 MAX_INPUT_CHARS_PER_WORD = 100  # longer words are one [UNK] (google-research/bert)
-_ASCII_PUNCT = string.punctuation  # BERT's _is_punctuation holds every ASCII non-alphanumeric printable
+# Letter-and-digit runs and single other characters of a printable ASCII word: BERT's
+# _is_punctuation holds every ASCII printable that is neither alphanumeric nor space.
+_ASCII_PIECES = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9]")
 
 
 class WordCache:
@@ -92,13 +93,13 @@ class WordCache:
 
     BERT's tokenization (clean, lower-case, split punctuation, WordPiece) works
     word by word once text is split on white space, so the ids of a text are
-    the concatenated ids of its words.  Word frequencies are Zipfian, and the
-    tokenizer runs only on cache misses.  A miss is cut further before it
-    reaches the tokenizer: ASCII punctuation at either end is always a token of
-    its own in BERT (``"world."`` = ``"world"`` + ``"."``), and an uncased
-    tokenizer maps ASCII words to the same ids in any case, so the core is
-    cached lower-cased.  Caches are cleared when they reach ``max_words``
-    (memory stays bounded).
+    the concatenated ids of its words.  Word frequencies are Zipfian: the
+    work is done once per distinct word.  A printable ASCII word needs no
+    tokenizer at all: BERT's basic tokenizer only lower-cases it (uncased) and
+    makes every ASCII non-alphanumeric character a token of its own, so the
+    word is cut into letter-and-digit runs (WordPiece, cached lower-cased) and
+    punctuation characters here.  Other words go through the tokenizer.
+    Caches are cleared when they reach ``max_words`` (memory stays bounded).
     """
 
     def __init__(self, tokenizer, max_words: int = 1 << 19):
@@ -107,9 +108,9 @@ class WordCache:
         self.lower = bool(getattr(tokenizer, "do_lower_case", False))
         self.vocab = tokenizer.vocab
         self.unk = tokenizer.vocab["[UNK]"]
-        self.cache: dict[str, list[int]] = {}
-        self.cores: dict[str, list[int]] = {}
-        self.misses = 0
+        self.cache: dict[str, list[int]] = {}  # white-space word -> ids
+        self.pieces: dict[str, list[int]] = {}  # ASCII alphanumeric run or punctuation char -> ids
+        self.misses = 0  # distinct words worked out
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
@@ -132,33 +133,23 @@ class WordCache:
             start = end
         return ids
 
-    def _core(self, core: str) -> list[int]:
-        key = core.lower() if self.lower and core.isascii() else core
-        ids = self.cores.get(key)
+    def _piece(self, piece: str) -> list[int]:
+        ids = self.pieces.get(piece)
         if ids is None:
-            if len(self.cores) >= self.max_words:
-                self.cores.clear()
-            # An ASCII letters-and-digits word passes BERT's basic tokenizer unchanged
-            # (nothing to clean, split, strip or, once lowered, lower): WordPiece alone.
-            if key.isascii() and key.isalnum():
-                ids = self._wordpiece(key)
-            else:
-                ids = self._tokenize(key)
-            self.cores[key] = ids
-            self.misses += 1
+            if len(self.pieces) >= self.max_words:
+                self.pieces.clear()
+            # A punctuation character that is no vocabulary entry is [UNK], as in WordPiece.
+            ids = self.pieces[piece] = self._wordpiece(piece)
         return ids
 
     def _word(self, word: str) -> list[int]:
-        n_lead = len(word) - len(word.lstrip(_ASCII_PUNCT))
-        core = word[n_lead:].rstrip(_ASCII_PUNCT)
-        trail = word[n_lead + len(core):]
-        ids = []
-        for c in word[:n_lead]:
-            ids += self._core(c)
-        if core:
-            ids += self._core(core)
-        for c in trail:
-            ids += self._core(c)
+        self.misses += 1
+        if word.isascii() and word.isprintable():
+            ids = []
+            for piece in _ASCII_PIECES.findall(word.lower() if self.lower else word):
+                ids += self._piece(piece)
+        else:
+            ids = self._tokenize(word)
         if len(self.cache) >= self.max_words:
             self.cache.clear()
         self.cache[word] = ids
