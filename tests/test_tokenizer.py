@@ -63,6 +63,14 @@ def compare(ours: BertTokenizer, hf, texts: list[str], name: str = "") -> None:
         ref_offsets = [tuple(o) for o in ref["offset_mapping"][k]]
         if ids != ref["input_ids"][k] or offsets != ref_offsets:
             bad.append(k)
+    # The words before WordPiece (used by vocabulary training) equal the reference's
+    # normaliser + pre-tokenizer output, for texts without special tokens (50 per call at least).
+    backend = hf.backend_tokenizer
+    for text in texts[:: max(1, len(texts) // 50)]:
+        if ours._special_re.search(text):
+            continue
+        words = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(text))]
+        assert ours.basic_tokenize(text) == words, (name, ascii(text))
     if bad:
         k = bad[0]
         ids, offsets = ours._encode_text(texts[k], True)
