@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: build the CUDA extension, run the CUDA tests of the kernels, then
 # `bertctl bench ops`.  Logs and JSON go to $OUT (default ./gpu-out).
-#   benchmarks/gpu_kernels.sh [quick|full|bench]   (bench: skip the tests)
+#   BERTCTL_COMMIT=$(git rev-parse HEAD) benchmarks/gpu_kernels.sh [quick|full|bench]
+#   (bench: skip the tests; BERTCTL_COMMIT names the commit where the copy has no .git)
 set -uo pipefail
 MODE=${1:-quick}
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,12 +22,16 @@ echo "kernels with stack/local memory: $(grep -c Function "$OUT/spills.txt")"
 python3 -m bertctl env
 if [ "$MODE" != bench ]; then
   start=$(date +%s)
-  python3 -m pytest -q -x -m cuda -p no:cacheprovider tests/test_ops.py tests/test_fused_model.py \
+  python3 -m pytest -q --maxfail=30 -m cuda -p no:cacheprovider tests/test_ops.py tests/test_fused_model.py \
     > "$OUT/pytest-cuda.log" 2>&1
   echo "pytest -m cuda: rc=$? in $(( $(date +%s) - start )) s"; tail -15 "$OUT/pytest-cuda.log"
 fi
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE "H100|H200|A100|L40S|[A-Z][0-9]+" | head -1)
-quick=""; [ "$MODE" = quick ] && quick="--quick"
-python3 -m bertctl bench ops --device cuda --dtype bfloat16 $quick --output "$OUT/ops-${name,,}-bf16.json" \
-  2> "$OUT/bench.log"
-echo "bench rc=$?"; tail -40 "$OUT/bench.log"
+if [ "$MODE" = quick ]; then
+  python3 -m bertctl bench ops --device cuda --dtype bfloat16 --quick --output "$OUT/ops-${name,,}-bf16-quick.json" \
+    2> "$OUT/bench.log"
+else  # bf16 (the targets), then fp16 and fp32
+  python3 -m bertctl bench ops --device cuda --dtype bfloat16 --dtype float16 --dtype float32 \
+    --output "$OUT/ops-${name,,}.json" 2> "$OUT/bench.log"
+fi
+echo "bench rc=$?"; grep -A60 "^op " "$OUT/bench.log"

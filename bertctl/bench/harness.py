@@ -46,7 +46,11 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def git_commit(repo: Path | None = None) -> str:
-    """HEAD of the checkout this package lives in, '+dirty' when it has local changes; 'unknown' outside git."""
+    """HEAD of the checkout this package lives in, '+dirty' when it has local changes; 'unknown' outside git.
+
+    ``BERTCTL_COMMIT`` overrides it (a copy of the tree without .git, e.g. on a remote GPU machine)."""
+    if os.environ.get("BERTCTL_COMMIT"):
+        return os.environ["BERTCTL_COMMIT"]
     repo = repo or Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)

@@ -20,6 +20,7 @@ def register(bench_app: typer.Typer) -> None:
         tiny: bool = typer.Option(False, "--tiny", hidden=True, help="Tiny shapes (tests)."),
         provider: list[str] = typer.Option(None, "--provider", help="fused, eager, compile (repeatable; default all)."),
         reps: int = typer.Option(0, "--reps", help="Timed calls per measurement (0: default for the device)."),
+        threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
         output: Path = typer.Option(None, "--output", "-o", help="Write the JSON report here (else to stdout)."),
     ) -> None:
         """Time softmax, LayerNorm+residual and bias+GELU (fwd and fwd+bwd): median ms, GB/s, % of copy bandwidth."""
@@ -28,6 +29,8 @@ def register(bench_app: typer.Typer) -> None:
         from bertctl.bench.ops import MODES, PROVIDERS, OpsBenchConfig, run_ops_bench
         from bertctl.io import write_json
 
+        if threads > 0:
+            torch.set_num_threads(threads)
         if device not in ("cpu", "cuda"):
             raise BertctlError(f"--device must be cpu or cuda, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():

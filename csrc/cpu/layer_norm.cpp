@@ -11,37 +11,45 @@
 namespace bertctl::cpu {
 namespace {
 
+// h = x + residual (into buf; or x itself), and its sum.
 template <typename acc_t, typename scalar_t>
-inline const acc_t* sum_row(const scalar_t* x, const scalar_t* res, acc_t* buf, acc_t* buf2, int64_t n) {
+inline const acc_t* sum_row(const scalar_t* x, const scalar_t* res, acc_t* buf, acc_t* buf2, int64_t n,
+                            acc_t* sum = nullptr) {
   using Vec = at::vec::Vectorized<acc_t>;
+  auto add = [](const Vec& p, const Vec& q) { return p + q; };
   const acc_t* h = load_row<acc_t>(x, buf, n);
-  if (res == nullptr) return h;
+  if (res == nullptr) {
+    if (sum) *sum = reduce_row<acc_t>(n, acc_t(0), [&](int64_t j) { return Vec::loadu(h + j); },
+                                      [&](int64_t j) { return h[j]; }, add, scalar_add<acc_t>);
+    return h;
+  }
   const acc_t* rr = load_row<acc_t>(res, buf2, n);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(h + j) + Vec::loadu(rr + j)).store(buf + j);
-  for (; j < n; ++j) buf[j] = h[j] + rr[j];
+  const acc_t s = reduce_row<acc_t>(
+      n, acc_t(0),
+      [&](int64_t j) {
+        Vec t = Vec::loadu(h + j) + Vec::loadu(rr + j);
+        t.store(buf + j);
+        return t;
+      },
+      [&](int64_t j) { return buf[j] = h[j] + rr[j]; }, add, scalar_add<acc_t>);
+  if (sum) *sum = s;
   return buf;
 }
 
+// Variance about `mean` from a second pass over the (cached) row: no E[h^2] - mean^2 cancellation.
 template <typename acc_t>
-inline void row_moments(const acc_t* h, int64_t n, acc_t& mean, acc_t& var) {
+inline acc_t row_var(const acc_t* h, int64_t n, acc_t mean) {
   using Vec = at::vec::Vectorized<acc_t>;
-  auto add = [](Vec& p, Vec& q) { return p + q; };
-  Vec vs(0);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) vs = vs + Vec::loadu(h + j);
-  acc_t s = at::vec::vec_reduce_all<acc_t>(add, vs);
-  for (; j < n; ++j) s += h[j];
-  mean = s / n;
-  Vec vq(0);
-  j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    Vec d = Vec::loadu(h + j) - Vec(mean);
-    vq = vq + d * d;
-  }
-  acc_t q = at::vec::vec_reduce_all<acc_t>(add, vq);
-  for (; j < n; ++j) q += (h[j] - mean) * (h[j] - mean);
-  var = q / n;
+  const Vec vm(mean);
+  const acc_t q = reduce_row<acc_t>(
+      n, acc_t(0),
+      [&](int64_t j) {
+        Vec d = Vec::loadu(h + j) - vm;
+        return d * d;
+      },
+      [&](int64_t j) { return (h[j] - mean) * (h[j] - mean); },
+      [](const Vec& p, const Vec& q) { return p + q; }, scalar_add<acc_t>);
+  return q / n;
 }
 
 template <typename scalar_t>
@@ -59,9 +67,10 @@ void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Ten
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buf(cols), buf2(cols), out_buf(cols);
     for (int64_t r = begin; r < end; ++r) {
-      const acc_t* h = sum_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf.data(), buf2.data(), cols);
-      acc_t mean, var;
-      row_moments(h, cols, mean, var);
+      acc_t sum;
+      const acc_t* h =
+          sum_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf.data(), buf2.data(), cols, &sum);
+      const acc_t mean = sum / cols, var = row_var(h, cols, mean);
       const acc_t rstd = acc_t(1) / std::sqrt(var + static_cast<acc_t>(eps));
       mean_out[r] = mean;
       rstd_out[r] = rstd;

@@ -36,36 +36,32 @@ void softmax_rows(const SoftmaxArgs& a, double scale_d, at::Tensor& y) {
       acc_t* v = out_row<acc_t>(out + r * cols, out_buf.data());
       const acc_t* m = mask.empty() ? nullptr : mask.data() + (r / a.rows_per_batch) * cols;
       // v = scale * x + mask, and its max.
-      Vec vmax(ninf);
-      int64_t j = 0;
-      for (; j + W <= cols; j += W) {
-        Vec t = Vec::loadu(xr + j) * Vec(scale);
-        if (m) t = t + Vec::loadu(m + j);
-        t.store(v + j);
-        vmax = at::vec::maximum(vmax, t);
-      }
-      acc_t mx = at::vec::vec_reduce_all<acc_t>([](Vec& p, Vec& q) { return at::vec::maximum(p, q); }, vmax);
-      for (; j < cols; ++j) {
-        v[j] = xr[j] * scale + (m ? m[j] : acc_t(0));
-        mx = std::max(mx, v[j]);
-      }
+      const Vec vs(scale);
+      auto vmax = [](const Vec& p, const Vec& q) { return at::vec::maximum(p, q); };
+      const acc_t mx = reduce_row<acc_t>(
+          cols, ninf,
+          [&](int64_t j) {
+            Vec t = Vec::loadu(xr + j) * vs;
+            if (m) t = t + Vec::loadu(m + j);
+            t.store(v + j);
+            return t;
+          },
+          [&](int64_t j) { return v[j] = xr[j] * scale + (m ? m[j] : acc_t(0)); }, vmax, scalar_max<acc_t>);
       if (mx == ninf) {  // fully masked row: exact zeros, not NaN
         std::fill(v, v + cols, acc_t(0));
       } else {
-        Vec vsum(0);
-        j = 0;
-        for (; j + W <= cols; j += W) {
-          Vec t = (Vec::loadu(v + j) - Vec(mx)).exp();
-          t.store(v + j);
-          vsum = vsum + t;
-        }
-        acc_t sum = at::vec::vec_reduce_all<acc_t>([](Vec& p, Vec& q) { return p + q; }, vsum);
-        for (; j < cols; ++j) {
-          v[j] = std::exp(v[j] - mx);
-          sum += v[j];
-        }
+        const Vec vmx(mx);
+        const acc_t sum = reduce_row<acc_t>(
+            cols, acc_t(0),
+            [&](int64_t j) {
+              Vec t = fast_exp<acc_t>(Vec::loadu(v + j) - vmx);
+              t.store(v + j);
+              return t;
+            },
+            [&](int64_t j) { return v[j] = std::exp(v[j] - mx); },
+            [](const Vec& p, const Vec& q) { return p + q; }, scalar_add<acc_t>);
         const acc_t inv = acc_t(1) / sum;
-        j = 0;
+        int64_t j = 0;
         for (; j + W <= cols; j += W) (Vec::loadu(v + j) * Vec(inv)).store(v + j);
         for (; j < cols; ++j) v[j] *= inv;
       }
@@ -90,12 +86,11 @@ void softmax_backward_rows(const at::Tensor& dy_, const at::Tensor& y_, double s
       const acc_t* g = load_row<acc_t>(dy + r * cols, dy_buf.data(), cols);
       const acc_t* p = load_row<acc_t>(y + r * cols, y_buf.data(), cols);
       acc_t* o = out_row<acc_t>(dx + r * cols, out_buf.data());
-      Vec vdot(0);
+      const acc_t dot = reduce_row<acc_t>(
+          cols, acc_t(0), [&](int64_t j) { return Vec::loadu(g + j) * Vec::loadu(p + j); },
+          [&](int64_t j) { return g[j] * p[j]; }, [](const Vec& a, const Vec& b) { return a + b; },
+          scalar_add<acc_t>);
       int64_t j = 0;
-      for (; j + W <= cols; j += W) vdot = vdot + Vec::loadu(g + j) * Vec::loadu(p + j);
-      acc_t dot = at::vec::vec_reduce_all<acc_t>([](Vec& s, Vec& t) { return s + t; }, vdot);
-      for (; j < cols; ++j) dot += g[j] * p[j];
-      j = 0;
       for (; j + W <= cols; j += W)
         (Vec::loadu(p + j) * (Vec::loadu(g + j) - Vec(dot)) * Vec(scale)).store(o + j);
       for (; j < cols; ++j) o[j] = p[j] * (g[j] - dot) * scale;

@@ -1,6 +1,7 @@
 // CUDA LayerNorm(x + residual) over the last dim, and its backward.
 //
-// Forward: one warp per row.  Rows of H <= 2048 with H % 8 == 0 (16-bit) or
+// Forward: one warp per row at a time, a grid of resident blocks walking the
+// rows with the weight and bias held in registers.  Rows of H <= 2048 with H % 8 == 0 (16-bit) or
 // H % 4 == 0 (fp32) and 16-byte aligned tensors sit in registers, read with
 // 16-byte loads (the exact fit NVEC = H / (32 * VEC) vectors per lane, so 768
 // and 1024 waste no lanes); other rows up to 1024 use scalar accesses; longer
@@ -8,11 +9,12 @@
 // moves read x, residual, write y (the minimum); mean and the variance (second
 // pass over registers, not E[h^2] - mean^2) in fp32, saved as fp32 mean/rstd.
 //
-// Backward, two stages.  Stage 1: a persistent grid of 8-warp blocks, one warp
+// Backward, two stages.  Stage 1: a persistent grid of 8-warp blocks (two per
+// SM, capped at 128 registers; 4-warp blocks for H > 768 in 16-bit), one warp
 // per row at a time; it recomputes h from x and residual, writes
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, and keeps
 // per-lane fp32 partial sums of dy * xhat (dweight) and dy (dbias) over the rows
-// it visits; the 8 warps of a block add theirs in shared memory in a fixed
+// it visits; the warps of a block add theirs in shared memory in a fixed
 // order and the block writes one (2, H) partial.  Stage 2 (column_sum) adds the
 // blocks' partials.  Deterministic: no atomics.
 //
@@ -28,7 +30,10 @@ namespace bertctl::cuda {
 namespace {
 
 constexpr int kFwdThreads = 128;
-constexpr int kBwdThreads = 256;
+// Backward blocks: 8 warps capped at 128 registers (two blocks per SM) while a lane's
+// partial sums fit (up to 3 vectors per lane: H = 768 in 16-bit); 4 uncapped warps beyond.
+constexpr int bwd_threads(int nvec) { return nvec <= 3 ? 256 : 128; }
+constexpr int bwd_min_blocks(int nvec) { return nvec <= 3 ? 2 : 1; }
 
 template <typename T, typename W, int VEC, int NVEC>
 __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__ x, const T* __restrict__ res,
@@ -36,53 +41,70 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
                                                            T* __restrict__ y, float* __restrict__ mean_out,
                                                            float* __restrict__ rstd_out, int64_t rows, int cols,
                                                            float eps) {
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
-  const bool live = row < rows;
-  float h[NVEC][VEC];
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i) {
-    const int col = (i * kWarp + lane) * VEC;
-    if (live && col < cols) {
-      load_float<VEC>(x + row * cols + col, h[i]);
-      if (res != nullptr) {
-        float r[VEC];
-        load_float<VEC>(res + row * cols + col, r);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) h[i][k] += r[k];
-      }
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += h[i][k];
-    }
-  }
-  const float mean = group_sum<kWarp>(sum) / cols;
-  float sq = 0.f;
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i) {
-    const int col = (i * kWarp + lane) * VEC;
-    if (live && col < cols)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sq += (h[i][k] - mean) * (h[i][k] - mean);
-  }
-  const float rstd = rsqrtf(group_sum<kWarp>(sq) / cols + eps);
-  if (!live) return;
-  if (lane == 0) {
-    mean_out[row] = mean;
-    rstd_out[row] = rstd;
-  }
+  // Weight and bias stay in registers while the warp walks its rows (grid-stride).
+  float wv[NVEC][VEC], bv[NVEC][VEC];
 #pragma unroll
   for (int i = 0; i < NVEC; ++i) {
     const int col = (i * kWarp + lane) * VEC;
     if (col < cols) {
-      float wv[VEC], bv[VEC], o[VEC];
-      load_float<VEC>(w + col, wv);
-      load_float<VEC>(b + col, bv);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[i][k] - mean) * rstd, wv[k], bv[k]);
-      store_float<VEC>(y + row * cols + col, o);
+      load_float<VEC>(w + col, wv[i]);
+      load_float<VEC>(b + col, bv[i]);
     }
   }
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kFwdThreads / kWarp);
+  for (int64_t row = (static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x) / kWarp; row < rows;
+       row += warps) {
+    float h[NVEC][VEC];
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i) {
+      const int col = (i * kWarp + lane) * VEC;
+      if (col < cols) {
+        load_float<VEC>(x + row * cols + col, h[i]);
+        if (res != nullptr) {
+          float r[VEC];
+          load_float<VEC>(res + row * cols + col, r);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) h[i][k] += r[k];
+        }
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) sum += h[i][k];
+      }
+    }
+    const float mean = group_sum<kWarp>(sum) / cols;
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i) {
+      const int col = (i * kWarp + lane) * VEC;
+      if (col < cols)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) sq += (h[i][k] - mean) * (h[i][k] - mean);
+    }
+    const float rstd = rsqrtf(group_sum<kWarp>(sq) / cols + eps);
+    if (lane == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
+#pragma unroll
+    for (int i = 0; i < NVEC; ++i) {
+      const int col = (i * kWarp + lane) * VEC;
+      if (col < cols) {
+        float o[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[i][k] - mean) * rstd, wv[i][k], bv[i][k]);
+        store_float<VEC>(y + row * cols + col, o);
+      }
+    }
+  }
+}
+
+// Blocks for a grid-stride kernel: as many as fit on the GPU at once, at most `needed`.
+template <typename K>
+int64_t resident_blocks(K kernel, int threads, size_t smem, int64_t needed) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count()));
 }
 
 // Block-per-row forward for rows too long for registers: three passes through L1/L2.
@@ -111,25 +133,21 @@ __global__ void __launch_bounds__(256) ln_fwd_long(const T* __restrict__ x, cons
 }
 
 template <typename T, typename W, int VEC, int NVEC>
-__global__ void __launch_bounds__(kBwdThreads) ln_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x,
+__global__ void __launch_bounds__(bwd_threads(NVEC), bwd_min_blocks(NVEC)) ln_bwd_rows(const T* __restrict__ dy, const T* __restrict__ x,
                                                            const T* __restrict__ res, const W* __restrict__ w,
                                                            const float* __restrict__ mean,
                                                            const float* __restrict__ rstd, T* __restrict__ dx,
                                                            float* __restrict__ part, int64_t rows, int cols) {
   extern __shared__ float acc[];  // (2, cols): dweight then dbias partials of this block
-  constexpr int kWarps = kBwdThreads / kWarp;
+  constexpr int kBwdThreads = bwd_threads(NVEC), kWarps = kBwdThreads / kWarp;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  float wv[NVEC][VEC], dw[NVEC][VEC], db[NVEC][VEC];
+  // Only the dweight/dbias partials live in registers across rows (the weight is re-read
+  // from L1 each row): at most 128 registers, two 8-warp blocks per SM.
+  float dw[NVEC][VEC], db[NVEC][VEC];
 #pragma unroll
-  for (int i = 0; i < NVEC; ++i) {
-    const int col = (i * kWarp + lane) * VEC;
-    if (col < cols) load_float<VEC>(w + col, wv[i]);
+  for (int i = 0; i < NVEC; ++i)
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      if (col >= cols) wv[i][k] = 0.f;
-      dw[i][k] = db[i][k] = 0.f;
-    }
-  }
+    for (int k = 0; k < VEC; ++k) dw[i][k] = db[i][k] = 0.f;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp; row < rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
     float h[NVEC][VEC], g[NVEC][VEC];
@@ -139,8 +157,10 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_rows(const T* __restrict__
     for (int i = 0; i < NVEC; ++i) {
       const int col = (i * kWarp + lane) * VEC;
       if (col < cols) {
+        float wv[VEC];
         load_float<VEC>(x + row * cols + col, h[i]);
         load_float<VEC>(dy + row * cols + col, g[i]);
+        load_float<VEC>(w + col, wv);
         if (res != nullptr) {
           float r[VEC];
           load_float<VEC>(res + row * cols + col, r);
@@ -149,7 +169,7 @@ __global__ void __launch_bounds__(kBwdThreads) ln_bwd_rows(const T* __restrict__
         }
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const float xh = (h[i][k] - mu) * rs, gw = __fmul_rn(g[i][k], wv[i][k]);  // never fused into an FMA
+          const float xh = (h[i][k] - mu) * rs, gw = __fmul_rn(g[i][k], wv[k]);  // never fused into an FMA
           dw[i][k] = fmaf(g[i][k], xh, dw[i][k]);
           db[i][k] += g[i][k];
           h[i][k] = xh;
@@ -241,7 +261,9 @@ bool with_row_layout(int cols, bool wide, F&& f) {
     if (nvec <= 4) { f(integral_constant<int, V>{}, integral_constant<int, 4>{}); return true; }
     if (nvec <= 6) { f(integral_constant<int, V>{}, integral_constant<int, 6>{}); return true; }
     if (nvec <= 8) { f(integral_constant<int, V>{}, integral_constant<int, 8>{}); return true; }
-    if (V == 4 && nvec <= 16) { f(integral_constant<int, V>{}, integral_constant<int, 16>{}); return true; }
+    if constexpr (V == 4) {  // fp32 rows up to 2048
+      if (nvec <= 16) { f(integral_constant<int, V>{}, integral_constant<int, 16>{}); return true; }
+    }
   }
   if (!scalar_ok) return false;
   const int n = (cols + kWarp - 1) / kWarp;  // scalar values per lane
@@ -291,8 +313,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
       return with_row_layout<16 / sizeof(T), std::is_same_v<W, float>>(
           cols, wide && aligned16(wp) && aligned16(bp), [&](auto vec, auto nvec) {
             constexpr int V = decltype(vec)::value, NV = decltype(nvec)::value;
-            ln_fwd_rows<T, W, V, NV><<<ceil_div(rows * kWarp, kFwdThreads), kFwdThreads, 0, stream>>>(
-                xp, rp, wp, bp, yp, mp, sp, rows, cols, static_cast<float>(eps));
+            auto kernel = ln_fwd_rows<T, W, V, NV>;
+            const int64_t blocks = resident_blocks(kernel, kFwdThreads, 0, ceil_div(rows * kWarp, kFwdThreads));
+            kernel<<<blocks, kFwdThreads, 0, stream>>>(xp, rp, wp, bp, yp, mp, sp, rows, cols,
+                                                       static_cast<float>(eps));
           });
     };
     // 16-bit parameters of the input's dtype are read as they are on the vector path.
@@ -356,11 +380,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
           cols, wide && aligned16(wp), [&](auto vec, auto nvec) {
             constexpr int V = decltype(vec)::value, NV = decltype(nvec)::value;
             auto kernel = ln_bwd_rows<T, W, V, NV>;
-            int per_sm = 0;
-            C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBwdThreads, smem));
-            nb = std::min<int64_t>(ceil_div(rows, kBwdThreads / kWarp), std::max(per_sm, 1) * sm_count());
+            constexpr int threads = bwd_threads(NV);
+            nb = resident_blocks(kernel, threads, smem, ceil_div(rows, threads / kWarp));
             part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
-            kernel<<<nb, kBwdThreads, smem, stream>>>(gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
+            kernel<<<nb, threads, smem, stream>>>(gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
                                                       part.data_ptr<float>(), rows, cols);
           });
     };
