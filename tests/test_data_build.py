@@ -369,3 +369,34 @@ def test_mask_batch_is_uniform_over_candidates(tokenizer):
     chi2 = ((observed - expected) ** 2 / expected).sum()
     # 124 degrees of freedom (sampling without replacement makes it a little tighter): mean 124, sd ~15.7
     assert chi2 < 124 + 5 * 15.7, chi2
+
+
+def test_truncate_seq_pair_matches_the_reference_rule():
+    """Lengths as google-research's loop leaves them; the ends trimmed follow Binomial(k, 1/2)."""
+    import random
+
+    from bertctl.data.instances import truncate_seq_pair
+
+    def reference(a, b, max_num_tokens, rng):
+        while len(a) + len(b) > max_num_tokens:
+            trunc = a if len(a) > len(b) else b
+            if rng.random() < 0.5:
+                del trunc[0]
+            else:
+                trunc.pop()
+
+    rng = random.Random(0)
+    for _ in range(300):
+        la, lb, m = rng.randint(1, 200), rng.randint(1, 200), rng.randint(2, 125)
+        a, b = list(range(la)), list(range(1000, 1000 + lb))
+        ra, rb = list(a), list(b)
+        reference(ra, rb, m, rng)
+        assert truncate_seq_pair(a, b, m, rng) == (la + lb > m)
+        assert (len(a), len(b)) == (len(ra), len(rb))
+        assert a == list(range(a[0], a[0] + len(a))) and b == list(range(b[0], b[0] + len(b)))  # contiguous
+    fronts = []
+    for _ in range(4000):
+        a = list(range(20))
+        truncate_seq_pair(a, [0], 13, rng)  # 8 cuts from A
+        fronts.append(a[0])
+    assert abs(np.mean(fronts) - 4) < 4 * math.sqrt(2 / 4000) and abs(np.var(fronts) - 2) < 0.25

@@ -148,17 +148,29 @@ def mask_tokens(tokens: list[int], rng: random.Random, special: SpecialIds, *, m
 
 def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: int,
                       rng: random.Random) -> bool:
-    """Trim the longer segment one token at a time from a random end (the reference's
-    way to avoid a bias towards either end).  Returns whether anything was cut."""
-    cut = False
-    while len(tokens_a) + len(tokens_b) > max_num_tokens:
-        trunc = tokens_a if len(tokens_a) > len(tokens_b) else tokens_b
-        if rng.random() < 0.5:
-            del trunc[0]
+    """Trim the longer segment one token at a time, each from a random end (the reference's
+    way to avoid a bias towards either end), in place.  Returns whether anything was cut.
+
+    The reference draws front-or-back per token; only the number of front cuts of each
+    segment matters, a Binomial(k, 1/2), drawn here as the popcount of k random bits.
+    """
+    la, lb = len(tokens_a), len(tokens_b)
+    if la + lb <= max_num_tokens:
+        return False
+    cut_a = cut_b = 0
+    while la + lb > max_num_tokens:  # the reference's rule: the longer one, B on a tie
+        if la > lb:
+            la -= 1
+            cut_a += 1
         else:
-            trunc.pop()
-        cut = True
-    return cut
+            lb -= 1
+            cut_b += 1
+    for tokens, k in ((tokens_a, cut_a), (tokens_b, cut_b)):
+        if k:
+            front = bin(rng.getrandbits(k)).count("1")
+            del tokens[len(tokens) - (k - front):]
+            del tokens[:front]
+    return True
 
 
 def create_instances_from_document(documents: list[list[list[int]]], document_index: int, *,
