@@ -181,7 +181,7 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
 
     output = Path(output)
     minutes = DEFAULT_MINUTES if minutes is None else minutes
-    batch_size = batch_size or 16
+    batch_size = batch_size or 8
     model_size = model_size or "tiny"
     seed = train_options.pop("seed", 0)
     t0 = time.monotonic()

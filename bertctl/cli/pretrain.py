@@ -28,7 +28,7 @@ def pretrain_command(
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps (default: one epoch)."),
     minutes: Optional[float] = typer.Option(None, "--minutes", help="Time box: checkpoint and export after this long."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Global batch (sequences per step) "
-                                             "[default: 256; default job 16]."),
+                                             "[default: 256; default job 8]."),
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", help="Sequences per process per "
                                                    "forward; gradients accumulate to --batch-size."),
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate [default: 1e-4; default job 2e-3]."),
