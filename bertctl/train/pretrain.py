@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import signal
 import threading
 import time
