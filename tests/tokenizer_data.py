@@ -1,7 +1,8 @@
 """Texts of the shared real data sets, as the tokenizer tests and benchmark read them.
 
 Every line of every text file under ``../shared/data``: SST-2 sentences, CoNLL-2003 sentences
-(tokens joined with spaces), SQuAD v1.1 dev contexts and questions, SWAG sentences and endings,
+(tokens joined with spaces), SQuAD v1.1 dev contexts, questions and answers, the BERT ensemble's
+SQuAD predictions, SWAG sentences and endings,
 and every line of every corpus file (UTF-8, or ISO-8859-1 where a file is not valid UTF-8).
 """
 from __future__ import annotations
@@ -46,13 +47,17 @@ def data_texts() -> dict[str, list[str]]:
             sentences.append(" ".join(words))
         out[f"conll-{split}"] = sentences
     squad = json.loads(read_text(DATA / "squad" / "dev-v1.1.json"))
-    contexts, questions = [], []
+    contexts, questions, answers = [], [], []
     for article in squad["data"]:
         for para in article["paragraphs"]:
             contexts.append(para["context"])
             questions.extend(q["question"] for q in para["qas"])
+            answers.extend(a["text"] for q in para["qas"] for a in q["answers"])
     out["squad-contexts"] = contexts
     out["squad-questions"] = questions
+    out["squad-answers"] = answers
+    predictions = json.loads(read_text(DATA / "squad" / "predictions-v1.1-bert-ensemble.json"))
+    out["squad-predictions"] = list(predictions.values())
     swag = []
     for line in read_text(DATA / "swag" / "sample.jsonl").splitlines():
         row = json.loads(line)
