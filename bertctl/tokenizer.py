@@ -858,6 +858,8 @@ def encode_file(
     if not input_path.is_file():
         raise BertctlError(f"{input_path}: no such file")
     total = input_path.stat().st_size
+    if total == 0:
+        raise BertctlError(f"{input_path}: empty file, nothing to encode")
     n_lines = n_tokens = n_truncated = 0
     rows: list[list[int]] = []
     types: list[list[int]] = []
@@ -923,6 +925,8 @@ def decode_file(tokenizer: BertTokenizer, path: str | os.PathLike, *, skip_speci
     path = Path(path)
     if not path.is_file():
         raise BertctlError(f"{path}: no such file")
+    if path.stat().st_size == 0:
+        raise BertctlError(f"{path}: empty file, nothing to decode")
     if path.suffix.lower() == ".npy":
         try:
             array = np.load(path, allow_pickle=False)

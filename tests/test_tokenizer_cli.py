@@ -134,6 +134,8 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
     src.write_text("ok\n", encoding="utf-8")
     bad = tmp_path / "latin1.txt"
     bad.write_bytes(b"fine line\ncaf\xe9\n")
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
     cases = [
         (["tokenize", "encode", "--vocab", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "o.jsonl"), str(src)],
          "missing.txt: vocabulary file not found"),
@@ -144,6 +146,10 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
         (["tokenize", "encode", "--vocab", VOCAB, "-o", str(tmp_path / "o.txt"), str(src)], "must end in .jsonl or .npy"),
         (["tokenize", "encode", "-o", str(tmp_path / "o.jsonl"), str(src)], "exactly one of --vocab"),
         (["tokenize", "decode", "--vocab", VOCAB, str(src)], "in.txt:1: not valid JSON"),
+        (["tokenize", "encode", "--vocab", VOCAB, "-o", str(tmp_path / "o.jsonl"), str(empty)],
+         "empty.txt: empty file, nothing to encode"),
+        (["tokenize", "decode", "--vocab", VOCAB, str(empty)], "empty.txt: empty file, nothing to decode"),
+        (["tokenize", "inspect", "--model", str(tmp_path), "x"], "needs vocab.txt or tokenizer.json"),
         (["tokenize", "train", "--vocab-size", "100", "-o", str(tmp_path / "v.txt"), str(tmp_path / "nope")],
          "nope: no such file or folder"),
     ]
