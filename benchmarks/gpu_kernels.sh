@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: build the CUDA extension, run the CUDA tests of the kernels, then
 # `bertctl bench ops`.  Logs and JSON go to $OUT (default ./gpu-out).
-#   BERTCTL_COMMIT=$(git rev-parse HEAD) benchmarks/gpu_kernels.sh [quick|full|bench]
+#   BERTCTL_COMMIT=$(git rev-parse HEAD) benchmarks/gpu_kernels.sh [quick|bf16|full|bench]
 #   (bench: skip the tests; BERTCTL_COMMIT names the commit where the copy has no .git)
 set -uo pipefail
 MODE=${1:-quick}
@@ -29,6 +29,9 @@ fi
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE "H100|H200|A100|L40S|[A-Z][0-9]+" | head -1)
 if [ "$MODE" = quick ]; then
   python3 -m bertctl bench ops --device cuda --dtype bfloat16 --quick --output "$OUT/ops-${name,,}-bf16-quick.json" \
+    2> "$OUT/bench.log"
+elif [ "$MODE" = bf16 ]; then  # all shapes, bf16 only (the targets)
+  python3 -m bertctl bench ops --device cuda --dtype bfloat16 --output "$OUT/ops-${name,,}-bf16.json" \
     2> "$OUT/bench.log"
 else  # bf16 (the targets), then fp16 and fp32
   python3 -m bertctl bench ops --device cuda --dtype bfloat16 --dtype float16 --dtype float32 \

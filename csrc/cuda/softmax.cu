@@ -4,8 +4,8 @@
 // Parallelised over rows.  Rows of at most 64 values per lane (Sk <= 2048 with
 // Sk % 8 == 0 for 16-bit types or Sk % 4 == 0 for fp32, Sk <= 512 otherwise)
 // take the register path: a group of LANES lanes (a whole warp, or
-// 4..16 lanes for short rows, so several rows share a warp; up to 4 vectors
-// per lane for more loads in flight) holds one row in registers, reads it once with 16-byte loads, reduces max and sum with
+// 4..16 lanes for short rows, so several rows share a warp) holds one row in
+// registers, reads it once with 16-byte loads, reduces max and sum with
 // shuffles and writes it once: 2 bytes moved per element for 16-bit types (read
 // + write), the minimum.  Longer or unaligned rows take a block-per-row path that
 // reads the row three times (max, sum, write) through L1/L2.
@@ -169,16 +169,16 @@ __global__ void __launch_bounds__(256) softmax_bwd_long(const T* __restrict__ dy
 
 // Calls f(integral_constant<NVEC>, integral_constant<LANES>) for the register layout of a
 // row of `nvec` vectors; false if the row needs more than MAX_NVEC vectors per lane.  Short
-// rows take fewer lanes and up to 4 vectors per lane, so each thread keeps several 16-byte
-// loads in flight (Sk = 128 bf16: 4 lanes x 4 vectors, 8 rows per warp).
+// rows take fewer lanes (Sk = 128 bf16: 16 lanes, two rows per warp); a second layout with
+// 4 vectors on 4 lanes measured slower in the backward on an H200 (see NOTES-kernels.md).
 template <int MAX_NVEC, typename F>
 bool with_layout(int64_t nvec, F&& f) {
   using std::integral_constant;
   if (nvec <= 4) { f(integral_constant<int, 1>{}, integral_constant<int, 4>{}); return true; }
-  if (nvec <= 8) { f(integral_constant<int, 2>{}, integral_constant<int, 4>{}); return true; }
-  if (nvec <= 16) { f(integral_constant<int, 4>{}, integral_constant<int, 4>{}); return true; }
-  if (nvec <= 32) { f(integral_constant<int, 4>{}, integral_constant<int, 8>{}); return true; }
-  if (nvec <= 64) { f(integral_constant<int, 4>{}, integral_constant<int, 16>{}); return true; }
+  if (nvec <= 8) { f(integral_constant<int, 1>{}, integral_constant<int, 8>{}); return true; }
+  if (nvec <= 16) { f(integral_constant<int, 1>{}, integral_constant<int, 16>{}); return true; }
+  if (nvec <= 32) { f(integral_constant<int, 1>{}, integral_constant<int, 32>{}); return true; }
+  if (nvec <= 64) { f(integral_constant<int, 2>{}, integral_constant<int, 32>{}); return true; }
   if (nvec <= 128) { f(integral_constant<int, 4>{}, integral_constant<int, 32>{}); return true; }
   if constexpr (MAX_NVEC >= 8) {
     if (nvec <= 256) { f(integral_constant<int, 8>{}, integral_constant<int, 32>{}); return true; }
