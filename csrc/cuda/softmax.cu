@@ -25,6 +25,14 @@ namespace {
 
 constexpr int kThreads = 128;
 
+// row / rows_per_batch: the batch element of a row.  A 32-bit division when both fit
+// (a 64-bit one is a long software routine, once per row).
+__device__ __forceinline__ int64_t batch_of(int64_t row, int64_t rows_per_batch) {
+  if (((row | rows_per_batch) >> 32) == 0)
+    return static_cast<uint32_t>(row) / static_cast<uint32_t>(rows_per_batch);
+  return row / rows_per_batch;
+}
+
 // VEC mask values for columns [col, col + VEC) of mask row `mrow`, as additive fp32.
 template <int VEC>
 __device__ __forceinline__ void load_mask(const void* mask, MaskKind kind, int64_t offset, float (&m)[VEC]) {
@@ -48,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_rows(const T* __restrict
   const int lane = threadIdx.x % LANES;
   const bool live = row < rows;  // dead groups still join the shuffles
   const T* xr = x + row * cols;
-  const int64_t mrow = live ? (row / rows_per_batch) * cols : 0;
+  const int64_t mrow = live && kind != MaskKind::kNone ? batch_of(row, rows_per_batch) * cols : 0;
   float v[NVEC][VEC];
   float mx = -INFINITY;
 #pragma unroll
@@ -135,7 +143,7 @@ __global__ void __launch_bounds__(256) softmax_fwd_long(const T* __restrict__ x,
   __shared__ float smem[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
-  const int64_t mrow = (row / rows_per_batch) * cols;
+  const int64_t mrow = kind != MaskKind::kNone ? batch_of(row, rows_per_batch) * cols : 0;
   auto value = [&](int c) {
     float m[1];
     load_mask<1>(mask, kind, mrow + c, m);
