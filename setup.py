@@ -4,8 +4,8 @@ C++ sources always build.  CUDA sources build only when a CUDA toolkit and a
 CUDA build of torch are both present; ``BERTCTL_CUDA=1`` forces them on (and
 fails loudly if impossible), ``BERTCTL_CUDA=0`` forces them off.
 ``BERTCTL_DEBUG=1`` builds without optimisation and with debug symbols.
-The CPU kernels use at::vec's AVX2 path (SLEEF exp/erf/tanh from libtorch) when the
-build machine has AVX2+FMA; ``BERTCTL_AVX2=0/1`` overrides (0 = portable build).
+The CPU kernels use at::vec's AVX-512 or AVX2 code (whichever the build machine has);
+``BERTCTL_CPU_ISA=avx512|avx2|none`` overrides (none = a portable build).
 """
 import glob
 import os
@@ -26,24 +26,35 @@ def want_cuda() -> bool:
     return available
 
 
-def want_avx2() -> bool:
-    switch = os.environ.get("BERTCTL_AVX2", "auto").lower()
-    if switch in ("0", "1"):
-        return switch == "1"
+def cpu_isa() -> str:
+    """The widest at::vec instruction set the build machine runs: avx512, avx2 or none."""
+    switch = os.environ.get("BERTCTL_CPU_ISA", "auto").lower()
+    if switch in ("avx512", "avx2", "none"):
+        return switch
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            flags = set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        return "none"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "none"
+
+
+# Compiler flags and the macros with which at::vec selects its specialisations.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "none": [],
+}
 
 
 def extension():
     debug = os.environ.get("BERTCTL_DEBUG", "0") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O3"]
     cxx += ["-std=c++20", "-fopenmp"]
-    if want_avx2():  # at::vec selects its AVX2 specialisations from these macros
-        cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    cxx += ISA_FLAGS[cpu_isa()]
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     kwargs = dict(extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
     if want_cuda():
