@@ -41,7 +41,7 @@ else  # bf16 (the targets), then fp16 and fp32
 fi
 [ "$MODE" != ncu ] && { echo "bench rc=$?"; grep -A60 "^op " "$OUT/bench.log"; }
 if [ "$MODE" = ncu ] || [ "${NCU:-0}" = 1 ]; then  # Nsight Compute: speed of light, occupancy, stall reasons per kernel
-  ncu --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+  PYTHONPATH="$PWD" ncu --target-processes all --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     -k regex:'softmax|ln_|bias_gelu|column_sum' python3 benchmarks/ncu_ops.py > "$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?"
   grep -E "^  [a-z_]+.*\(|DRAM Throughput|Compute \(SM\) Throughput|Duration|Achieved Occupancy|Registers Per|Issue Slots|Stall" "$OUT/ncu.txt" | head -120
