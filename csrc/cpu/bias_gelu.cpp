@@ -18,13 +18,13 @@ constexpr double kTanhC = 0.044715;
 
 // Phi(v) = erfc(-v / sqrt 2) / 2 through erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z / 2)
 // (Numerical Recipes' erfcc: relative error < 1.2e-7), with at::vec's 20-ulp exp: one
-// division, ten FMAs and one exp per vector, branch-free and accurate in both tails
+// reciprocal estimate + Newton step, ten FMAs and one exp per vector, branch-free and accurate in both tails
 // (fp32; fp64 keeps at::vec's erf).
 template <typename Vec>
 inline Vec normal_cdf_fast(Vec v) {
   using T = typename Vec::value_type;
   const Vec z = v.abs() * Vec(T(kSqrt1_2));
-  const Vec t = Vec(T(1)) / at::vec::fmadd(Vec(T(0.5)), z, Vec(T(1)));
+  const Vec t = fast_reciprocal<T>(at::vec::fmadd(Vec(T(0.5)), z, Vec(T(1))));
   static constexpr T c[] = {0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
                             -0.18628806, 0.09678418, 0.37409196, 1.00002368, -1.26551223};
   Vec p(c[0]);

@@ -67,6 +67,23 @@ inline at::vec::Vectorized<acc_t> fast_exp(const at::vec::Vectorized<acc_t>& v) 
   }
 }
 
+// 1 / v for fp32 vectors without the (slow, unpipelined) divider: the hardware reciprocal
+// estimate and one Newton step, r (2 - v r): ~22 correct bits (AVX2) or ~28 (AVX-512).
+template <typename acc_t>
+inline at::vec::Vectorized<acc_t> fast_reciprocal(const at::vec::Vectorized<acc_t>& v) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const Vec r(_mm512_rcp14_ps(v));
+    return r * (Vec(2.f) - v * r);
+#elif defined(CPU_CAPABILITY_AVX2)
+    const Vec r(_mm256_rcp_ps(v));
+    return r * (Vec(2.f) - v * r);
+#endif
+  }
+  return Vec(acc_t(1)) / v;
+}
+
 // Row reductions with four independent vector accumulators, so successive adds do not
 // wait on each other's latency.  f(j) returns the Vec to accumulate for columns [j, j+W);
 // tail(j) the scalar for column j; op combines Vecs, sop scalars.

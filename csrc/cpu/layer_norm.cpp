@@ -1,7 +1,7 @@
 // CPU LayerNorm(x + residual) over the last dim and its backward.
-// Forward: parallel over rows; per row h = x + residual, mean, then variance
-// from a second pass over the cached row (more accurate than E[h^2] - mean^2),
-// y = (h - mean) * rstd * w + b.  Backward: rows split into one chunk per
+// Forward: parallel over rows; per row one pass forms h = x + residual with the
+// sums of d = h - h[0] and d^2 (mean and variance of shifted data), a second
+// writes y = (h - mean) * rstd * w + b.  Backward: rows split into one chunk per
 // thread; dweight/dbias partial sums per chunk are added in chunk order.
 #include <cmath>
 
@@ -36,20 +36,49 @@ inline const acc_t* sum_row(const scalar_t* x, const scalar_t* res, acc_t* buf, 
   return buf;
 }
 
-// Variance about `mean` from a second pass over the (cached) row: no E[h^2] - mean^2 cancellation.
-template <typename acc_t>
-inline acc_t row_var(const acc_t* h, int64_t n, acc_t mean) {
+// h = x + residual (into buf, or x itself) with its mean and variance in one pass: sums of
+// d = h - h[0] and d^2.  Shifting by a sample of the row bounds the cancellation in
+// E[d^2] - E[d]^2 by the spread of the row, not its offset (Chan et al., "shifted data").
+template <typename acc_t, typename scalar_t>
+inline const acc_t* moments_row(const scalar_t* x, const scalar_t* res, acc_t* buf, acc_t* buf2, int64_t n,
+                                acc_t& mean, acc_t& var) {
   using Vec = at::vec::Vectorized<acc_t>;
-  const Vec vm(mean);
-  const acc_t q = reduce_row<acc_t>(
-      n, acc_t(0),
-      [&](int64_t j) {
-        Vec d = Vec::loadu(h + j) - vm;
-        return d * d;
-      },
-      [&](int64_t j) { return (h[j] - mean) * (h[j] - mean); },
-      [](const Vec& p, const Vec& q) { return p + q; }, scalar_add<acc_t>);
-  return q / n;
+  constexpr int64_t W = Vec::size();
+  const acc_t* xr = load_row<acc_t>(x, buf, n);
+  const acc_t* rr = res ? load_row<acc_t>(res, buf2, n) : nullptr;
+  acc_t* h = rr ? buf : const_cast<acc_t*>(xr);  // written only when a residual is added
+  const acc_t k = rr ? xr[0] + rr[0] : xr[0];
+  const Vec vk(k);
+  Vec s0(0), s1(0), q0(0), q1(0);
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {
+    Vec a = Vec::loadu(xr + j), b = Vec::loadu(xr + j + W);
+    if (rr) {
+      a = a + Vec::loadu(rr + j);
+      b = b + Vec::loadu(rr + j + W);
+      a.store(h + j);
+      b.store(h + j + W);
+    }
+    const Vec da = a - vk, db = b - vk;
+    s0 = s0 + da;
+    s1 = s1 + db;
+    q0 = at::vec::fmadd(da, da, q0);
+    q1 = at::vec::fmadd(db, db, q1);
+  }
+  acc_t tmp[W], s = 0, q = 0;
+  (s0 + s1).store(tmp);
+  for (int64_t i = 0; i < W; ++i) s += tmp[i];
+  (q0 + q1).store(tmp);
+  for (int64_t i = 0; i < W; ++i) q += tmp[i];
+  for (; j < n; ++j) {
+    const acc_t v = rr ? (h[j] = xr[j] + rr[j]) : xr[j];
+    s += v - k;
+    q += (v - k) * (v - k);
+  }
+  const acc_t ds = s / n;
+  mean = k + ds;
+  var = std::max(q / n - ds * ds, acc_t(0));
+  return h;
 }
 
 template <typename scalar_t>
@@ -67,10 +96,9 @@ void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Ten
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buf(cols), buf2(cols), out_buf(cols);
     for (int64_t r = begin; r < end; ++r) {
-      acc_t sum;
-      const acc_t* h =
-          sum_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf.data(), buf2.data(), cols, &sum);
-      const acc_t mean = sum / cols, var = row_var(h, cols, mean);
+      acc_t mean, var;
+      const acc_t* h = moments_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf.data(), buf2.data(),
+                                          cols, mean, var);
       const acc_t rstd = acc_t(1) / std::sqrt(var + static_cast<acc_t>(eps));
       mean_out[r] = mean;
       rstd_out[r] = rstd;
