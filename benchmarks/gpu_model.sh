@@ -31,7 +31,11 @@ python3 -c "import torch, transformers, typer, rich; print('torch', torch.__vers
 has_cuda_ext() {
   python3 -c "from bertctl._ext import kernels_loaded; import sys; sys.exit(0 if 'CUDA' in kernels_loaded().get('layer_norm', []) else 1)" 2>/dev/null
 }
-if ! has_cuda_ext; then
+# BUILD=0: no build (plain PyTorch ops, BERTCTL_NO_EXT=1), e.g. to spend a 2-GPU lease on measuring only.
+if [ "${BUILD:-1}" = 0 ]; then
+  export BERTCTL_NO_EXT=1
+  say "no extension build: plain PyTorch ops"
+elif ! has_cuda_ext; then
   start=$(date +%s)
   if ! python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
     grep -E "error|Error" "$OUT/build.log" | head -40; exit 1

@@ -210,7 +210,7 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     if not options.get("eval_every"):
         options["eval_every"] = max(10, max_steps // 5)  # a few points on the accuracy curve
     cfg = TrainConfig(output=str(output), data=str(data_dir), model_size=model_size,
-                      model_overrides=model_overrides, batch_size=batch_size, lr=lr or 2e-3, max_steps=max_steps,
+                      model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
                       minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed, **options)
     summary = pretrain(cfg, tokenizer=tokenizer)
     ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}

@@ -16,8 +16,9 @@ Encoder inference (``model.bert`` forward, no grad) is timed for the eager provi
 Synthetic data looks like ``build-data`` output: 90% of sequences fill ``max_seq_length`` and
 10% are short (the reference's ``short_seq_prob``), 15% of tokens masked (at most
 ``max_predictions``), random NSP labels.  Throughput is wall-clock over ``steps`` steps after
-warm-up (median of 3 repeats); MFU counts useful FLOPs analytically (bertctl.train.metrics) for
-every provider alike, so MFU ratios equal throughput ratios.
+warm-up (median of 3 repeats).  ``mfu`` counts 6 · parameters · real tokens + attention (the
+customary convention), ``mfu_useful`` only the work MLM+NSP needs (bertctl.train.metrics); both
+for every provider alike, so MFU ratios equal throughput ratios.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from bertctl.bench.harness import synchronize
-from bertctl.train.metrics import batch_counts, forward_flops, peak_flops, train_flops
+from bertctl.train.metrics import batch_counts, forward_flops, peak_flops, train_flops, train_flops_6nt
 
 CASES: dict[str, tuple[str, int, int]] = {
     "base-128": ("base", 128, 256),
@@ -218,13 +219,16 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 t0 = time.perf_counter()
                 sec = _time(step, gpu_batches, steps, warmup, device)
                 mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-                flops = statistics.mean(train_flops(config, *c) for c in counts)
+                useful = statistics.mean(train_flops(config, *c) for c in counts)
+                n_params = sum(p.numel() for p in model.parameters())
+                flops = statistics.mean(train_flops_6nt(config, n_params, c[0], c[1]) for c in counts)
                 row = {"case": case, "model": size, "seq": seq, "batch_per_gpu": batch, "world_size": world,
                        "provider": provider, "step_ms": round(sec * 1e3, 2),
                        "seq_per_s": round(batch * world / sec, 1),
                        "tokens_per_s": round(statistics.mean(c[0] for c in counts) * world / sec),
                        "model_tflops_per_gpu": round(flops / sec / 1e12, 1),
                        "mfu": round(flops / sec / peak, 4) if peak else None,
+                       "mfu_useful": round(useful / sec / peak, 4) if peak else None,
                        "peak_mem_gib": round(mem, 2) if mem is not None else None,
                        "wall_s": round(time.perf_counter() - t0, 1)}
                 results.append(row)

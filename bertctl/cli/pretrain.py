@@ -31,7 +31,7 @@ def pretrain_command(
                                              "[default: 256; default job 8]."),
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch-size", help="Sequences per process per "
                                                    "forward; gradients accumulate to --batch-size."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate [default: 1e-4; default job 2e-3]."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate [default: 1e-4; default job 1e-3]."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or lamb."),
     weight_decay: float = typer.Option(0.01, "--weight-decay"),
     schedule: str = typer.Option("linear", "--schedule", help="linear, cosine or constant (after warm-up)."),

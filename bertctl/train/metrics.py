@@ -2,8 +2,13 @@
 
 FLOPs are counted analytically (as in the PaLM / Megatron papers): a matmul of
 (m, k) by (k, n) is 2·m·k·n FLOPs forward, and a training step is 3× forward
-(backward = 2× forward).  Only useful work counts: real (non-pad) tokens through
-the encoder, and the MLM head's vocabulary projection at masked positions only.
+(backward = 2× forward).  Two counts, both over real (non-pad) tokens:
+
+- ``train_flops_6nt``: 6 · parameters · tokens + attention, the customary MFU count
+  (reported as ``mfu``);
+- ``train_flops``: only the work BERT pretraining needs, the MLM head's vocabulary
+  projection at masked positions only (reported as ``mfu_useful``; lower, since
+  gathering the masked positions is exactly what saves those FLOPs).
 """
 from __future__ import annotations
 
@@ -43,7 +48,18 @@ def forward_flops(config, tokens: float, attn_pairs: float, masked: float, seque
 
 
 def train_flops(config, tokens: float, attn_pairs: float, masked: float, sequences: float) -> float:
+    """Useful training FLOPs: 3 x :func:`forward_flops` (MLM projection at masked positions only)."""
     return 3.0 * forward_flops(config, tokens, attn_pairs, masked, sequences)
+
+
+def train_flops_6nt(config, n_params: int, tokens: float, attn_pairs: float) -> float:
+    """The customary count: 6 · parameters · tokens, plus attention (QK^T and probs·V, ×3 for training).
+
+    N counts every parameter (embeddings and heads too), so for BERT this is close to what a
+    model that projects every position onto the vocabulary does; the MFU figure the issue
+    and most reports quote.
+    """
+    return 6.0 * n_params * tokens + 3 * 2 * 2 * config.num_hidden_layers * config.hidden_size * attn_pairs
 
 
 def batch_counts(batch: dict) -> tuple[float, float, float, float]:

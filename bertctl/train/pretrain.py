@@ -40,7 +40,7 @@ from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, progress, stderr
 from bertctl.train import distributed, state
 from bertctl.train.loader import Prefetcher, StepBatch, bucketed_batches, to_device
-from bertctl.train.metrics import peak_flops, plot_curves, train_flops
+from bertctl.train.metrics import peak_flops, plot_curves, train_flops, train_flops_6nt
 from bertctl.train.optim import build_optimizer, build_scheduler
 
 IGNORE_INDEX = -100
@@ -489,7 +489,8 @@ class Trainer:
                             pin=self.device.type == "cuda")
         stats = torch.zeros(4, device=self.device)      # mlm_sum, nsp_sum, mlm_ok, nsp_ok (this window)
         bad = torch.zeros((), dtype=torch.int32, device=self.device)
-        window = {"t": time.perf_counter(), "seq": 0, "tok": 0.0, "flops": 0.0, "steps": 0, "masked": 0.0}
+        window = {"t": time.perf_counter(), "seq": 0, "tok": 0.0, "flops": 0.0, "useful": 0.0, "steps": 0,
+                  "masked": 0.0}
         t_start = time.monotonic()
         last_train: dict = {}
         stop_reason = None
@@ -510,8 +511,9 @@ class Trainer:
                     window["masked"] += sb.masked
                     window["seq"] += sb.sequences
                     window["tok"] += sb.tokens
-                    window["flops"] += train_flops(self.model_config, sb.tokens, sb.attn_pairs, sb.masked,
-                                                   sb.sequences)
+                    window["flops"] += train_flops_6nt(self.model_config, self.n_params, sb.tokens, sb.attn_pairs)
+                    window["useful"] += train_flops(self.model_config, sb.tokens, sb.attn_pairs, sb.masked,
+                                                    sb.sequences)
                     bar.update(task, completed=self.step)
                     # Decisions every rank must agree on (stop, save) are taken at sync points.
                     want_stop = stop.requested is not None or (
@@ -581,14 +583,15 @@ class Trainer:
                                f"(lower --lr, or use --precision fp16 with loss scaling)")
 
     def _log_window(self, stats: torch.Tensor, bad: torch.Tensor, window: dict, peak: float | None) -> dict:
-        host = torch.tensor([window["masked"], window["seq"], window["tok"], window["flops"]], dtype=torch.float64)
+        host = torch.tensor([window["masked"], window["seq"], window["tok"], window["flops"], window["useful"]],
+                            dtype=torch.float64)
         if self.dist.enabled:  # ranks hold different numbers of masked tokens and real tokens
             s = torch.cat([stats.double(), host.to(self.device)])
             distributed.all_reduce_sum(s, self.dist)
         else:
             s = torch.cat([stats.double().cpu(), host])
         # The one host sync per log window.
-        mlm_sum, nsp_sum, mlm_ok, nsp_ok, n_masked, n_seq, n_tok, flops = s.tolist()
+        mlm_sum, nsp_sum, mlm_ok, nsp_ok, n_masked, n_seq, n_tok, flops, useful = s.tolist()
         stats.zero_()
         if n_seq == 0:
             return {}
@@ -602,11 +605,12 @@ class Trainer:
             "seq_per_s": n_seq / dt, "tokens_per_s": n_tok / dt,
             "tflops": flops / dt / 1e12,
         }
-        if peak:
+        if peak:  # 6·N·T convention; useful = MLM projection at masked positions only
             rec["mfu"] = flops / dt / peak / self.dist.world_size
+            rec["mfu_useful"] = useful / dt / peak / self.dist.world_size
         if self.scaler.is_enabled():
             rec["loss_scale"] = self.scaler.get_scale()
-        window.update(t=now, seq=0, tok=0.0, flops=0.0, steps=0, masked=0.0)
+        window.update(t=now, seq=0, tok=0.0, flops=0.0, useful=0.0, steps=0, masked=0.0)
         self.log.log(event="train", **rec)
         return rec
 
