@@ -1,8 +1,7 @@
 // CUDA LayerNorm(x + residual) over the last dim, and its backward.
 //
-// Forward: one warp per two rows (rows of at most 32 values per lane; one row
-// beyond), both rows' loads in flight together (a grid-stride variant that kept
-// weight and bias in registers measured 15% slower on an H200).  Rows of H <= 2048 with H % 8 == 0 (16-bit) or
+// Forward: one warp per row (a grid-stride variant that kept weight and bias
+// in registers measured 15% slower on an H200).  Rows of H <= 2048 with H % 8 == 0 (16-bit) or
 // H % 4 == 0 (fp32) and 16-byte aligned tensors sit in registers, read with
 // 16-byte loads (the exact fit NVEC = H / (32 * VEC) vectors per lane, so 768
 // and 1024 waste no lanes); other rows up to 1024 use scalar accesses; longer
@@ -36,72 +35,56 @@ constexpr int kFwdThreads = 128;
 constexpr int bwd_threads(int nvec) { return nvec <= 3 ? 256 : 128; }
 constexpr int bwd_min_blocks(int nvec) { return nvec <= 3 ? 2 : 1; }
 
-// Rows per warp in the forward: two while a row is at most 32 values per lane, so each
-// lane has both rows' loads in flight before the first reduction (the kernel is latency
-// bound at one row per warp: Nsight Compute showed 54 % occupancy, L1TEX waits).
-constexpr int fwd_rows(int vec, int nvec) { return vec * nvec <= 32 ? 2 : 1; }
-
 template <typename T, typename W, int VEC, int NVEC>
 __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__ x, const T* __restrict__ res,
                                                            const W* __restrict__ w, const W* __restrict__ b,
                                                            T* __restrict__ y, float* __restrict__ mean_out,
                                                            float* __restrict__ rstd_out, int64_t rows, int cols,
                                                            float eps) {
-  constexpr int R = fwd_rows(VEC, NVEC);
-  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x) / kWarp * R;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
-  if (row0 >= rows) return;  // whole warps: a warp's lanes share its rows
-  float h[R][NVEC][VEC];
-  float sum[R];
+  if (row >= rows) return;  // whole warps: a warp's lanes share one row
+  float h[NVEC][VEC];
+  float sum = 0.f;
 #pragma unroll
-  for (int q = 0; q < R; ++q) {
-    sum[q] = 0.f;
-    const int64_t row = row0 + q;
+  for (int i = 0; i < NVEC; ++i) {
+    const int col = (i * kWarp + lane) * VEC;
+    if (col < cols) {
+      load_float<VEC>(x + row * cols + col, h[i]);
+      if (res != nullptr) {
+        float r[VEC];
+        load_float<VEC>(res + row * cols + col, r);
 #pragma unroll
-    for (int i = 0; i < NVEC; ++i) {
-      const int col = (i * kWarp + lane) * VEC;
-      if (row < rows && col < cols) {
-        load_float<VEC>(x + row * cols + col, h[q][i]);
-        if (res != nullptr) {
-          float r[VEC];
-          load_float<VEC>(res + row * cols + col, r);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) h[q][i][k] += r[k];
-        }
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) sum[q] += h[q][i][k];
+        for (int k = 0; k < VEC; ++k) h[i][k] += r[k];
       }
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sum += h[i][k];
     }
   }
+  const float mean = group_sum<kWarp>(sum) / cols;
+  float sq = 0.f;
 #pragma unroll
-  for (int q = 0; q < R; ++q) {
-    const int64_t row = row0 + q;
-    const float mean = group_sum<kWarp>(sum[q]) / cols;
-    float sq = 0.f;
+  for (int i = 0; i < NVEC; ++i) {
+    const int col = (i * kWarp + lane) * VEC;
+    if (col < cols)
 #pragma unroll
-    for (int i = 0; i < NVEC; ++i) {
-      const int col = (i * kWarp + lane) * VEC;
-      if (row < rows && col < cols)
+      for (int k = 0; k < VEC; ++k) sq += (h[i][k] - mean) * (h[i][k] - mean);
+  }
+  const float rstd = rsqrtf(group_sum<kWarp>(sq) / cols + eps);
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) sq += (h[q][i][k] - mean) * (h[q][i][k] - mean);
-    }
-    const float rstd = rsqrtf(group_sum<kWarp>(sq) / cols + eps);
-    if (row >= rows) continue;  // uniform across the warp
-    if (lane == 0) {
-      mean_out[row] = mean;
-      rstd_out[row] = rstd;
-    }
+  for (int i = 0; i < NVEC; ++i) {
+    const int col = (i * kWarp + lane) * VEC;
+    if (col < cols) {
+      float wv[VEC], bv[VEC], o[VEC];
+      load_float<VEC>(w + col, wv);
+      load_float<VEC>(b + col, bv);
 #pragma unroll
-    for (int i = 0; i < NVEC; ++i) {
-      const int col = (i * kWarp + lane) * VEC;
-      if (col < cols) {
-        float wv[VEC], bv[VEC], o[VEC];
-        load_float<VEC>(w + col, wv);
-        load_float<VEC>(b + col, bv);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[q][i][k] - mean) * rstd, wv[k], bv[k]);
-        store_float<VEC>(y + row * cols + col, o);
-      }
+      for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[i][k] - mean) * rstd, wv[k], bv[k]);
+      store_float<VEC>(y + row * cols + col, o);
     }
   }
 }
@@ -320,8 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
       return with_row_layout<16 / sizeof(T), std::is_same_v<W, float>>(
           cols, wide && aligned16(wp) && aligned16(bp), [&](auto vec, auto nvec) {
             constexpr int V = decltype(vec)::value, NV = decltype(nvec)::value;
-            const int64_t warps = ceil_div(rows, fwd_rows(V, NV));
-            ln_fwd_rows<T, W, V, NV><<<ceil_div(warps * kWarp, kFwdThreads), kFwdThreads, 0, stream>>>(
+            ln_fwd_rows<T, W, V, NV><<<ceil_div(rows * kWarp, kFwdThreads), kFwdThreads, 0, stream>>>(
                 xp, rp, wp, bp, yp, mp, sp, rows, cols, static_cast<float>(eps));
           });
     };
