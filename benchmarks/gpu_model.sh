@@ -77,7 +77,10 @@ PY
   say "default job (CPU) rc=$?"; tail -3 "$OUT/default-job-cpu.log" | tee -a "$LOG"
   cat "$OUT/default-job-cpu.log" >> "$LOG"; rm -f "$OUT/default-job-cpu.log"
 else
-  # Data for a real 2-GPU run, built while the GPUs are measured.
+  # The default job on 4 CPU threads, and data for a real 2-GPU run, while the GPUs are measured.
+  (CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=4 python3 -m bertctl pretrain --device cpu --no-progress \
+     --output /tmp/bertctl-default-run > "$OUT/default-job-cpu.json" 2> "$OUT/default-job-cpu.log") &
+  cpu_job=$!
   (python3 -c "from bertctl.default_job import prepare_default_data as p; p('/tmp/ddp-work', show_progress=False)" \
      >> "$LOG" 2>&1) &
   prep=$!
@@ -109,4 +112,8 @@ PY
     --no-progress --output /tmp/ddp-run > "$OUT/pretrain-ddp2-$name.json" 2>> "$LOG"
   say "torchrun pretrain rc=$? in $(( $(date +%s) - start )) s"
   grep '"event": "train"' /tmp/ddp-run/metrics.jsonl | tail -2 | tee -a "$LOG"
+  wait $cpu_job
+  say "default job (CPU) rc=$?"; tail -3 "$OUT/default-job-cpu.log" | tee -a "$LOG"
+  cat "$OUT/default-job-cpu.log" >> "$LOG"; rm -f "$OUT/default-job-cpu.log"
+  cp /tmp/bertctl-default-run/metrics.jsonl "$OUT/default-job-metrics.jsonl" 2>/dev/null
 fi
