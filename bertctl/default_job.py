@@ -82,7 +82,10 @@ def gather_python_docs(folder: str | Path, *, max_modules: int | None = None, ma
     standard-library module's docstrings, in sorted (deterministic) order, as
     ``NNNN-name.txt`` (paragraphs separated by blank lines: build-data's "text" format).
     """
-    from pydoc_data.topics import topics
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions split it off; the docstrings still make a corpus
+        topics = {}
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
