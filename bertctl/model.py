@@ -137,14 +137,15 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_probs_dropout_prob
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x.shape
-        return x.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, S, hs)
-
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """x (B, S, H); key_mask (B, S) bool, True = a real token that may be attended to."""
         B, S, H = x.shape
-        q, k, v = self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x))
+        # One (H -> 3H) matmul instead of three: the same weights (HF's query/key/value names),
+        # concatenated per call; a wider GEMM keeps the GPU busier than three narrow ones.
+        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        qkv = F.linear(x, weight, bias).view(B, S, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, S, hs)
         p = self.dropout_p if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
         if self.config.attn_implementation == "sdpa":
