@@ -165,24 +165,29 @@ class BertSelfAttention(nn.Module):
         return ctx.transpose(1, 2).reshape(B, S, H)
 
 
-class BertSelfOutput(nn.Module):
-    def __init__(self, config: BertConfig):
+class ProjectAddNorm(nn.Module):
+    """Post-LN sub-layer output (the original Transformer and BERT): LN(residual + Dropout(W h + b)).
+
+    Two of these per layer: after attention (HF's ``BertSelfOutput``, in_features = H) and after
+    the FFN (HF's ``BertOutput``, in_features = I).
+    """
+
+    def __init__(self, config: BertConfig, in_features: int):
         super().__init__()
         self.config = config
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, ctx: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # Post-LN (the original Transformer and BERT): LN(x + Dropout(Sublayer(x))).
-        return layer_norm(self.LayerNorm, self.dropout(self.dense(ctx)), residual, use_fused(self.config))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return layer_norm(self.LayerNorm, self.dropout(self.dense(h)), residual, use_fused(self.config))
 
 
 class BertAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.self = BertSelfAttention(config)
-        self.output = BertSelfOutput(config)
+        self.output = ProjectAddNorm(config, config.hidden_size)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         return self.output(self.self(x, key_mask), x)
@@ -198,26 +203,12 @@ class BertIntermediate(nn.Module):
         return dense_act(self.dense, self.config.hidden_act, x, use_fused(self.config))  # (B, S, I)
 
 
-class BertOutputLayer(nn.Module):
-    """The FFN's second projection, dropout, residual add and LayerNorm (HF calls it ``BertOutput``)."""
-
-    def __init__(self, config: BertConfig):
-        super().__init__()
-        self.config = config
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return layer_norm(self.LayerNorm, self.dropout(self.dense(h)), residual, use_fused(self.config))
-
-
 class BertLayer(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
-        self.output = BertOutputLayer(config)
+        self.output = ProjectAddNorm(config, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attention(x, key_mask)
