@@ -49,8 +49,18 @@ def activation(name: str):
 
 
 def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor | None, fused: bool) -> torch.Tensor:
-    """LN(x + residual): one fused op, or the add then torch's LayerNorm."""
+    """LN(x + residual): one fused op, or the add then torch's LayerNorm.
+
+    Under autocast the fused path keeps the residual stream in the autocast dtype (bf16/fp16 in
+    and out, fp32 statistics and parameters, as apex's mixed LayerNorm): half the bytes of the
+    fp32 stream that torch's autocast LayerNorm produces, and no casts before the next matmul.
+    """
     if fused:
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x = x.to(dtype)
+            residual = None if residual is None else residual.to(dtype)
         return ops.layer_norm(x, ln.weight, ln.bias, ln.eps, residual=residual)
     return ln(x if residual is None else x + residual)
 

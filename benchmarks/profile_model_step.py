@@ -1,0 +1,55 @@
+"""Where a BERT-Base pretraining step spends its GPU time: torch.profiler over a few steps.
+
+    python benchmarks/profile_model_step.py [--case base-128] [--attn sdpa] [--kernels fused]
+
+Prints the CUDA kernels by total time and the share of matrix-multiply kernels.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bertctl.bench.model import CASES, _train_step_fn, bertctl_model, synthetic_batches
+from bertctl.config import BertConfig
+from bertctl.train.optim import build_optimizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="base-128")
+    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--kernels", default="auto")
+    ap.add_argument("--rows", type=int, default=30)
+    args = ap.parse_args()
+    size, seq, batch = CASES[args.case]
+    config = BertConfig.preset(size, attn_implementation=args.attn, kernels=args.kernels)
+    model = bertctl_model(config, "cuda")
+    opt = build_optimizer(model, "adamw", lr=1e-4, fused=True)
+    batches = synthetic_batches(config.vocab_size, seq, batch, 4)
+    dev = []
+    for b in batches:
+        d = {k: v.cuda() for k, v in b.items() if k != "hf_labels"}
+        d["n_masked"] = float((b["masked_lm_labels"] != -100).sum())
+        dev.append(d)
+    step = _train_step_fn("bertctl", model, opt)
+    for i in range(5):
+        step(dev[i % 4])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            step(dev[i % 4])
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events)
+    gemm = sum(e.self_device_time_total for e in events
+               if any(t in e.key.lower() for t in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")))
+    print(f"GPU time per step {total / 5 / 1e3:.2f} ms; matmul kernels {100 * gemm / total:.1f}%")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
+        print(f"{e.self_device_time_total / 5 / 1e3:8.3f} ms/step {100 * e.self_device_time_total / total:5.1f}%"
+              f" x{e.count // 5:<4d} {e.key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
