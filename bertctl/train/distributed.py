@@ -50,8 +50,13 @@ def setup(device: str | None = None) -> Dist:
     return Dist(rank=rank, world_size=world, local_rank=local, device=dev)
 
 
-def teardown(d: Dist) -> None:
+def teardown(d: Dist, synchronize: bool = True) -> None:
+    """Leave the process group.  After a clean run every rank waits for the others first: a rank
+    that destroys its group while a peer is still in a collective (rank 0 writing the final
+    checkpoint, say) can abort that peer inside gloo."""
     if d.enabled and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
 
 

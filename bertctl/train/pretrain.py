@@ -648,7 +648,11 @@ def _data_tokenizer(data_dir: Path, manifest: dict):
 def pretrain(cfg: TrainConfig, tokenizer=None) -> dict[str, Any]:
     """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``TrainConfig``."""
     dist = distributed.setup(cfg.device)
+    finished = False
     try:
-        return Trainer(cfg, dist, tokenizer=tokenizer).run()
+        summary = Trainer(cfg, dist, tokenizer=tokenizer).run()
+        finished = True
+        return summary
     finally:
-        distributed.teardown(dist)
+        # No barrier after a failure: the other ranks may never reach it.
+        distributed.teardown(dist, synchronize=finished)
