@@ -7,12 +7,11 @@ are never written to ``config.json``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bertctl.errors import BertctlError
-from bertctl.io import write_json
+from bertctl.io import read_json_object, write_json
 
 # (layers, hidden, heads): BERT-Base/Large from the paper (§3), the small sizes from
 # Turc et al. 2019 ("Well-Read Students Learn Better").  Intermediate = 4 * hidden.
@@ -116,13 +115,4 @@ class BertConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path, **overrides) -> "BertConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise BertctlError(f"{path}: config file not found") from None
-        except json.JSONDecodeError as e:
-            raise BertctlError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-        if not isinstance(d, dict):
-            raise BertctlError(f"{path}: expected a JSON object")
-        return cls.from_dict(d, **overrides)
+        return cls.from_dict(read_json_object(path, "config"), **overrides)

@@ -79,3 +79,36 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_json_object(path: str | os.PathLike, what: str = "JSON") -> dict:
+    """A JSON file holding one object; a missing file or bad JSON is a one-line error naming it."""
+    from bertctl.errors import BertctlError
+
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BertctlError(f"{path}: {what} file not found") from None
+    except json.JSONDecodeError as e:
+        raise BertctlError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise BertctlError(f"{path}: expected a JSON object")
+    return obj
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSON-lines file; bad lines are errors naming file:line."""
+    from bertctl.errors import BertctlError
+
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise BertctlError(f"{path}:{lineno}: expected a JSON object per line")
+            yield lineno, row

@@ -21,7 +21,6 @@ loaders do.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -29,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from bertctl.errors import BertctlError
-from bertctl.io import atomic_open, write_json
+from bertctl.io import atomic_open, iter_jsonl
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import GLUE_METRICS, glue_metrics
@@ -205,17 +204,8 @@ def read_table(path: str | Path, *, text_column: str, text_pair_column: str | No
                                 str(row[text_pair_column]) if text_pair_column else None, label))
 
     if suffix in (".jsonl", ".json", ".ndjson"):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise BertctlError(f"{path}:{lineno}: expected a JSON object per line")
-                add(row, f"{path}:{lineno}")
+        for lineno, row in iter_jsonl(path):
+            add(row, f"{path}:{lineno}")
     elif suffix in (".tsv", ".csv", ".txt"):
         delimiter = "," if suffix == ".csv" else "\t"
         with open(path, encoding="utf-8-sig", newline="") as f:

@@ -16,7 +16,6 @@ is predicted unanswerable when s_null − s_best > τ, with τ chosen on the dev
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -24,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from bertctl.errors import BertctlError
-from bertctl.io import write_json
+from bertctl.io import read_json_object, write_json
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import normalize_answer, squad_v1_evaluate, squad_v2_evaluate
@@ -79,14 +78,9 @@ def parse_articles(spec: str | None) -> tuple[Path, str] | None:
 
 def read_article_titles(spec: str) -> set[str]:
     path, key = parse_articles(spec)
-    try:
-        split = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BertctlError(f"{path}: split file not found") from None
-    except json.JSONDecodeError as e:
-        raise BertctlError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    if not isinstance(split, dict) or key not in split:
-        keys = ", ".join(k for k, v in split.items() if isinstance(v, list)) if isinstance(split, dict) else ""
+    split = read_json_object(path, "split")
+    if key not in split:
+        keys = ", ".join(k for k, v in split.items() if isinstance(v, list))
         raise BertctlError(f"{path}: no list {key!r} in the split file (lists: {keys})")
     titles = split[key]
     if not isinstance(titles, list) or not all(isinstance(t, str) for t in titles):
@@ -103,13 +97,8 @@ def read_squad(path: str | Path, *, articles: str | None = None, version_2: bool
     realigned) or, if absent, the question is skipped and reported.
     """
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BertctlError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise BertctlError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
+    raw = read_json_object(path, "SQuAD")
+    if not isinstance(raw.get("data"), list):
         raise BertctlError(f"{path}: not a SQuAD file (expected an object with a 'data' list)")
     data = raw["data"]
     if articles is not None:
@@ -466,7 +455,7 @@ def score_files(data_path: str | Path, predictions_path: str | Path, *, version_
                 articles: str | None = None) -> dict:
     """Score an official-format predictions file against gold, as the official scripts do."""
     data = read_squad(data_path, articles=articles, version_2=True)
-    preds = _read_json_object(predictions_path, "predictions")
+    preds = read_json_object(predictions_path, "predictions")
     bad = [q for q, v in preds.items() if not isinstance(v, str)]
     if bad:
         raise BertctlError(f"{predictions_path}: prediction for {bad[0]} is not a string")
@@ -476,21 +465,8 @@ def score_files(data_path: str | Path, predictions_path: str | Path, *, version_
         return squad_v1_evaluate(data.dataset, preds)
     na = None
     if na_prob_path is not None:
-        na = {k: float(v) for k, v in _read_json_object(na_prob_path, "no-answer probabilities").items()}
+        na = {k: float(v) for k, v in read_json_object(na_prob_path, "no-answer probabilities").items()}
     return squad_v2_evaluate(data.dataset, preds, na_probs=na, na_prob_thresh=na_prob_thresh)
-
-
-def _read_json_object(path, what: str) -> dict:
-    path = Path(path)
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BertctlError(f"{path}: {what} file not found") from None
-    except json.JSONDecodeError as e:
-        raise BertctlError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
-    if not isinstance(obj, dict):
-        raise BertctlError(f"{path}: expected a JSON object {{question id: ...}}")
-    return obj
 
 
 def recover_answer(feature: dict, context: str, ctx: ContextTokens) -> str:

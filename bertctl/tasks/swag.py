@@ -9,7 +9,6 @@ per choice goes through a softmax across the four. Files: JSONL with ``sent1``, 
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -17,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from bertctl.errors import BertctlError
-from bertctl.io import atomic_open
+from bertctl.io import atomic_open, iter_jsonl
 from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import accuracy
@@ -75,17 +74,8 @@ def read_swag(path: str | Path, need_label: bool = True) -> list[SwagExample]:
                                        f"{len(reader.fieldnames)}")
                 out.append(_example(row, where, need_label))
     else:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise BertctlError(f"{path}:{lineno}: expected a JSON object")
-                out.append(_example(row, f"{path}:{lineno}", need_label))
+        for lineno, row in iter_jsonl(path):
+            out.append(_example(row, f"{path}:{lineno}", need_label))
     if not out:
         raise BertctlError(f"{path}: no examples")
     return out
