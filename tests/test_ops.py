@@ -164,6 +164,33 @@ def test_layer_norm_noncontiguous(device):
     close(ops.layer_norm(x, w, b, 1e-12, residual=res), expected, torch.float32, "non-contiguous")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,H,param_dtype", [(torch.bfloat16, 768, torch.bfloat16),
+                                                 (torch.float16, 1024, torch.float32),
+                                                 (torch.float32, 768, torch.float32)])
+def test_layer_norm_many_rows(device, dtype, H, param_dtype):
+    """Enough rows that every block of the backward walks several of them and the column
+    sums of dweight/dbias add many partials (the BERT shapes take these code paths)."""
+    gen = torch.Generator().manual_seed(H + 1)
+    N = 3001
+    x = rand(N, H, dtype=dtype, device=device, std=2.0, gen=gen).add_(0.5).requires_grad_()
+    res = rand(N, H, dtype=dtype, device=device, gen=gen).requires_grad_()
+    w = rand(H, dtype=param_dtype, device=device, gen=gen).requires_grad_()
+    b = rand(H, dtype=param_dtype, device=device, gen=gen).requires_grad_()
+    y = ops.layer_norm(x, w, b, 1e-12, residual=res)
+    d = lambda t: t.detach().double()  # noqa: E731
+    y_ref, mean, rstd = reference.layer_norm_forward(d(x), d(res), d(w), d(b), 1e-12)
+    close(y, y_ref, dtype, "layer_norm forward")
+    dy = rand(N, H, dtype=dtype, device=device, gen=gen)
+    dx, dres, dw, db = torch.autograd.grad(y, (x, res, w, b), dy)
+    dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy.double(), d(x), d(res), d(w), mean, rstd)
+    close(dx, dx_ref, dtype, "layer_norm dx")
+    close(dres, dx_ref, dtype, "layer_norm dresidual")
+    pt = param_dtype if param_dtype != torch.float32 else dtype
+    close(dw, dw_ref, pt, "layer_norm dweight", scale=N**0.5)
+    close(db, db_ref, pt, "layer_norm dbias", scale=N**0.5)
+
+
 # --- bias + GELU --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -195,6 +222,20 @@ def test_bias_gelu_noncontiguous_and_16bit_bias(device):
     x = rand(3, 40, 24, dtype=torch.bfloat16, device=device, gen=gen).transpose(0, 1)  # (40, 3, 24) view
     b = rand(24, dtype=torch.bfloat16, device=device, gen=gen)
     close(ops.bias_gelu(x, b), F.gelu(x.double() + b.double()), torch.bfloat16, "non-contiguous")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 5e-5), (torch.bfloat16, 8e-3)])
+def test_bias_gelu_negative_tail_relative_accuracy(device, dtype, rtol):
+    """GELU(v) = v Phi(v) is tiny for v << 0 (-6e-9 at v = -6): the kernels must keep its
+    relative accuracy there, not only an absolute one (float64 reference, no atol)."""
+    v = torch.linspace(-10.0, -1.0, 4096, dtype=torch.float64)
+    x = v.reshape(8, 512).to(device=device, dtype=dtype)
+    b = torch.zeros(512, dtype=torch.float32, device=device)
+    y = ops.bias_gelu(x, b).double().cpu()
+    xd = x.double().cpu()
+    y_ref = xd * 0.5 * torch.special.erfc(-xd / 2**0.5)  # erfc: no 1 + erf(-large) cancellation
+    torch.testing.assert_close(y, y_ref, rtol=rtol, atol=0.0)
 
 
 def test_bias_gelu_rejects_unknown_approximation():
