@@ -33,6 +33,65 @@ inline Vec normal_cdf_fast(Vec v) {
   return Vec::blendv(Vec(T(1)) - half_tail, half_tail, v < Vec(T(0)));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// fp32 on AVX-512: one exp serves Phi and phi, so the backward costs about what the forward does.
+// With a = |v| (clamped to 20, where every term below is 0 in fp32), z = a / sqrt 2:
+//   erfc(z) = t Q(t) exp(-z^2),  t = 1 / (1 + 0.428 z),
+// Q a degree-7 polynomial fitted (minimax in relative error, on z in [0, 9.5], where Phi(-a)
+// reaches fp32's smallest normal) to erfc(z) exp(z^2) / t: relative error 1e-7 in float64,
+// 4e-7 evaluated in fp32.  exp(-a^2/2) = 2^f 2^n, n = round(-a^2 log2(e) / 2), 2^f a degree-5
+// minimax polynomial (2e-7) and 2^n exact through vscalefps (underflow to 0 is graceful).
+// Then Phi(-a) = tq e with tq = t Q(t) / 2 and e = exp(-a^2/2); phi(a) = e / sqrt(2 pi), and
+//   GELU(v)  = max(v, 0) - a Phi(-a)                      (no cancellation in either tail)
+//   GELU'(v) = d for v < 0, 1 - d for v >= 0, d = Phi(-a) - a phi(a).
+// Relative error < 1e-6 for |v| < 5 and growing as v^2 * 6e-8 beyond, which is the error the
+// fp32 rounding of v = x + bias itself brings (GELU's condition number is ~v^2 in the tail).
+// 28 vector ops per 16 values forward (the at::vec form below takes ~40, ATen's ~45 plus a division).
+namespace avx512 {
+
+struct Tail {
+  __m512 a, tq, e;  // a = min(|v|, 20); Phi(-a) = tq * e
+};
+
+inline Tail normal_tail(__m512 v) {
+  // min(20, |v|) keeps NaN (the second operand is returned when either is NaN) and clamps inf.
+  const __m512 a = _mm512_min_ps(_mm512_set1_ps(20.f), _mm512_abs_ps(v));
+  const __m512 den = _mm512_fmadd_ps(a, _mm512_set1_ps(static_cast<float>(0.428 * kSqrt1_2)), _mm512_set1_ps(1.f));
+  const __m512 r0 = _mm512_rcp14_ps(den);
+  const __m512 t = _mm512_mul_ps(r0, _mm512_fnmadd_ps(den, r0, _mm512_set1_ps(2.f)));  // one Newton step
+  // Q(t) / 2, Horner.
+  static constexpr float q[] = {0.0731505603f, -0.312869936f, 0.395481259f, -0.0946414098f,
+                                0.251134068f,  0.202959344f,  0.243408948f, 0.2413771f};
+  __m512 p = _mm512_set1_ps(0.5f * q[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.5f * q[i]));
+  const __m512 tq = _mm512_mul_ps(t, p);
+  // exp(-a^2 / 2) = 2^s
+  const __m512 s = _mm512_mul_ps(_mm512_mul_ps(a, a), _mm512_set1_ps(static_cast<float>(-0.5 / 0.69314718055994530942)));
+  const __m512 n = _mm512_roundscale_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(s, n);  // [-1/2, 1/2]
+  static constexpr float c[] = {0.00132764701f, 0.00967554096f, 0.0555071346f, 0.240221202f, 0.693146944f,
+                                1.00000012f};
+  __m512 e = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < 6; ++i) e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(c[i]));
+  return {a, tq, _mm512_scalef_ps(e, n)};
+}
+
+inline __m512 gelu(__m512 v) {
+  const Tail p = normal_tail(v);
+  const __m512 relu = _mm512_max_ps(_mm512_setzero_ps(), v);  // NaN kept (second operand)
+  return _mm512_fnmadd_ps(_mm512_mul_ps(p.a, p.tq), p.e, relu);
+}
+
+inline __m512 gelu_grad(__m512 v) {
+  const Tail p = normal_tail(v);
+  const __m512 d = _mm512_mul_ps(_mm512_fnmadd_ps(p.a, _mm512_set1_ps(static_cast<float>(kInvSqrt2Pi)), p.tq), p.e);
+  const __mmask16 nonneg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+  return _mm512_mask_sub_ps(d, nonneg, _mm512_set1_ps(1.f), d);
+}
+
+}  // namespace avx512
+#endif
+
 template <typename Vec, typename acc_t>
 inline Vec gelu(Vec v, bool tanh_form) {
   if (tanh_form) {
@@ -40,6 +99,9 @@ inline Vec gelu(Vec v, bool tanh_form) {
     Vec u = Vec(acc_t(kSqrt2OverPi)) * (v + Vec(acc_t(kTanhC)) * v * v * v);
     return v / (Vec(acc_t(1)) + fast_exp<acc_t>(Vec(acc_t(-2)) * u));
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) return Vec(avx512::gelu(v));
+#endif
   if constexpr (std::is_same_v<acc_t, float>) return v * normal_cdf_fast(v);
   return Vec(acc_t(0.5)) * v * (Vec(acc_t(1)) + (v * Vec(acc_t(kSqrt1_2))).erf());
 }
@@ -54,6 +116,9 @@ inline Vec gelu_grad(Vec v, bool tanh_form) {
     Vec du = Vec(acc_t(kSqrt2OverPi)) * (Vec(acc_t(1)) + Vec(acc_t(3 * kTanhC)) * v2);
     return s + Vec(acc_t(2)) * v * s * (Vec(acc_t(1)) - s) * du;
   }
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) return Vec(avx512::gelu_grad(v));
+#endif
   Vec pdf = Vec(acc_t(kInvSqrt2Pi)) * fast_exp<acc_t>(Vec(acc_t(-0.5)) * v * v);
   if constexpr (std::is_same_v<acc_t, float>) return normal_cdf_fast(v) + v * pdf;
   Vec cdf = Vec(acc_t(0.5)) * (Vec(acc_t(1)) + (v * Vec(acc_t(kSqrt1_2))).erf());

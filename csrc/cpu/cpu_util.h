@@ -114,6 +114,20 @@ inline acc_t scalar_add(acc_t a, acc_t b) { return a + b; }
 template <typename acc_t>
 inline acc_t scalar_max(acc_t a, acc_t b) { return std::max(a, b); }
 
+// Software prefetch for row loops that make two passes over a row (statistics, then output):
+// the second pass runs from L1, so that is where the next row is fetched, line by line:
+// called once per vector of the row loop, with the loop's column j (a vector of fp32 or fp64 is
+// one 64-byte line; 16-bit rows get each line twice, which costs nothing).  next may be null.
+template <typename T>
+inline void prefetch(const T* next, int64_t j) {
+  if (next) __builtin_prefetch(next + j);
+}
+
+template <typename T>
+inline void prefetch_for_write(T* p, int64_t j) {
+  __builtin_prefetch(p + j, 1);
+}
+
 inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }
 
 }  // namespace bertctl::cpu

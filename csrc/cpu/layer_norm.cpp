@@ -11,31 +11,6 @@
 namespace bertctl::cpu {
 namespace {
 
-// h = x + residual (into buf; or x itself), and its sum.
-template <typename acc_t, typename scalar_t>
-inline const acc_t* sum_row(const scalar_t* x, const scalar_t* res, acc_t* buf, acc_t* buf2, int64_t n,
-                            acc_t* sum = nullptr) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  auto add = [](const Vec& p, const Vec& q) { return p + q; };
-  const acc_t* h = load_row<acc_t>(x, buf, n);
-  if (res == nullptr) {
-    if (sum) *sum = reduce_row<acc_t>(n, acc_t(0), [&](int64_t j) { return Vec::loadu(h + j); },
-                                      [&](int64_t j) { return h[j]; }, add, scalar_add<acc_t>);
-    return h;
-  }
-  const acc_t* rr = load_row<acc_t>(res, buf2, n);
-  const acc_t s = reduce_row<acc_t>(
-      n, acc_t(0),
-      [&](int64_t j) {
-        Vec t = Vec::loadu(h + j) + Vec::loadu(rr + j);
-        t.store(buf + j);
-        return t;
-      },
-      [&](int64_t j) { return buf[j] = h[j] + rr[j]; }, add, scalar_add<acc_t>);
-  if (sum) *sum = s;
-  return buf;
-}
-
 // h = x + residual (into buf, or x itself) with its mean and variance in one pass: sums of
 // d = h - h[0] and d^2.  Shifting by a sample of the row bounds the cancellation in
 // E[d^2] - E[d]^2 by the spread of the row, not its offset (Chan et al., "shifted data").
@@ -104,13 +79,72 @@ void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Ten
       rstd_out[r] = rstd;
       acc_t* o = out_row<acc_t>(y + r * cols, out_buf.data());
       int64_t j = 0;
-      for (; j + Vec::size() <= cols; j += Vec::size())
+      // The next row is prefetched while this one is written (see prefetch in cpu_util.h).
+      const scalar_t* nx = r + 1 < end ? x + (r + 1) * cols : nullptr;
+      const scalar_t* nr = r + 1 < end && res ? res + (r + 1) * cols : nullptr;
+      for (; j + Vec::size() <= cols; j += Vec::size()) {
+        prefetch(nx, j);
+        prefetch(nr, j);
         at::vec::fmadd((Vec::loadu(h + j) - Vec(mean)) * Vec(rstd), Vec::loadu(w.data() + j), Vec::loadu(b.data() + j))
             .store(o + j);
+      }
       for (; j < cols; ++j) o[j] = (h[j] - mean) * rstd * w[j] + b[j];
       store_row<acc_t>(o, y + r * cols, cols);
     }
   });
+}
+
+// Backward of one row, in acc_t: x, res (HasRes) and g (grad_y) are the tensors' own rows for
+// fp32/fp64 and converted copies for 16-bit inputs; dx receives the row's dx.
+// Pass 1: xhat = (x + res - mean) * rstd in registers; g*w feeds the row sums of g*w and
+// g*w*xhat, and the chunk's dweight/dbias partials (dwp, dbp: L1-resident rows) are updated.
+// Pass 2 re-reads x, res and g*w from L1 and writes dx = rstd (g*w - mean(g*w) - xhat mean(g*w*xhat)),
+// while prefetching the next row (next_x/next_res/next_g, or null), so that its pass 1 does not
+// wait on memory: without it this loop ran at ~60% of the forward's bandwidth.
+template <bool HasRes, typename acc_t, typename scalar_t>
+inline void layer_norm_backward_row(const acc_t* x, const acc_t* res, const acc_t* g, acc_t* dx, acc_t mean,
+                                    acc_t rstd, const acc_t* w, acc_t* dwp, acc_t* dbp, int64_t n,
+                                    const scalar_t* next_x, const scalar_t* next_res, const scalar_t* next_g) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  // g*w is kept in the dx row between the passes (in L1), so the sums and dx see identically
+  // rounded values (held in registers the compiler may contract g*w into the sum's FMA): with a
+  // constant row (rstd = 1/sqrt(eps)) g*w - mean(g*w) must cancel exactly.  The last partial
+  // vector goes through the same code with zero-padded loads (a zero g adds nothing to the sums).
+  // Each pass is a body(j, load, store) run over the full vectors, then once over the tail.
+  const int64_t n_full = n - n % W;
+  auto full_load = [](const acc_t* p, int64_t j) { return Vec::loadu(p + j); };
+  auto full_store = [](const Vec& v, acc_t* p, int64_t j) { v.store(p + j); };
+  auto tail_load = [n](const acc_t* p, int64_t j) { return Vec::loadu(p + j, n - j); };
+  auto tail_store = [n](const Vec& v, acc_t* p, int64_t j) { v.store(p + j, n - j); };
+  auto xhat = [&](int64_t j, auto load) {
+    Vec h = load(x, j);
+    if constexpr (HasRes) h = h + load(res, j);
+    return (h - Vec(mean)) * Vec(rstd);
+  };
+  Vec s1(0), s2(0);
+  auto pass1 = [&](int64_t j, auto load, auto store) {
+    const Vec xh = xhat(j, load);
+    const Vec gv = load(g, j);
+    const Vec gw = gv * load(w, j);
+    store(gw, dx, j);
+    s1 = s1 + gw;
+    s2 = at::vec::fmadd(gw, xh, s2);
+    store(at::vec::fmadd(gv, xh, load(dwp, j)), dwp, j);
+    store(load(dbp, j) + gv, dbp, j);
+  };
+  for (int64_t j = 0; j < n_full; j += W) pass1(j, full_load, full_store);
+  if (n_full < n) pass1(n_full, tail_load, tail_store);
+  auto add = [](Vec& p, Vec& q) { return p + q; };
+  const Vec m1(at::vec::vec_reduce_all<acc_t>(add, s1) / n), m2(at::vec::vec_reduce_all<acc_t>(add, s2) / n);
+  auto pass2 = [&](int64_t j, auto load, auto store) {
+    prefetch(next_x, j);
+    if constexpr (HasRes) prefetch(next_res, j);
+    prefetch(next_g, j);
+    store(Vec(rstd) * (load(dx, j) - m1 - xhat(j, load) * m2), dx, j);
+  };
+  for (int64_t j = 0; j < n_full; j += W) pass2(j, full_load, full_store);
+  if (n_full < n) pass2(n_full, tail_load, tail_store);
 }
 
 template <typename scalar_t>
@@ -118,7 +152,6 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
                               const at::Tensor& w_, const at::Tensor& mean_, const at::Tensor& rstd_, at::Tensor& dx_,
                               double* dw_sum, double* db_sum) {
   using acc_t = acc_type<scalar_t>;
-  using Vec = at::vec::Vectorized<acc_t>;
   const int64_t cols = last_dim(x_), rows = rows_of(x_);
   const auto w = param_acc<acc_t>(w_);
   const scalar_t* dy = dy_.data_ptr<scalar_t>();
@@ -131,48 +164,27 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
   // Per-chunk column sums in acc_t, then added in chunk order.
   std::vector<acc_t> dw_part(chunks * cols, acc_t(0)), db_part(chunks * cols, acc_t(0));
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-    std::vector<acc_t> buf(cols), buf2(cols), gbuf(cols), xhat(cols), out_buf(cols);
+    // 16-bit inputs: the row of x, res, dy and dx converted to / from acc_t.
+    constexpr bool kDirect = std::is_same_v<acc_t, scalar_t>;
+    std::vector<acc_t> buf(kDirect ? 0 : 4 * cols);
     for (int64_t c = cb; c < ce; ++c) {
       acc_t* dwp = dw_part.data() + c * cols;
       acc_t* dbp = db_part.data() + c * cols;
-      for (int64_t r = c * rows / chunks; r < (c + 1) * rows / chunks; ++r) {
-        const acc_t* h = sum_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf.data(), buf2.data(), cols);
-        const acc_t* g = load_row<acc_t>(dy + r * cols, gbuf.data(), cols);
-        const acc_t mu = mean[r], rs = rstd[r];
-        // xhat, g*w (kept in the output row, so the sums and dx use the same rounded values),
-        // and the two row sums of g*w and g*w*xhat.
-        acc_t* o = out_row<acc_t>(dx + r * cols, out_buf.data());
-        Vec s1(0), s2(0);
-        int64_t j = 0;
-        for (; j + Vec::size() <= cols; j += Vec::size()) {
-          Vec xh = (Vec::loadu(h + j) - Vec(mu)) * Vec(rs);
-          Vec gv = Vec::loadu(g + j);
-          Vec gw = gv * Vec::loadu(w.data() + j);
-          xh.store(xhat.data() + j);
-          gw.store(o + j);
-          s1 = s1 + gw;
-          s2 = s2 + gw * xh;
-          (Vec::loadu(dwp + j) + gv * xh).store(dwp + j);
-          (Vec::loadu(dbp + j) + gv).store(dbp + j);
-        }
-        auto add = [](Vec& p, Vec& q) { return p + q; };
-        acc_t sum1 = at::vec::vec_reduce_all<acc_t>(add, s1), sum2 = at::vec::vec_reduce_all<acc_t>(add, s2);
-        for (; j < cols; ++j) {
-          const acc_t xh = (h[j] - mu) * rs, gw = g[j] * w[j];
-          xhat[j] = xh;
-          o[j] = gw;
-          sum1 += gw;
-          sum2 += gw * xh;
-          dwp[j] += g[j] * xh;
-          dbp[j] += g[j];
-        }
-        // dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat))
-        const acc_t c1 = sum1 / cols, c2 = sum2 / cols;
-        j = 0;
-        for (; j + Vec::size() <= cols; j += Vec::size())
-          (Vec(rs) * (Vec::loadu(o + j) - Vec(c1) - Vec::loadu(xhat.data() + j) * Vec(c2))).store(o + j);
-        for (; j < cols; ++j) o[j] = rs * (o[j] - c1 - xhat[j] * c2);
-        store_row<acc_t>(o, dx + r * cols, cols);
+      const int64_t r_end = (c + 1) * rows / chunks;
+      for (int64_t r = c * rows / chunks; r < r_end; ++r) {
+        const int64_t off = r * cols, next = r + 1 < r_end ? off + cols : -1;
+        const acc_t* xr = load_row<acc_t>(x + off, buf.data(), cols);
+        const acc_t* rr = res ? load_row<acc_t>(res + off, buf.data() + cols, cols) : nullptr;
+        const acc_t* gr = load_row<acc_t>(dy + off, buf.data() + 2 * cols, cols);
+        acc_t* o = out_row<acc_t>(dx + off, buf.data() + 3 * cols);
+        const scalar_t* nx = next >= 0 ? x + next : nullptr;
+        const scalar_t* nr = next >= 0 && res ? res + next : nullptr;
+        const scalar_t* ng = next >= 0 ? dy + next : nullptr;
+        if (res)
+          layer_norm_backward_row<true>(xr, rr, gr, o, mean[r], rstd[r], w.data(), dwp, dbp, cols, nx, nr, ng);
+        else
+          layer_norm_backward_row<false>(xr, rr, gr, o, mean[r], rstd[r], w.data(), dwp, dbp, cols, nx, nr, ng);
+        store_row<acc_t>(o, dx + off, cols);
       }
     }
   });
