@@ -341,3 +341,19 @@ def test_torch_compile_fullgraph_parity(device):
     compiled_grads = torch.autograd.grad(compiled, grads_in, (dp, dy))
     for a, e in zip(compiled + compiled_grads, eager + eager_grads):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
+def test_bias_gelu_cpu_large_inputs_and_nan():
+    """The CPU kernel clamps |v| at 20 inside its erfc/exp (beyond, every term is 0 in fp32):
+    large finite inputs must still give GELU(v) = v (v > 0) or 0 (v < 0), slope 1 or 0, and
+    NaN must propagate (float64 erfc reference)."""
+    v = torch.tensor([-3e38, -1e4, -30.0, -20.5, -19.5, 19.5, 20.5, 30.0, 1e4, 3e38], dtype=torch.float64)
+    x = v.float()[None, :].requires_grad_()
+    b = torch.zeros(v.numel())
+    y = ops.bias_gelu(x, b)
+    y_ref = v * 0.5 * torch.special.erfc(-v / 2**0.5)
+    torch.testing.assert_close(y[0].double(), y_ref, rtol=2e-5, atol=1e-30)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    torch.testing.assert_close(dx[0].double(), (v > 0).double(), rtol=0, atol=1e-30)
+    nan = ops.bias_gelu(torch.tensor([[float("nan"), 1.0]]), torch.zeros(2))
+    assert torch.isnan(nan[0, 0]) and not torch.isnan(nan[0, 1])
