@@ -14,8 +14,9 @@
 // heads * Sq rows of a batch element.  A row whose every value is -inf (fully
 // masked) is written as exact zeros, and its gradient is zero.
 //
-// Precision: inputs converted to fp32, max/sum/dot in fp32, exp via the fast
-// hardware exp2 (--use_fast_math; ~2 ulp in fp32); output rounded once.
+// Precision: inputs converted to fp32, max/sum/dot in fp32; the logits are scaled
+// by log2(e) with the softmax scale (one multiply) so each exp is a single hardware
+// exp2 (ex2.approx, ~2 ulp in fp32); output rounded once.
 // Limits: rows up to 2^63; indexes in int64.
 #include "../common.h"
 #include "cuda_util.cuh"
@@ -25,52 +26,76 @@ namespace {
 
 constexpr int kThreads = 128;
 
-// row / rows_per_batch: the batch element of a row.  A 32-bit division when both fit
-// (a 64-bit one is a long software routine, once per row).
-__device__ __forceinline__ int64_t batch_of(int64_t row, int64_t rows_per_batch) {
-  if (((row | rows_per_batch) >> 32) == 0)
-    return static_cast<uint32_t>(row) / static_cast<uint32_t>(rows_per_batch);
-  return row / rows_per_batch;
-}
+// row / rows_per_batch: the batch element of a row (the mask row it reads).  A 64-bit
+// division is a long software routine and a 32-bit one about twenty instructions, once per
+// thread: with short rows (Sk = 128, eight values per lane) that is a few instructions per
+// element.  For n, d < 2^31 the quotient is a multiply-high and a shift (Granlund and
+// Montgomery, "Division by invariant integers using multiplication", 1994):
+// l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(n, m) + n) >> l.
+struct FastDiv {
+  int64_t d = 1;
+  uint32_t mul = 0, shift = 0;
+  bool ok = false;  // d < 2^31
+  explicit FastDiv(int64_t divisor) : d(divisor) {
+    if (divisor <= 0 || divisor >= (int64_t{1} << 31)) return;
+    while ((int64_t{1} << shift) < divisor) ++shift;
+    mul = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - divisor)) / divisor + 1);
+    ok = true;
+  }
+  __device__ __forceinline__ int64_t operator()(int64_t n) const {
+    if (ok && (n >> 31) == 0) {
+      const uint32_t u = static_cast<uint32_t>(n);
+      return (__umulhi(u, mul) + u) >> shift;
+    }
+    return n / d;
+  }
+};
 
-// VEC mask values for columns [col, col + VEC) of mask row `mrow`, as additive fp32.
-template <int VEC>
-__device__ __forceinline__ void load_mask(const void* mask, MaskKind kind, int64_t offset, float (&m)[VEC]) {
-  if (kind == MaskKind::kBool) {
+constexpr float kLog2e = 1.4426950408889634f;
+
+// v = (scale * x + mask) * log2(e) for VEC columns, with scale2 = scale * log2(e): the
+// softmax is then exp2(v - max v) / sum, one ex2 per value.  A false bool-mask entry
+// gives -inf (an exact zero after the exp); MK is a template argument so each mask kind
+// compiles to straight-line code.
+template <MaskKind MK, int VEC>
+__device__ __forceinline__ void scaled_logits(const float (&xv)[VEC], const void* mask, int64_t offset,
+                                              float scale2, float (&v)[VEC]) {
+  if constexpr (MK == MaskKind::kBool) {
     const Pack<bool, VEC> pk = *reinterpret_cast<const Pack<bool, VEC>*>(static_cast<const bool*>(mask) + offset);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) m[i] = pk.v[i] ? 0.f : -INFINITY;
-  } else if (kind == MaskKind::kFloat) {
+    for (int k = 0; k < VEC; ++k) v[k] = pk.v[k] ? xv[k] * scale2 : -INFINITY;
+  } else if constexpr (MK == MaskKind::kFloat) {
+    float m[VEC];
     load_float<VEC>(static_cast<const float*>(mask) + offset, m);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) v[k] = fmaf(xv[k], scale2, m[k] * kLog2e);
   } else {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) m[i] = 0.f;
+    for (int k = 0; k < VEC; ++k) v[k] = xv[k] * scale2;
   }
 }
 
-template <typename T, int VEC, int NVEC, int LANES>
+template <typename T, MaskKind MK, int VEC, int NVEC, int LANES>
 __global__ void __launch_bounds__(kThreads) softmax_fwd_rows(const T* __restrict__ x, const void* __restrict__ mask,
-                                                             MaskKind kind, T* __restrict__ y, int64_t rows,
-                                                             int cols, int64_t rows_per_batch, float scale) {
+                                                             T* __restrict__ y, int64_t rows, int cols,
+                                                             FastDiv batch_of, float scale2) {
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LANES;
   const int lane = threadIdx.x % LANES;
   const bool live = row < rows;  // dead groups still join the shuffles
   const T* xr = x + row * cols;
-  const int64_t mrow = live && kind != MaskKind::kNone ? batch_of(row, rows_per_batch) * cols : 0;
+  int64_t mrow = 0;
+  if constexpr (MK != MaskKind::kNone) mrow = live ? batch_of(row) * cols : 0;
   float v[NVEC][VEC];
   float mx = -INFINITY;
 #pragma unroll
   for (int i = 0; i < NVEC; ++i) {
     const int col = (i * LANES + lane) * VEC;
     if (live && col < cols) {
-      float m[VEC];
-      load_float<VEC>(xr + col, v[i]);
-      load_mask<VEC>(mask, kind, mrow + col, m);
+      float xv[VEC];
+      load_float<VEC>(xr + col, xv);
+      scaled_logits<MK, VEC>(xv, mask, mrow + col, scale2, v[i]);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        v[i][k] = fmaf(v[i][k], scale, m[k]);
-        mx = fmaxf(mx, v[i][k]);
-      }
+      for (int k = 0; k < VEC; ++k) mx = fmaxf(mx, v[i][k]);
     } else {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[i][k] = -INFINITY;
@@ -84,11 +109,11 @@ __global__ void __launch_bounds__(kThreads) softmax_fwd_rows(const T* __restrict
   for (int i = 0; i < NVEC; ++i)
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      v[i][k] = __expf(v[i][k] - shift);
+      v[i][k] = exp2f(v[i][k] - shift);
       sum += v[i][k];
     }
   sum = group_sum<LANES>(sum);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const float inv = sum > 0.f ? __fdividef(1.f, sum) : 0.f;
   if (!live) return;
   T* yr = y + row * cols;
 #pragma unroll
@@ -136,28 +161,30 @@ __global__ void __launch_bounds__(kThreads) softmax_bwd_rows(const T* __restrict
 }
 
 // Block-per-row path for rows too long (or unaligned) for registers.
-template <typename T>
+template <typename T, MaskKind MK>
 __global__ void __launch_bounds__(256) softmax_fwd_long(const T* __restrict__ x, const void* __restrict__ mask,
-                                                        MaskKind kind, T* __restrict__ y, int cols,
-                                                        int64_t rows_per_batch, float scale) {
+                                                        T* __restrict__ y, int cols, FastDiv batch_of,
+                                                        float scale2) {
   __shared__ float smem[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
-  const int64_t mrow = kind != MaskKind::kNone ? batch_of(row, rows_per_batch) * cols : 0;
+  int64_t mrow = 0;
+  if constexpr (MK != MaskKind::kNone) mrow = batch_of(row) * cols;
   auto value = [&](int c) {
-    float m[1];
-    load_mask<1>(mask, kind, mrow + c, m);
-    return fmaf(static_cast<float>(xr[c]), scale, m[0]);
+    const float xv[1] = {static_cast<float>(xr[c])};
+    float v[1];
+    scaled_logits<MK, 1>(xv, mask, mrow + c, scale2, v);
+    return v[0];
   };
   float mx = -INFINITY;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) mx = fmaxf(mx, value(c));
   mx = block_max(mx, smem);
   const float shift = mx == -INFINITY ? 0.f : mx;
   float sum = 0.f;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += __expf(value(c) - shift);
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += exp2f(value(c) - shift);
   sum = block_sum(sum, smem);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) y[row * cols + c] = static_cast<T>(__expf(value(c) - shift) * inv);
+  const float inv = sum > 0.f ? __fdividef(1.f, sum) : 0.f;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) y[row * cols + c] = static_cast<T>(exp2f(value(c) - shift) * inv);
 }
 
 template <typename T>
@@ -197,9 +224,20 @@ bool with_layout(int64_t nvec, F&& f) {
   return false;
 }
 
+// Calls f(integral_constant<MaskKind, kind>).
+template <typename F>
+void with_mask_kind(MaskKind kind, F&& f) {
+  using std::integral_constant;
+  switch (kind) {
+    case MaskKind::kBool: f(integral_constant<MaskKind, MaskKind::kBool>{}); break;
+    case MaskKind::kFloat: f(integral_constant<MaskKind, MaskKind::kFloat>{}); break;
+    default: f(integral_constant<MaskKind, MaskKind::kNone>{}); break;
+  }
+}
+
 // At most 64 fp32 values per lane: 16-bit types 8 x 8, fp32 16 x 4, scalar 16 x 1.
-template <typename T> constexpr int kVec = 16 / sizeof(T);
-template <typename T> constexpr int kMaxNvec = kVec<T> == 8 ? 8 : 16;
+template <typename T> constexpr int vec_of() { return 16 / sizeof(T); }
+template <typename T> constexpr int max_nvec_of() { return vec_of<T>() == 8 ? 8 : 16; }
 
 at::Tensor softmax_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& mask, double scale) {
   auto a = softmax_args(x, mask);
@@ -214,25 +252,27 @@ at::Tensor softmax_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& ma
     using T = scalar_t;
     const T* xp = a.x.data_ptr<T>();
     T* yp = y.data_ptr<T>();
-    constexpr int V = kVec<T>;
-    bool done = false;
-    auto launch = [&](auto vec, auto nvec, auto lanes) {
-      constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value, L = decltype(lanes)::value;
-      const int64_t blocks = ceil_div(a.rows * L, kThreads);
-      softmax_fwd_rows<T, VV, NV, L><<<blocks, kThreads, 0, stream>>>(xp, mp, a.kind, yp, a.rows, cols,
-                                                                      a.rows_per_batch, static_cast<float>(scale));
-      done = true;
-    };
-    const bool wide = cols % V == 0 && aligned16(xp) && aligned16(yp) && (mp == nullptr || aligned16(mp));
-    if (wide) {
-      with_layout<kMaxNvec<T>>(cols / V, [&](auto nv, auto l) { launch(std::integral_constant<int, V>{}, nv, l); });
-    } else if (cols <= 512) {
-      with_layout<16>(cols, [&](auto nv, auto l) { launch(std::integral_constant<int, 1>{}, nv, l); });
-    }
-    if (!done) {
-      softmax_fwd_long<T><<<a.rows, 256, 0, stream>>>(xp, mp, a.kind, yp, cols, a.rows_per_batch,
-                                                      static_cast<float>(scale));
-    }
+    constexpr int V = vec_of<T>(), MAXN = max_nvec_of<T>();
+    const FastDiv batch_of(a.rows_per_batch);
+    const float scale2 = static_cast<float>(scale) * kLog2e;
+    with_mask_kind(a.kind, [&](auto mk) {
+      constexpr MaskKind MK = decltype(mk)::value;
+      bool done = false;
+      auto launch = [&](auto vec, auto nvec, auto lanes) {
+        constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value, L = decltype(lanes)::value;
+        const int64_t blocks = ceil_div(a.rows * L, kThreads);
+        softmax_fwd_rows<T, MK, VV, NV, L><<<blocks, kThreads, 0, stream>>>(xp, mp, yp, a.rows, cols, batch_of,
+                                                                            scale2);
+        done = true;
+      };
+      const bool wide = cols % V == 0 && aligned16(xp) && aligned16(yp) && (mp == nullptr || aligned16(mp));
+      if (wide) {
+        with_layout<MAXN>(cols / V, [&](auto nv, auto l) { launch(std::integral_constant<int, V>{}, nv, l); });
+      } else if (cols <= 512) {
+        with_layout<16>(cols, [&](auto nv, auto l) { launch(std::integral_constant<int, 1>{}, nv, l); });
+      }
+      if (!done) softmax_fwd_long<T, MK><<<a.rows, 256, 0, stream>>>(xp, mp, yp, cols, batch_of, scale2);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
@@ -253,7 +293,7 @@ at::Tensor softmax_backward_cuda(const at::Tensor& grad_y, const at::Tensor& y, 
     const T* gp = dyc.data_ptr<T>();
     const T* pp = yc.data_ptr<T>();
     T* op = dx.data_ptr<T>();
-    constexpr int V = kVec<T>;
+    constexpr int V = vec_of<T>(), MAXN = max_nvec_of<T>();
     bool done = false;
     auto launch = [&](auto vec, auto nvec, auto lanes) {
       constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value, L = decltype(lanes)::value;
@@ -264,7 +304,7 @@ at::Tensor softmax_backward_cuda(const at::Tensor& grad_y, const at::Tensor& y, 
     };
     const bool wide = cols % V == 0 && aligned16(gp) && aligned16(pp) && aligned16(op);
     if (wide) {
-      with_layout<kMaxNvec<T>>(cols / V, [&](auto nv, auto l) { launch(std::integral_constant<int, V>{}, nv, l); });
+      with_layout<MAXN>(cols / V, [&](auto nv, auto l) { launch(std::integral_constant<int, V>{}, nv, l); });
     } else if (cols <= 512) {
       with_layout<16>(cols, [&](auto nv, auto l) { launch(std::integral_constant<int, 1>{}, nv, l); });
     }
