@@ -5,14 +5,15 @@
 #                                 #   BERT-Large 128), then the default-job corpus pretraining
 #                                 #   BERT-Base, bf16 + torch.compile, batch 256; meanwhile the
 #                                 #   built-in default job on 4 CPU threads (a laptop's worth)
-#   benchmarks/gpu_model.sh two   # 2 GPUs: 1-GPU and torchrun 2-GPU DDP throughput of the same step
-#                                 #   on the same machine, then a real torchrun pretraining run
+#   benchmarks/gpu_model.sh two   # 2 GPUs: 1-GPU and torchrun 2-GPU DDP throughput of the same step,
+#                                 #   eager and torch.compile, on the same machine, then a real torchrun
+#                                 #   pretraining run (torch.compile inside DDP)
 #
 # Results go to $OUT (default ./gpu-out): log.txt, model-<gpu>.json, pretrain-<gpu>.json (the run's
 # JSON summary), pretrain-metrics.jsonl, pretrain-curves.png, default-job-cpu.json; two: scaling-<gpu>.json,
 # pretrain-ddp2-<gpu>.json.
-# The compiled extension is built unless a CUDA build is already importable; the built module is
-# copied to $OUT so that a later machine can be handed it instead of building again.
+# The compiled extension is built unless a CUDA build is already importable (a module built on an
+# earlier machine can be carried in as bertctl/_C*.so); the built module is copied to $OUT.
 set -uo pipefail
 MODE=${1:-one}
 OUT=${OUT:-$PWD/gpu-out}
@@ -42,7 +43,7 @@ elif ! has_cuda_ext; then
   fi
   rm -f "$OUT/build.log"
   say "build: $(( $(date +%s) - start )) s"
-  [ "$MODE" = one ] && cp bertctl/_C*.so "$OUT/" 2>/dev/null
+  cp bertctl/_C*.so "$OUT/" 2>/dev/null
 fi
 python3 -m bertctl env 2>&1 | tail -20 >> "$LOG"
 
@@ -85,31 +86,38 @@ else
      >> "$LOG" 2>&1) &
   prep=$!
   start=$(date +%s)
-  python3 -m bertctl bench model --cases base-128 --no-inference --steps ${STEPS:-10} --warmup 3 \
+  # Eager and torch.compile (the compiled model inside DistributedDataParallel on 2 GPUs).
+  python3 -m bertctl bench model --cases base-128 --no-inference --compile --steps ${STEPS:-10} --warmup 3 \
     --output "$OUT/scaling-1gpu.json" > /dev/null 2>> "$LOG"
   say "1 GPU rc=$? in $(( $(date +%s) - start )) s"
   start=$(date +%s)
   python3 -m torch.distributed.run --nproc-per-node 2 -m bertctl bench model --cases base-128 --no-inference \
-    --steps ${STEPS:-10} --warmup 3 --output "$OUT/scaling-2gpu.json" > /dev/null 2>> "$LOG"
+    --compile --steps ${STEPS:-10} --warmup 3 --output "$OUT/scaling-2gpu.json" > /dev/null 2>> "$LOG"
   say "2 GPUs rc=$? in $(( $(date +%s) - start )) s"
   python3 - "$OUT" "$name" <<'PY' 2>&1 | tee -a "$LOG"
 import json, sys
 out, name = sys.argv[1], sys.argv[2]
 one = json.load(open(f"{out}/scaling-1gpu.json"))
 two = json.load(open(f"{out}/scaling-2gpu.json"))
-r1, r2 = one["train"][0], two["train"][0]
-res = {"benchmark": "ddp-scaling", "case": r1["case"], "device": one["device"], "one_gpu": r1, "two_gpus": r2,
-       "speedup": round(r2["seq_per_s"] / r1["seq_per_s"], 3)}
-json.dump(res, open(f"{out}/scaling-{name}.json", "w"), indent=2)
-print(f"DDP scaling {r1['case']}: 1 GPU {r1['seq_per_s']} seq/s, 2 GPUs {r2['seq_per_s']} seq/s -> {res['speedup']}x")
+rows = []
+for r1 in one["train"]:
+    r2 = next((r for r in two["train"] if r["provider"] == r1["provider"] and r["case"] == r1["case"]), None)
+    if r2 is None or "seq_per_s" not in r1 or "seq_per_s" not in r2:
+        continue
+    rows.append({"case": r1["case"], "provider": r1["provider"], "one_gpu": r1, "two_gpus": r2,
+                 "speedup": round(r2["seq_per_s"] / r1["seq_per_s"], 3)})
+    print(f"DDP scaling {r1['case']} {r1['provider']}: 1 GPU {r1['seq_per_s']} seq/s, "
+          f"2 GPUs {r2['seq_per_s']} seq/s -> {rows[-1]['speedup']}x")
+json.dump({"benchmark": "ddp-scaling", "device": one["device"], "rows": rows}, open(f"{out}/scaling-{name}.json", "w"),
+          indent=2)
 PY
   rm -f "$OUT/scaling-1gpu.json" "$OUT/scaling-2gpu.json"
   wait $prep
-  # The real training loop under torchrun + NCCL: BERT-Base, global batch 512 (256 per GPU), bf16.
+  # The real training loop under torchrun + NCCL: BERT-Base, global batch 512 (256 per GPU), bf16, compiled.
   start=$(date +%s)
   python3 -m torch.distributed.run --nproc-per-node 2 -m bertctl pretrain --data /tmp/ddp-work/data \
     --model-size base --batch-size 512 --lr 1e-4 --max-steps ${DDP_STEPS:-40} --warmup-steps 4 --log-every 10 \
-    --no-progress --output /tmp/ddp-run > "$OUT/pretrain-ddp2-$name.json" 2>> "$LOG"
+    --compile --no-progress --output /tmp/ddp-run > "$OUT/pretrain-ddp2-$name.json" 2>> "$LOG"
   say "torchrun pretrain rc=$? in $(( $(date +%s) - start )) s"
   grep '"event": "train"' /tmp/ddp-run/metrics.jsonl | tail -2 | tee -a "$LOG"
   wait $cpu_job

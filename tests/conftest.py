@@ -1,8 +1,10 @@
 """Shared fixtures: the real data sets beside the checkout, the real MiniLM weights, tiny models."""
 from __future__ import annotations
 
+import collections
 import importlib.resources
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,36 @@ def minilm_dir() -> Path:
 @pytest.fixture(scope="session")
 def minilm_vocab(minilm_dir) -> Path:
     return minilm_dir / "vocab.txt"
+
+
+# Pretraining shards (tests/test_pretrain*.py): a tiny BERT's worth of real text, a few inaugural
+# addresses, with a small WordPiece vocabulary made here from the same text.
+PRETRAIN_FILES = ("1789-Washington", "1861-Lincoln", "1933-Roosevelt", "1961-Kennedy", "1801-Jefferson",
+                  "1913-Wilson", "1981-Reagan", "1865-Lincoln")
+
+
+def small_vocab(texts: list[str], n_words: int = 600) -> list[str]:
+    """A WordPiece vocabulary: specials, every character (alone and as ##suffix), the commonest words."""
+    low = " ".join(texts).lower()
+    chars = sorted({c for c in low if not c.isspace()})
+    words = collections.Counter(re.findall(r"[a-z]+", low))
+    common = [w for w, _ in words.most_common(n_words) if len(w) > 1]
+    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{c}" for c in chars] + common
+
+
+@pytest.fixture(scope="session")
+def data_dir(shared_data, tmp_path_factory) -> Path:
+    from bertctl.data import DataConfig, build_data
+    from bertctl.tokenizer import BertTokenizer
+
+    files = [shared_data / "corpus" / "inaugural" / f"{n}.txt" for n in PRETRAIN_FILES]
+    tok = BertTokenizer(small_vocab([f.read_text(encoding="utf-8", errors="replace") for f in files]))
+    out = tmp_path_factory.mktemp("pretrain-data") / "data"
+    build_data([str(f) for f in files], out, tok,
+               DataConfig(format="text", max_seq_length=64, dupe_factor=3, holdout_fraction=0.25, seed=3,
+                          short_seq_prob=0.5),  # varied lengths: ranks hold different masked counts,
+               progress=False)
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,14 +2,12 @@
 SIGTERM, the Hugging Face export, and the built-in default job.
 
 All runs use a tiny BERT on a few real inaugural addresses (../shared/data), built into shards
-with ``build_data`` and a small WordPiece vocabulary made here from the same text.
+with ``build_data`` and a small WordPiece vocabulary made from the same text (conftest's data_dir).
 """
 from __future__ import annotations
 
-import collections
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,33 +21,7 @@ import torch
 from bertctl.train import state
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("1789-Washington", "1861-Lincoln", "1933-Roosevelt", "1961-Kennedy", "1801-Jefferson", "1913-Wilson",
-         "1981-Reagan", "1865-Lincoln")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _small_vocab(texts: list[str], n_words: int = 600) -> list[str]:
-    """A WordPiece vocabulary: specials, every character (alone and as ##suffix), the commonest words."""
-    low = " ".join(texts).lower()
-    chars = sorted({c for c in low if not c.isspace()})
-    words = collections.Counter(re.findall(r"[a-z]+", low))
-    common = [w for w, _ in words.most_common(n_words) if len(w) > 1]
-    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{c}" for c in chars] + common
-
-
-@pytest.fixture(scope="module")
-def data_dir(shared_data, tmp_path_factory) -> Path:
-    from bertctl.data import DataConfig, build_data
-    from bertctl.tokenizer import BertTokenizer
-
-    files = [shared_data / "corpus" / "inaugural" / f"{n}.txt" for n in FILES]
-    tok = BertTokenizer(_small_vocab([f.read_text(encoding="utf-8", errors="replace") for f in files]))
-    out = tmp_path_factory.mktemp("pretrain-data") / "data"
-    build_data([str(f) for f in files], out, tok,
-               DataConfig(format="text", max_seq_length=64, dupe_factor=3, holdout_fraction=0.25, seed=3,
-                          short_seq_prob=0.5),  # varied lengths: ranks hold different masked counts,
-               progress=False)
-    return out
 
 
 def _args(data: Path, out: Path, *extra: str) -> list[str]:

@@ -1,0 +1,99 @@
+"""Pretraining on a GPU (marked cuda): a run killed and resumed continues its loss curve within
+the run-to-run noise of bf16 GPU training, and fp16 with loss scaling trains.
+
+Same shards as tests/test_pretrain.py (conftest's data_dir: a few inaugural addresses, a small
+WordPiece vocabulary); a mini BERT (4 layers, hidden 256), so each run takes seconds.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bertctl.train import state
+from test_pretrain import ENV
+
+pytestmark = pytest.mark.cuda
+
+STEPS = 120
+
+
+def _args(data: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "bertctl", "pretrain", "--data", str(data), "--output", str(out),
+            "--model-size", "mini", "--batch-size", "32", "--lr", "1e-3", "--device", "cuda", "--no-progress",
+            "--log-every", "4", "--eval-batches", "4", "--max-steps", str(STEPS), "--save-every", "10",
+            "--save-minutes", "1000", "--keep", "3", "--seed", "7", *extra]
+
+
+def _run(*args: str) -> dict:
+    done = subprocess.run(list(args), env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _train_losses(run: Path) -> dict[int, float]:
+    """step -> mean training loss of the log window ending there (the last record per step wins:
+    a resumed run logs the steps after its checkpoint again)."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "train":
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def test_killed_and_resumed_run_continues_the_loss_curve(data_dir, tmp_path):
+    a, c, b = tmp_path / "a", tmp_path / "c", tmp_path / "b"
+    _run(*_args(data_dir, a, "--precision", "bf16"))
+    _run(*_args(data_dir, c, "--precision", "bf16"))  # the same run again: GPU run-to-run noise
+    p = subprocess.Popen(_args(data_dir, b, "--precision", "bf16"), env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while state.latest_checkpoint(b) is None or state.latest_checkpoint(b).step < STEPS // 3:
+        assert p.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    killed_at = state.latest_checkpoint(b).step
+    assert killed_at < STEPS
+    summary = _run(*_args(data_dir, b, "--precision", "bf16", "--resume"))
+    assert summary["start_step"] == killed_at and summary["steps"] == STEPS
+
+    la, lb, lc = _train_losses(a), _train_losses(b), _train_losses(c)
+    after = [s for s in sorted(la) if s > killed_at + 4]
+    assert after and all(s in lb and s in lc for s in after)
+    # The curve continues: right after the resume the loss is where the uninterrupted run's is,
+    # far below where training started.
+    first = after[0]
+    assert lb[first] < la[min(la)] - 0.5, (lb[first], la[min(la)])
+    # Within noise: the resumed run differs from the uninterrupted one no more than a repeat of the
+    # uninterrupted run does (the max over the steps after the kill, with a floor for lucky repeats).
+    noise = max(abs(la[s] - lc[s]) for s in after)
+    gap = max(abs(la[s] - lb[s]) for s in after)
+    assert gap <= max(3 * noise, 0.05), (gap, noise)
+    # The held-out MLM loss at the end, likewise.
+    ea, eb, ec = (json.loads((r / "metrics.jsonl").read_text().splitlines()[-1]) for r in (a, b, c))
+    assert ea["event"] == eb["event"] == ec["event"] == "end"
+    mlm_a, mlm_b, mlm_c = (e["eval_end"]["mlm_loss"] for e in (ea, eb, ec))
+    assert abs(mlm_a - mlm_b) <= max(3 * abs(mlm_a - mlm_c), 0.05), (mlm_a, mlm_b, mlm_c)
+
+
+def test_fp16_with_loss_scaling_trains_and_checkpoints_its_scaler(data_dir, tmp_path):
+    out = tmp_path / "fp16"
+    summary = _run(*_args(data_dir, out, "--precision", "fp16"))
+    assert summary["precision"] == "fp16" and summary["stopped"] is None
+    losses = _train_losses(out)
+    steps = sorted(losses)
+    assert losses[steps[-1]] < losses[steps[0]] - 0.5, losses
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    scales = [r["loss_scale"] for r in recs if r.get("event") == "train"]
+    assert scales and all(s > 0 and s == s for s in scales)
+    ckpt = torch.load(state.latest_checkpoint(out).path / "state.pt", weights_only=True)
+    assert ckpt["scaler"]["scale"] == scales[-1]
