@@ -209,9 +209,9 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 config = _config_of(model)
                 train_model = model
                 if world > 1:
-                    from torch.nn.parallel import DistributedDataParallel as DDP
+                    from bertctl.train.distributed import wrap_ddp
 
-                    train_model = DDP(model, device_ids=[device.index], gradient_as_bucket_view=True)
+                    train_model = wrap_ddp(model, device)
                 opt = build_optimizer(model, "adamw", lr=1e-4)  # fused on CUDA
                 step = _train_step_fn(provider, train_model, opt, device.type)
                 if device.type == "cuda":

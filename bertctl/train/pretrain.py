@@ -312,10 +312,7 @@ class Trainer:
 
         step_model = self.model
         if self.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            step_model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                             gradient_as_bucket_view=True)
+            step_model = distributed.wrap_ddp(self.model, self.device)
         self.ddp = step_model if self.dist.enabled else None
         if cfg.compile:
             step_model = torch.compile(step_model)
