@@ -15,8 +15,8 @@
 // Bias: fp32 or the input's 16-bit dtype (read as is on the vector path;
 // converted to fp32 on the host for the scalar path); dbias is returned in the
 // bias dtype.  Precision: fp32 math; Phi(v) from a branch-free erfc with
-// relative error < 1.2e-7 for fp32 outputs and < 8.4e-6 for 16-bit ones (plus the fast
-// exp2's few ulp), the tanh form through a sigmoid; output rounded once.
+// relative error < 1.2e-7 for fp32 outputs, < 8.4e-6 for fp16 and < 2.1e-4 for bf16 (plus
+// the fast exp2's few ulp), the tanh form through a sigmoid; output rounded once.
 #include "../common.h"
 #include "cuda_util.cuh"
 
@@ -35,15 +35,19 @@ constexpr float kLog2e = 1.4426950408889634f;
 // t exp(-z^2 + P(t)), t = 1 / (1 + z / 2): branch-free, one reciprocal and one exp2, and
 // accurate relative to the (tiny) tail value, so GELU keeps its relative accuracy for
 // negative inputs.  The log2(e) of the exp and the factor 1/2 (-1 in the exponent) are
-// folded into the constants.  PRECISE (fp32 outputs): Numerical Recipes' erfcc, degree 9,
-// relative error < 1.2e-7.  Otherwise (outputs rounded to fp16/bf16, half an ulp = 4.9e-4
-// / 3.9e-3 relative): a degree-5 least-squares fit of P on t in (0, 1] (z in [0, 12]),
-// relative error < 8.4e-6, four FMAs fewer per value.
-template <bool PRECISE>
+// folded into the constants.  The degree of P follows the output's precision (least-squares
+// fits of P on t in (0, 1], z in [0, 12], except degree 9):
+//   9 (fp32): Numerical Recipes' erfcc, relative error < 1.2e-7;
+//   5 (fp16, half an ulp = 4.9e-4 relative): < 8.4e-6;
+//   4 (bf16, half an ulp = 3.9e-3 relative): < 2.1e-4.
+template <typename T>
+constexpr int kTailDegree = std::is_same_v<T, float> ? 9 : std::is_same_v<T, at::Half> ? 5 : 4;
+
+template <int DEG>
 __device__ __forceinline__ float normal_tail(float v) {
   const float t = __fdividef(1.f, fmaf(fabsf(v), kSqrt1_8, 1.f));
   float p;
-  if constexpr (PRECISE) {
+  if constexpr (DEG == 9) {
     p = 0.17087277f * kLog2e;
     p = fmaf(p, t, -0.82215223f * kLog2e);
     p = fmaf(p, t, 1.48851587f * kLog2e);
@@ -54,31 +58,38 @@ __device__ __forceinline__ float normal_tail(float v) {
     p = fmaf(p, t, 0.37409196f * kLog2e);
     p = fmaf(p, t, 1.00002368f * kLog2e);
     p = fmaf(p, t, -1.26551223f * kLog2e - 1.f);
-  } else {
+  } else if constexpr (DEG == 5) {
     p = 0.22720116f * kLog2e;
     p = fmaf(p, t, -0.70465046f * kLog2e);
     p = fmaf(p, t, 0.46959347f * kLog2e);
     p = fmaf(p, t, 0.25691316f * kLog2e);
     p = fmaf(p, t, 1.01743913f * kLog2e);
     p = fmaf(p, t, -1.26649308f * kLog2e - 1.f);
+  } else {
+    static_assert(DEG == 4, "erfc fits of degree 4, 5 and 9 only");
+    p = -0.055271365f * kLog2e;
+    p = fmaf(p, t, -0.22105069f * kLog2e);
+    p = fmaf(p, t, 0.59252822f * kLog2e);
+    p = fmaf(p, t, 0.94454336f * kLog2e);
+    p = fmaf(p, t, -1.26095605f * kLog2e - 1.f);
   }
   return t * exp2f(fmaf(v * (-0.5f * kLog2e), v, p));
 }
 
-// GELU(v) = v * Phi(v); the tanh form is 0.5 v (1 + tanh(u)) = v * sigmoid(2u),
+// GELU(v) = v * Phi(v) = max(v, 0) - |v| Phi(-|v|) (no cancellation in either tail, two
+// instructions after the tail); the tanh form is 0.5 v (1 + tanh(u)) = v * sigmoid(2u),
 // u = sqrt(2/pi) (v + 0.044715 v^3), written with the sigmoid so that no 1 + tanh cancels.
-template <bool TANH, bool PRECISE>
+template <bool TANH, int DEG>
 __device__ __forceinline__ float gelu(float v) {
   if constexpr (TANH) {
     const float u = kSqrt2OverPi * fmaf(kTanhC * v, v * v, v);
     return __fdividef(v, 1.f + __expf(-2.f * u));
   } else {
-    const float vt = v * normal_tail<PRECISE>(v);  // v Phi(v) = v Phi(-|v|) for v < 0, v - v Phi(-v) otherwise
-    return v < 0.f ? vt : v - vt;
+    return fmaf(-fabsf(v), normal_tail<DEG>(v), fmaxf(v, 0.f));
   }
 }
 
-template <bool TANH, bool PRECISE>
+template <bool TANH, int DEG>
 __device__ __forceinline__ float gelu_grad(float v) {
   if constexpr (TANH) {
     const float u = kSqrt2OverPi * fmaf(kTanhC * v, v * v, v);
@@ -86,7 +97,7 @@ __device__ __forceinline__ float gelu_grad(float v) {
     const float du = kSqrt2OverPi * fmaf(3.f * kTanhC, v * v, 1.f);
     return s + 2.f * v * s * (1.f - s) * du;
   } else {
-    const float tail = normal_tail<PRECISE>(v);
+    const float tail = normal_tail<DEG>(v);
     return (v < 0.f ? tail : 1.f - tail) + v * kInvSqrt2Pi * __expf(-0.5f * v * v);
   }
 }
@@ -111,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_fwd(const T* __restrict__ 
     for (int u = 0; u < kUnroll; ++u) {
       if (r + u < rows) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) v[u][k] = gelu<TANH, std::is_same_v<T, float>>(v[u][k] + b[k]);
+        for (int k = 0; k < VEC; ++k) v[u][k] = gelu<TANH, kTailDegree<T>>(v[u][k] + b[k]);
         store_float<VEC>(y + (r + u) * cols + col, v[u]);
       }
     }
@@ -144,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) bias_gelu_bwd(const T* __restrict__ 
       if (r + u < r1) {
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          g[u][k] *= gelu_grad<TANH, std::is_same_v<T, float>>(v[u][k] + b[k]);
+          g[u][k] *= gelu_grad<TANH, kTailDegree<T>>(v[u][k] + b[k]);
           db[k] += g[u][k];
         }
         store_float<VEC>(dx + (r + u) * cols + col, g[u]);
