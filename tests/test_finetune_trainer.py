@@ -1,8 +1,6 @@
 """The fine-tuning loop: batching, dynamic padding, exact resume, the lr schedule."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch

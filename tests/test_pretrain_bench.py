@@ -44,7 +44,7 @@ def test_flop_count_matches_torch_flop_counter():
 
 
 def test_bertctl_loss_equals_hf_loss_on_the_same_batch():
-    transformers = pytest.importorskip("transformers")  # noqa: F841
+    pytest.importorskip("transformers")
     conf = BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     ours = bertctl_model(conf).eval()
     theirs = hf_model(conf).eval()

@@ -11,7 +11,7 @@ longer than the model's window are cut, and their cut words predicted ``O`` (cou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open
-from bertctl.progress import MetricsLog, stderr, track
+from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import conlleval
 from bertctl.tasks.trainer import IGNORE_INDEX, TrainConfig, device_info, predict
