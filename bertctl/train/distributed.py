@@ -6,6 +6,7 @@ runs as a plain single process.
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -53,8 +54,11 @@ def setup(device: str | None = None) -> Dist:
 def teardown(d: Dist, synchronize: bool = True) -> None:
     """Leave the process group.  After a clean run every rank waits for the others first: a rank
     that destroys its group while a peer is still in a collective (rank 0 writing the final
-    checkpoint, say) can abort that peer inside gloo."""
+    checkpoint, say) can abort that peer inside gloo.  Unreachable objects that still hold the
+    group (a DistributedDataParallel model in a reference cycle) are collected first: freed at
+    interpreter exit instead, their gloo work aborts the process."""
     if d.enabled and dist.is_initialized():
+        gc.collect()
         if synchronize:
             dist.barrier()
         dist.destroy_process_group()

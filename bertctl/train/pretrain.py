@@ -646,10 +646,17 @@ def pretrain(cfg: TrainConfig, tokenizer=None) -> dict[str, Any]:
     """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``TrainConfig``."""
     dist = distributed.setup(cfg.device)
     finished = False
+    trainer = None
     try:
-        summary = Trainer(cfg, dist, tokenizer=tokenizer).run()
+        trainer = Trainer(cfg, dist, tokenizer=tokenizer)
+        summary = trainer.run()
         finished = True
         return summary
     finally:
-        # No barrier after a failure: the other ranks may never reach it.
+        # The trainer (its DistributedDataParallel reducer holds the process group and gloo's
+        # pending work) sits in reference cycles: it must be gone before the group is, not
+        # freed at interpreter exit, where gloo's threads abort the process ("terminate called
+        # without an active exception").  No barrier after a failure: the other ranks may never
+        # reach it.
+        trainer = None
         distributed.teardown(dist, synchronize=finished)
