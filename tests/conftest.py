@@ -5,6 +5,9 @@ import collections
 import importlib.resources
 import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,22 @@ def data_dir(shared_data, tmp_path_factory) -> Path:
                           short_seq_prob=0.5),  # varied lengths: ranks hold different masked counts,
                progress=False)
     return out
+
+
+def kill_at_checkpoint(cmd: list[str], run_dir: Path, step: int, env: dict, timeout: float = 300) -> int:
+    """Start the pretraining command ``cmd``, SIGKILL it once ``run_dir`` holds a checkpoint of at
+    least ``step``, and return the newest checkpoint's step (what a resume starts from)."""
+    from bertctl.train import state
+
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while state.latest_checkpoint(run_dir) is None or state.latest_checkpoint(run_dir).step < step:
+        assert p.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    return state.latest_checkpoint(run_dir).step
 
 
 def pytest_collection_modifyitems(config, items):

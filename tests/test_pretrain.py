@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bertctl.train import state
+from conftest import kill_at_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -135,16 +136,7 @@ def test_sigkill_then_resume_is_bit_identical(data_dir, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     done = _cli(*_args(data_dir, a, *common))
     assert done.returncode == 0, done.stderr
-    p = subprocess.Popen([sys.executable, "-m", "bertctl", *_args(data_dir, b, *common)], env=ENV,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while state.latest_checkpoint(b) is None or state.latest_checkpoint(b).step < 4:
-        assert p.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.02)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    killed_at = state.latest_checkpoint(b).step
+    killed_at = kill_at_checkpoint([sys.executable, "-m", "bertctl", *_args(data_dir, b, *common)], b, 4, ENV)
     assert killed_at < 12 and not (b / "model").exists()
     resumed = _cli(*_args(data_dir, b, *common, "--resume"))
     assert resumed.returncode == 0, resumed.stderr

@@ -7,16 +7,15 @@ WordPiece vocabulary); a mini BERT (4 layers, hidden 256), so each run takes sec
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from bertctl.train import state
+from conftest import kill_at_checkpoint
 from test_pretrain import ENV
 
 pytestmark = pytest.mark.cuda
@@ -52,16 +51,7 @@ def test_killed_and_resumed_run_continues_the_loss_curve(data_dir, tmp_path):
     a, c, b = tmp_path / "a", tmp_path / "c", tmp_path / "b"
     _run(*_args(data_dir, a, "--precision", "bf16"))
     _run(*_args(data_dir, c, "--precision", "bf16"))  # the same run again: GPU run-to-run noise
-    p = subprocess.Popen(_args(data_dir, b, "--precision", "bf16"), env=ENV, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while state.latest_checkpoint(b) is None or state.latest_checkpoint(b).step < STEPS // 3:
-        assert p.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.01)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    killed_at = state.latest_checkpoint(b).step
+    killed_at = kill_at_checkpoint(_args(data_dir, b, "--precision", "bf16"), b, STEPS // 3, ENV)
     assert killed_at < STEPS
     summary = _run(*_args(data_dir, b, "--precision", "bf16", "--resume"))
     assert summary["start_step"] == killed_at and summary["steps"] == STEPS
