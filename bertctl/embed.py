@@ -16,7 +16,7 @@ import torch
 
 from bertctl.checkpoint import load_config, load_state, read_state_dict
 from bertctl.errors import BertctlError
-from bertctl.io import atomic_open, atomic_path
+from bertctl.io import atomic_open, atomic_path, parse_json_line
 from bertctl.model import BertModel
 from bertctl.progress import stderr, track
 
@@ -75,11 +75,8 @@ def read_texts(path: str | Path, field: str | None = None) -> list[str]:
                 if as_jsonl:
                     if not line.strip():
                         continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                    if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+                    obj = parse_json_line(line, path, lineno)
+                    if not isinstance(obj.get(field), str):
                         raise BertctlError(f"{path}:{lineno}: no string field {field!r}")
                     line = obj[field]
                 texts.append(line)

@@ -99,16 +99,20 @@ def read_json_object(path: str | os.PathLike, what: str = "JSON") -> dict:
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-blank line of a JSON-lines file; bad lines are errors naming file:line."""
-    from bertctl.errors import BertctlError
-
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise BertctlError(f"{path}:{lineno}: expected a JSON object per line")
-            yield lineno, row
+            if line.strip():
+                yield lineno, parse_json_line(line, path, lineno)
+
+
+def parse_json_line(line: str, path: str | os.PathLike, lineno: int) -> dict:
+    """One line of a JSON-lines file as a dict; anything else is an error naming file:line."""
+    from bertctl.errors import BertctlError
+
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BertctlError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise BertctlError(f"{path}:{lineno}: expected a JSON object per line")
+    return row
