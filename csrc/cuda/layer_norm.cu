@@ -100,8 +100,8 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
   }
 }
 
-// Sum over the warps of a thread group (GT threads, whole warps, starting at thread g0 of
-// the block): each warp reduces with shuffles, lane 0 stores to red[warp], and after a block
+// Sum over the warps of a thread group (group_warps whole warps, the first being warp
+// group_warp0 of the block): each warp reduces with shuffles, lane 0 stores to red[warp], and after a block
 // barrier every thread adds its group's warp sums in a fixed order (deterministic, equal in
 // all threads).  Every thread of the block must call it (it holds a __syncthreads).
 template <int N>
