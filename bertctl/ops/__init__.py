@@ -183,8 +183,13 @@ def _register() -> None:
         # same bytes as reading a saved sum and saves the forward a write.
         ctx.save_for_backward(x, residual, weight, output[1], output[2])
         ctx.bias_dtype = bias.dtype
+        # mean and rstd are saved statistics, never differentiated: no zero gradients are
+        # materialised for them (two fill kernels per backward otherwise).
+        ctx.set_materialize_grads(False)
 
     def layer_norm_backward(ctx, grad_y, _grad_mean, _grad_rstd):
+        if grad_y is None:  # only the statistics were used downstream
+            return None, None, None, None, None
         x, residual, weight, mean, rstd = ctx.saved_tensors
         dx, dweight, dbias = torch.ops.bertctl.layer_norm_backward(grad_y, x, residual, weight, mean, rstd)
         return dx, (dx if residual is not None else None), dweight, dbias.to(ctx.bias_dtype), None
