@@ -225,6 +225,16 @@ def test_bias_gelu_noncontiguous_and_16bit_bias(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bias_gelu_more_row_chunks_than_one_grid_dimension(device):
+    """140,000 rows of two-row chunks: more than a CUDA grid's 65,535 in y, so the forward's
+    chunks spill into the grid's z dimension; every row must still be computed once."""
+    gen = torch.Generator().manual_seed(11)
+    x = rand(140_000, 8, dtype=torch.bfloat16, device=device, std=2.0, gen=gen)
+    b = rand(8, dtype=torch.bfloat16, device=device, gen=gen)
+    close(ops.bias_gelu(x, b), F.gelu(x.double() + b.double()), torch.bfloat16, "bias_gelu 140k rows")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 5e-5), (torch.bfloat16, 8e-3)])
 def test_bias_gelu_negative_tail_relative_accuracy(device, dtype, rtol):
     """GELU(v) = v Phi(v) is tiny for v << 0 (-6e-9 at v = -6): the kernels must keep its

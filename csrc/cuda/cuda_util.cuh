@@ -9,10 +9,56 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 
 namespace bertctl::cuda {
 
 constexpr int kWarp = 32;
+
+// Programmatic dependent launch (sm_90): every bertctl kernel is launched with programmatic
+// stream serialisation, so the GPU may schedule it while the kernel before it in the stream
+// drains, instead of after a launch gap (about 1 us between back-to-back kernels).  The
+// first statement of every kernel is pdl_enter(): it waits for the previous grid to
+// complete and its memory to be visible (griddepcontrol.wait) before any global access, then
+// lets the next programmatically launched grid be scheduled once all of this grid's blocks
+// have started (griddepcontrol.launch_dependents), so the two grids never compete for a
+// block slot that this grid still needs.  Kernels that were not launched that way (ATen's,
+// cuBLAS's) are unaffected: a grid that follows them waits for their completion as usual.
+// Off before sm_90 and with BERTCTL_PDL=0.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+inline bool pdl_enabled() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("BERTCTL_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return allowed && at::cuda::getCurrentDeviceProperties()->major >= 9;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent launch where enabled.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (pdl_enabled()) {
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 // N elements of T loaded or stored as one (or, past 16 bytes, several) 16-byte accesses.
 template <typename T, int N>
@@ -151,6 +197,7 @@ template <typename OutT>
 __global__ void __launch_bounds__(1024) column_sum_kernel(const float* __restrict__ part, int64_t nb, int64_t cols,
                                                           int64_t split, OutT* __restrict__ out0,
                                                           OutT* __restrict__ out1) {
+  pdl_enter();
   __shared__ float tile[32][33];
   const int64_t c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.f;
@@ -179,7 +226,7 @@ inline std::vector<at::Tensor> column_sums(const at::Tensor& part, int64_t nb, i
   const int64_t cols = n * width;
   const dim3 block(32, 32), grid(static_cast<unsigned>(ceil_div(cols, 32)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bertctl_column_sum", [&] {
-    column_sum_kernel<scalar_t><<<grid, block, 0, stream>>>(part.data_ptr<float>(), nb, cols, width,
+    launch(column_sum_kernel<scalar_t>, grid, block, 0, stream, part.data_ptr<float>(), nb, cols, width,
                                                             out[0].data_ptr<scalar_t>(),
                                                             out[n - 1].data_ptr<scalar_t>());
   });

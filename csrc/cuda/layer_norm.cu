@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
                                                            T* __restrict__ y, float* __restrict__ mean_out,
                                                            float* __restrict__ rstd_out, int64_t rows, int cols,
                                                            float inv_cols, float eps) {
+  pdl_enter();
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;  // whole warps: a warp's lanes share one row
@@ -141,6 +142,7 @@ __global__ void __launch_bounds__(256) ln_fwd_long(const T* __restrict__ x, cons
                                                    const float* __restrict__ w, const float* __restrict__ b,
                                                    T* __restrict__ y, float* __restrict__ mean_out,
                                                    float* __restrict__ rstd_out, int cols, float eps) {
+  pdl_enter();
   __shared__ float smem[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * cols;
   auto h = [&](int c) {
@@ -166,6 +168,7 @@ __global__ void __launch_bounds__(bwd_threads(NVEC), bwd_min_blocks(NVEC)) ln_bw
                                                            const float* __restrict__ mean,
                                                            const float* __restrict__ rstd, T* __restrict__ dx,
                                                            float* __restrict__ part, int64_t rows, int cols) {
+  pdl_enter();
   extern __shared__ float acc[];  // (2, cols): dweight then dbias partials of this block
   constexpr int kBwdThreads = bwd_threads(NVEC), kWarps = kBwdThreads / kWarp;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -254,6 +257,7 @@ __global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(const T* __res
                                                      const float* __restrict__ mean, const float* __restrict__ rstd,
                                                      T* __restrict__ dx, float* __restrict__ part, int64_t rows,
                                                      int cols, float inv_cols, int group_threads) {
+  pdl_enter();
   extern __shared__ float smem[];  // red: 2 x 32 warps x 2 sums; the weight (cols); acc: (G, 2, cols)
   const int groups = blockDim.x / group_threads;
   const int grp = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
@@ -343,6 +347,7 @@ __global__ void __launch_bounds__(256) ln_bwd_long(const T* __restrict__ dy, con
                                                    const float* __restrict__ mean, const float* __restrict__ rstd,
                                                    T* __restrict__ dx, float* __restrict__ part, int64_t rows,
                                                    int cols) {
+  pdl_enter();
   __shared__ float smem[32];
   float* pw = part + static_cast<int64_t>(blockIdx.x) * 2 * cols;
   float* pb = pw + cols;
@@ -443,13 +448,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
     float* mp = mean.data_ptr<float>();
     float* sp = rstd.data_ptr<float>();
     const bool wide = aligned16(xp) && (rp == nullptr || aligned16(rp)) && aligned16(yp);
-    const auto launch = [&](auto* wp, auto* bp) {
+    const auto dispatch = [&](auto* wp, auto* bp) {
       using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
       constexpr int V = 16 / sizeof(T);
       return with_row_layout<V, std::is_same_v<W, float>>(
           cols, wide && aligned16(wp) && aligned16(bp), [&](auto vec, auto nvec) {
             constexpr int V = decltype(vec)::value, NV = decltype(nvec)::value;
-            ln_fwd_rows<T, W, V, NV><<<ceil_div(rows, kFwdThreads / kWarp), kFwdThreads, 0, stream>>>(
+            launch(ln_fwd_rows<T, W, V, NV>, ceil_div(rows, kFwdThreads / kWarp), kFwdThreads, 0, stream,
                 xp, rp, wp, bp, yp, mp, sp, rows, cols, 1.f / cols, static_cast<float>(eps));
           });
     };
@@ -458,14 +463,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
     if constexpr (!std::is_same_v<T, float>) {
       if (weight.scalar_type() == x.scalar_type()) {
         auto wc = weight.contiguous(), bc = bias.contiguous();
-        fits = launch(wc.data_ptr<T>(), bc.data_ptr<T>());
+        fits = dispatch(wc.data_ptr<T>(), bc.data_ptr<T>());
       }
     }
     if (!fits) {
       auto w = as_float_param(weight), b = as_float_param(bias);
-      fits = launch(w.data_ptr<float>(), b.data_ptr<float>());
+      fits = dispatch(w.data_ptr<float>(), b.data_ptr<float>());
       if (!fits) {
-        ln_fwd_long<T><<<rows, 256, 0, stream>>>(xp, rp, w.data_ptr<float>(), b.data_ptr<float>(), yp, mp, sp, cols,
+        launch(ln_fwd_long<T>, rows, 256, 0, stream, xp, rp, w.data_ptr<float>(), b.data_ptr<float>(), yp, mp, sp, cols,
                                                  static_cast<float>(eps));
       }
     }
@@ -508,7 +513,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
     T* op_ = dx.data_ptr<T>();
     const bool wide = aligned16(gp) && aligned16(xp) && (rp == nullptr || aligned16(rp)) && aligned16(op_);
     const size_t smem = 2 * cols * sizeof(float);
-    const auto launch = [&](auto* wp) {
+    const auto dispatch = [&](auto* wp) {
       using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
       constexpr int V = 16 / sizeof(T);
       if (const int gt = block_group_threads<V>(cols, wide && aligned16(wp)); gt > 0 && gt <= kGroupThreads) {
@@ -518,7 +523,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
           auto kernel = ln_bwd_groups<T, W, V>;
           nb = resident_blocks(kernel, groups * gt, gsmem, ceil_div(rows, groups));
           part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
-          kernel<<<nb, groups * gt, gsmem, stream>>>(gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
+          launch(kernel, nb, groups * gt, gsmem, stream, gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
                                                      part.data_ptr<float>(), rows, cols, 1.f / cols, gt);
           return true;
         }
@@ -530,7 +535,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
             constexpr int threads = bwd_threads(NV);
             nb = resident_blocks(kernel, threads, smem, ceil_div(rows, threads / kWarp));
             part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
-            kernel<<<nb, threads, smem, stream>>>(gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
+            launch(kernel, nb, threads, smem, stream, gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
                                                       part.data_ptr<float>(), rows, cols);
           });
     };
@@ -538,16 +543,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
     if constexpr (!std::is_same_v<T, float>) {
       if (weight.scalar_type() == x.scalar_type()) {
         auto wc = weight.contiguous();
-        fits = launch(wc.data_ptr<T>());
+        fits = dispatch(wc.data_ptr<T>());
       }
     }
     if (!fits) {
       auto w = as_float_param(weight);
-      fits = launch(w.data_ptr<float>());
+      fits = dispatch(w.data_ptr<float>());
       if (!fits) {
         nb = std::min<int64_t>(rows, 4 * sm_count());
         part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
-        ln_bwd_long<T><<<nb, 256, 0, stream>>>(gp, xp, rp, w.data_ptr<float>(), mc.data_ptr<float>(),
+        launch(ln_bwd_long<T>, nb, 256, 0, stream, gp, xp, rp, w.data_ptr<float>(), mc.data_ptr<float>(),
                                                rc.data_ptr<float>(), op_, part.data_ptr<float>(), rows, cols);
       }
     }

@@ -79,6 +79,7 @@ template <typename T, MaskKind MK, int VEC, int NVEC, int LANES>
 __global__ void __launch_bounds__(kThreads) softmax_fwd_rows(const T* __restrict__ x, const void* __restrict__ mask,
                                                              T* __restrict__ y, int64_t rows, int cols,
                                                              FastDiv batch_of, float scale2) {
+  pdl_enter();
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LANES;
   const int lane = threadIdx.x % LANES;
   const bool live = row < rows;  // dead groups still join the shuffles
@@ -131,6 +132,7 @@ template <typename T, int VEC, int NVEC, int LANES>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_rows(const T* __restrict__ dy, const T* __restrict__ y,
                                                              T* __restrict__ dx, int64_t rows, int cols,
                                                              float scale) {
+  pdl_enter();
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LANES;
   const int lane = threadIdx.x % LANES;
   const bool live = row < rows;
@@ -165,6 +167,7 @@ template <typename T, MaskKind MK>
 __global__ void __launch_bounds__(256) softmax_fwd_long(const T* __restrict__ x, const void* __restrict__ mask,
                                                         T* __restrict__ y, int cols, FastDiv batch_of,
                                                         float scale2) {
+  pdl_enter();
   __shared__ float smem[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
@@ -190,6 +193,7 @@ __global__ void __launch_bounds__(256) softmax_fwd_long(const T* __restrict__ x,
 template <typename T>
 __global__ void __launch_bounds__(256) softmax_bwd_long(const T* __restrict__ dy, const T* __restrict__ y,
                                                         T* __restrict__ dx, int cols, float scale) {
+  pdl_enter();
   __shared__ float smem[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * cols;
   float dot = 0.f;
@@ -258,20 +262,20 @@ at::Tensor softmax_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& ma
     with_mask_kind(a.kind, [&](auto mk) {
       constexpr MaskKind MK = decltype(mk)::value;
       bool done = false;
-      auto launch = [&](auto vec, auto nvec, auto lanes) {
+      auto dispatch = [&](auto vec, auto nvec, auto lanes) {
         constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value, L = decltype(lanes)::value;
         const int64_t blocks = ceil_div(a.rows * L, kThreads);
-        softmax_fwd_rows<T, MK, VV, NV, L><<<blocks, kThreads, 0, stream>>>(xp, mp, yp, a.rows, cols, batch_of,
+        launch(softmax_fwd_rows<T, MK, VV, NV, L>, blocks, kThreads, 0, stream, xp, mp, yp, a.rows, cols, batch_of,
                                                                             scale2);
         done = true;
       };
       const bool wide = cols % V == 0 && aligned16(xp) && aligned16(yp) && (mp == nullptr || aligned16(mp));
       if (wide) {
-        with_layout<MAXN>(cols / V, [&](auto nv, auto l) { launch(std::integral_constant<int, V>{}, nv, l); });
+        with_layout<MAXN>(cols / V, [&](auto nv, auto l) { dispatch(std::integral_constant<int, V>{}, nv, l); });
       } else if (cols <= 512) {
-        with_layout<16>(cols, [&](auto nv, auto l) { launch(std::integral_constant<int, 1>{}, nv, l); });
+        with_layout<16>(cols, [&](auto nv, auto l) { dispatch(std::integral_constant<int, 1>{}, nv, l); });
       }
-      if (!done) softmax_fwd_long<T, MK><<<a.rows, 256, 0, stream>>>(xp, mp, yp, cols, batch_of, scale2);
+      if (!done) launch(softmax_fwd_long<T, MK>, a.rows, 256, 0, stream, xp, mp, yp, cols, batch_of, scale2);
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -295,20 +299,20 @@ at::Tensor softmax_backward_cuda(const at::Tensor& grad_y, const at::Tensor& y, 
     T* op = dx.data_ptr<T>();
     constexpr int V = vec_of<T>(), MAXN = max_nvec_of<T>();
     bool done = false;
-    auto launch = [&](auto vec, auto nvec, auto lanes) {
+    auto dispatch = [&](auto vec, auto nvec, auto lanes) {
       constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value, L = decltype(lanes)::value;
       const int64_t blocks = ceil_div(rows * L, kThreads);
-      softmax_bwd_rows<T, VV, NV, L><<<blocks, kThreads, 0, stream>>>(gp, pp, op, rows, cols,
+      launch(softmax_bwd_rows<T, VV, NV, L>, blocks, kThreads, 0, stream, gp, pp, op, rows, cols,
                                                                       static_cast<float>(scale));
       done = true;
     };
     const bool wide = cols % V == 0 && aligned16(gp) && aligned16(pp) && aligned16(op);
     if (wide) {
-      with_layout<MAXN>(cols / V, [&](auto nv, auto l) { launch(std::integral_constant<int, V>{}, nv, l); });
+      with_layout<MAXN>(cols / V, [&](auto nv, auto l) { dispatch(std::integral_constant<int, V>{}, nv, l); });
     } else if (cols <= 512) {
-      with_layout<16>(cols, [&](auto nv, auto l) { launch(std::integral_constant<int, 1>{}, nv, l); });
+      with_layout<16>(cols, [&](auto nv, auto l) { dispatch(std::integral_constant<int, 1>{}, nv, l); });
     }
-    if (!done) softmax_bwd_long<T><<<rows, 256, 0, stream>>>(gp, pp, op, cols, static_cast<float>(scale));
+    if (!done) launch(softmax_bwd_long<T>, rows, 256, 0, stream, gp, pp, op, cols, static_cast<float>(scale));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return dx;
