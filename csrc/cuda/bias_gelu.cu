@@ -9,9 +9,9 @@
 // on an H200 (bf16, 8192 / 32768 x 3072, % of copy bandwidth): 84 / 96 %, against 73 / 85 %
 // for the same body inside a grid-stride loop over the chunks and 74 / 87 % for one wave of
 // resident blocks walking four-row chunks.
-// Backward: rows are walked four at a time; blockIdx.y picks a band of rows; it reads dy and x, writes dx, and keeps each
-// thread's fp32 column sums of dx over its band; each band writes one (H,)
-// partial row and column_sums adds the bands (two stages, no atomics:
+// Backward: blockIdx.y picks a band of rows, walked four rows at a time; it reads dy
+// and x, writes dx, and keeps each thread's fp32 column sums of dx over its band; each
+// band writes one (H,) partial row and column_sums adds the bands (two stages, no atomics:
 // deterministic).  The band height is chosen so that about 8 blocks per SM run.
 //
 // Bias: fp32 or the input's 16-bit dtype (read as is on the vector path;
@@ -108,7 +108,7 @@ __device__ __forceinline__ float gelu_grad(float v) {
 template <typename T, typename W, int VEC, bool TANH>
 __global__ void __launch_bounds__(kThreads) bias_gelu_fwd(const T* __restrict__ x, const W* __restrict__ bias,
                                                           T* __restrict__ y, int64_t rows, int cols) {
-  pdl_enter();
+  pdl_wait();
   const int col = (blockIdx.x * kThreads + threadIdx.x) * VEC;
   if (col >= cols) return;
   float b[VEC];
@@ -133,7 +133,8 @@ template <typename T, typename W, int VEC, bool TANH>
 __global__ void __launch_bounds__(kThreads) bias_gelu_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                           const W* __restrict__ bias, T* __restrict__ dx,
                                                           float* __restrict__ part, int64_t rows, int cols, int band) {
-  pdl_enter();
+  pdl_wait();
+  pdl_trigger();
   const int col = (blockIdx.x * kThreads + threadIdx.x) * VEC;
   if (col >= cols) return;
   float b[VEC], db[VEC];
@@ -255,8 +256,8 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_cuda(const at::Tensor& gra
       nb = ceil_div(rows, band);
       part = at::empty({nb, cols}, x.options().dtype(at::kFloat));
       const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(nb));
-      launch(bias_gelu_bwd<T, W, V, decltype(tanh_c)::value>, grid, kThreads, 0, stream,
-          gp, xp, bp, op_, part.data_ptr<float>(), rows, cols, static_cast<int>(band));
+      launch(bias_gelu_bwd<T, W, V, decltype(tanh_c)::value>, grid, kThreads, 0, stream, gp, xp, bp, op_,
+             part.data_ptr<float>(), rows, cols, static_cast<int>(band));
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
                                                            T* __restrict__ y, float* __restrict__ mean_out,
                                                            float* __restrict__ rstd_out, int64_t rows, int cols,
                                                            float inv_cols, float eps) {
-  pdl_enter();
+  pdl_wait();
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kFwdThreads + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;  // whole warps: a warp's lanes share one row
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(256) ln_fwd_long(const T* __restrict__ x, cons
                                                    const float* __restrict__ w, const float* __restrict__ b,
                                                    T* __restrict__ y, float* __restrict__ mean_out,
                                                    float* __restrict__ rstd_out, int cols, float eps) {
-  pdl_enter();
+  pdl_wait();
   __shared__ float smem[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * cols;
   auto h = [&](int c) {
@@ -168,7 +168,8 @@ __global__ void __launch_bounds__(bwd_threads(NVEC), bwd_min_blocks(NVEC)) ln_bw
                                                            const float* __restrict__ mean,
                                                            const float* __restrict__ rstd, T* __restrict__ dx,
                                                            float* __restrict__ part, int64_t rows, int cols) {
-  pdl_enter();
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ float acc[];  // (2, cols): dweight then dbias partials of this block
   constexpr int kBwdThreads = bwd_threads(NVEC), kWarps = kBwdThreads / kWarp;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
@@ -257,7 +258,8 @@ __global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(const T* __res
                                                      const float* __restrict__ mean, const float* __restrict__ rstd,
                                                      T* __restrict__ dx, float* __restrict__ part, int64_t rows,
                                                      int cols, float inv_cols, int group_threads) {
-  pdl_enter();
+  pdl_wait();
+  pdl_trigger();
   extern __shared__ float smem[];  // red: 2 x 32 warps x 2 sums; the weight (cols); acc: (G, 2, cols)
   const int groups = blockDim.x / group_threads;
   const int grp = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
@@ -347,7 +349,8 @@ __global__ void __launch_bounds__(256) ln_bwd_long(const T* __restrict__ dy, con
                                                    const float* __restrict__ mean, const float* __restrict__ rstd,
                                                    T* __restrict__ dx, float* __restrict__ part, int64_t rows,
                                                    int cols) {
-  pdl_enter();
+  pdl_wait();
+  pdl_trigger();
   __shared__ float smem[32];
   float* pw = part + static_cast<int64_t>(blockIdx.x) * 2 * cols;
   float* pb = pw + cols;
@@ -454,8 +457,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
       return with_row_layout<V, std::is_same_v<W, float>>(
           cols, wide && aligned16(wp) && aligned16(bp), [&](auto vec, auto nvec) {
             constexpr int V = decltype(vec)::value, NV = decltype(nvec)::value;
-            launch(ln_fwd_rows<T, W, V, NV>, ceil_div(rows, kFwdThreads / kWarp), kFwdThreads, 0, stream,
-                xp, rp, wp, bp, yp, mp, sp, rows, cols, 1.f / cols, static_cast<float>(eps));
+            launch(ln_fwd_rows<T, W, V, NV>, ceil_div(rows, kFwdThreads / kWarp), kFwdThreads, 0, stream, xp, rp, wp,
+                   bp, yp, mp, sp, rows, cols, 1.f / cols, static_cast<float>(eps));
           });
     };
     // 16-bit parameters of the input's dtype are read as they are on the vector path.
@@ -470,8 +473,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
       auto w = as_float_param(weight), b = as_float_param(bias);
       fits = dispatch(w.data_ptr<float>(), b.data_ptr<float>());
       if (!fits) {
-        launch(ln_fwd_long<T>, rows, 256, 0, stream, xp, rp, w.data_ptr<float>(), b.data_ptr<float>(), yp, mp, sp, cols,
-                                                 static_cast<float>(eps));
+        launch(ln_fwd_long<T>, rows, 256, 0, stream, xp, rp, w.data_ptr<float>(), b.data_ptr<float>(), yp, mp, sp,
+               cols, static_cast<float>(eps));
       }
     }
   });
@@ -523,8 +526,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
           auto kernel = ln_bwd_groups<T, W, V>;
           nb = resident_blocks(kernel, groups * gt, gsmem, ceil_div(rows, groups));
           part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
-          launch(kernel, nb, groups * gt, gsmem, stream, gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
-                                                     part.data_ptr<float>(), rows, cols, 1.f / cols, gt);
+          launch(kernel, nb, groups * gt, gsmem, stream, gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(),
+                 op_, part.data_ptr<float>(), rows, cols, 1.f / cols, gt);
           return true;
         }
       }
@@ -535,8 +538,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
             constexpr int threads = bwd_threads(NV);
             nb = resident_blocks(kernel, threads, smem, ceil_div(rows, threads / kWarp));
             part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
-            launch(kernel, nb, threads, smem, stream, gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(), op_,
-                                                      part.data_ptr<float>(), rows, cols);
+            launch(kernel, nb, threads, smem, stream, gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(),
+                   op_, part.data_ptr<float>(), rows, cols);
           });
     };
     bool fits = false;
@@ -553,7 +556,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
         nb = std::min<int64_t>(rows, 4 * sm_count());
         part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
         launch(ln_bwd_long<T>, nb, 256, 0, stream, gp, xp, rp, w.data_ptr<float>(), mc.data_ptr<float>(),
-                                               rc.data_ptr<float>(), op_, part.data_ptr<float>(), rows, cols);
+               rc.data_ptr<float>(), op_, part.data_ptr<float>(), rows, cols);
       }
     }
   });

@@ -79,7 +79,7 @@ template <typename T, MaskKind MK, int VEC, int NVEC, int LANES>
 __global__ void __launch_bounds__(kThreads) softmax_fwd_rows(const T* __restrict__ x, const void* __restrict__ mask,
                                                              T* __restrict__ y, int64_t rows, int cols,
                                                              FastDiv batch_of, float scale2) {
-  pdl_enter();
+  pdl_wait();
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LANES;
   const int lane = threadIdx.x % LANES;
   const bool live = row < rows;  // dead groups still join the shuffles
@@ -132,7 +132,7 @@ template <typename T, int VEC, int NVEC, int LANES>
 __global__ void __launch_bounds__(kThreads) softmax_bwd_rows(const T* __restrict__ dy, const T* __restrict__ y,
                                                              T* __restrict__ dx, int64_t rows, int cols,
                                                              float scale) {
-  pdl_enter();
+  pdl_wait();
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / LANES;
   const int lane = threadIdx.x % LANES;
   const bool live = row < rows;
@@ -167,7 +167,7 @@ template <typename T, MaskKind MK>
 __global__ void __launch_bounds__(256) softmax_fwd_long(const T* __restrict__ x, const void* __restrict__ mask,
                                                         T* __restrict__ y, int cols, FastDiv batch_of,
                                                         float scale2) {
-  pdl_enter();
+  pdl_wait();
   __shared__ float smem[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * cols;
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(256) softmax_fwd_long(const T* __restrict__ x,
 template <typename T>
 __global__ void __launch_bounds__(256) softmax_bwd_long(const T* __restrict__ dy, const T* __restrict__ y,
                                                         T* __restrict__ dx, int cols, float scale) {
-  pdl_enter();
+  pdl_wait();
   __shared__ float smem[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * cols;
   float dot = 0.f;
@@ -265,8 +265,8 @@ at::Tensor softmax_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& ma
       auto dispatch = [&](auto vec, auto nvec, auto lanes) {
         constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value, L = decltype(lanes)::value;
         const int64_t blocks = ceil_div(a.rows * L, kThreads);
-        launch(softmax_fwd_rows<T, MK, VV, NV, L>, blocks, kThreads, 0, stream, xp, mp, yp, a.rows, cols, batch_of,
-                                                                            scale2);
+        launch(softmax_fwd_rows<T, MK, VV, NV, L>, blocks, kThreads, 0, stream, xp, mp, yp, a.rows, cols,
+               batch_of, scale2);
         done = true;
       };
       const bool wide = cols % V == 0 && aligned16(xp) && aligned16(yp) && (mp == nullptr || aligned16(mp));
@@ -303,7 +303,7 @@ at::Tensor softmax_backward_cuda(const at::Tensor& grad_y, const at::Tensor& y, 
       constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value, L = decltype(lanes)::value;
       const int64_t blocks = ceil_div(rows * L, kThreads);
       launch(softmax_bwd_rows<T, VV, NV, L>, blocks, kThreads, 0, stream, gp, pp, op, rows, cols,
-                                                                      static_cast<float>(scale));
+             static_cast<float>(scale));
       done = true;
     };
     const bool wide = cols % V == 0 && aligned16(gp) && aligned16(pp) && aligned16(op);
