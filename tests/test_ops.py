@@ -367,3 +367,37 @@ def test_bias_gelu_cpu_large_inputs_and_nan():
     torch.testing.assert_close(dx[0].double(), (v > 0).double(), rtol=0, atol=1e-30)
     nan = ops.bias_gelu(torch.tensor([[float("nan"), 1.0]]), torch.zeros(2))
     assert torch.isnan(nan[0, 0]) and not torch.isnan(nan[0, 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chain_of_kernels_each_reading_the_last_ones_output(device):
+    """Forward and backward through 6 bias+GELU -> LayerNorm(+residual) -> softmax blocks:
+    every kernel reads what the kernel just before it wrote (on CUDA they are launched with
+    programmatic dependent launch, so a kernel that touched memory before its predecessor
+    finished would read stale values here).  float64 plain-PyTorch chain as the reference."""
+    gen = torch.Generator().manual_seed(23)
+    N, H, steps = 2048, 768, 6
+    x = rand(N, H, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    params = [(rand(H, dtype=torch.float32, device=device, gen=gen, std=0.1).requires_grad_(),
+               (1 + rand(H, dtype=torch.float32, device=device, gen=gen, std=0.1)).requires_grad_(),
+               rand(H, dtype=torch.float32, device=device, gen=gen, std=0.1).requires_grad_()) for _ in range(steps)]
+
+    def chain(impl, inp, ps):
+        h = inp
+        for b, w, beta in ps:
+            h = impl.layer_norm(impl.bias_gelu(h, b), w, beta, 1e-12, residual=h)
+            h = impl.softmax(h, None, 4.0) * H
+        return h
+
+    b, w, beta = params[0]
+    assert ops.bias_gelu_kernel_ok(x, b) and ops.layer_norm_kernel_ok(x, w, beta, x) and ops.softmax_kernel_ok(x)
+    y = chain(ops, x, params)
+    xd = x.detach().double().requires_grad_()
+    pd = [tuple(p.detach().double().requires_grad_() for p in ps) for ps in params]
+    y_ref = chain(reference, xd, pd)
+    close(y, y_ref, torch.float32, "chain forward", scale=10)
+    dy = rand(N, H, dtype=torch.float32, device=device, gen=gen)
+    grads = torch.autograd.grad(y, [x, *params[0]], dy)
+    grads_ref = torch.autograd.grad(y_ref, [xd, *pd[0]], dy.double())
+    for g, g_ref, what in zip(grads, grads_ref, ["dx", "dbias (GELU)", "dweight", "dbias (LayerNorm)"]):
+        close(g, g_ref, torch.float32, f"chain {what}", scale=10 * N**0.5)
