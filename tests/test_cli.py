@@ -49,33 +49,6 @@ def test_env_reports_versions_and_kernels():
     assert isinstance(info["kernels"], dict)
 
 
-def test_cli_puts_large_cpu_tensors_on_huge_pages_unless_told_not_to():
-    """The CLI sets torch's THP_MEM_ALLOC_ENABLE=1 before torch loads (a caller's value wins), and
-    with the kernel's THP mode "madvise" or "always" a fresh 64 MB tensor is then faulted in with
-    a few hundred faults instead of 16,384 4 KB ones."""
-    import os
-
-    from bertctl.bench.harness import cpu_huge_pages
-
-    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    probe = [sys.executable, "-m", "bertctl", "env", "--json"]
-    on = json.loads(subprocess.run(probe, env=base, capture_output=True, text=True, check=True).stdout)
-    off = json.loads(subprocess.run(probe, env={**base, "THP_MEM_ALLOC_ENABLE": "0"}, capture_output=True,
-                                    text=True, check=True).stdout)
-    assert on["cpu_huge_pages"]["thp_mem_alloc_enable"] == "1"
-    assert off["cpu_huge_pages"]["thp_mem_alloc_enable"] == "0"
-
-    if cpu_huge_pages()["kernel_thp"] not in ("madvise", "always"):
-        return  # the kernel gives no huge pages here: nothing more to observe
-    faults = ("import resource, bertctl.cli, torch; r = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; "
-              "t = torch.ones(16 * 2**20); print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r)")
-    with_thp = int(subprocess.run([sys.executable, "-c", faults], env=base, capture_output=True, text=True,
-                                  check=True).stdout)
-    without = int(subprocess.run([sys.executable, "-c", faults], env={**base, "THP_MEM_ALLOC_ENABLE": "0"},
-                                 capture_output=True, text=True, check=True).stdout)
-    assert without >= 16_000 and with_thp < without / 4, (with_thp, without)
-
-
 def test_input_error_is_one_line_exit_2_and_debug_shows_traceback(tmp_path):
     args = [sys.executable, "-m", "bertctl", "embed", "--model", str(tmp_path / "missing"),
             "--output", str(tmp_path / "o.npy"), str(tmp_path / "missing.txt")]

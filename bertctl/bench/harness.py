@@ -122,19 +122,6 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, reps: 
     return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
 
 
-def cpu_huge_pages() -> dict[str, str | None]:
-    """Whether torch puts large CPU tensors on transparent huge pages: the THP_MEM_ALLOC_ENABLE
-    value this process started torch with and the kernel's THP mode (always / madvise / never)."""
-    mode = None
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            text = f.read()
-        mode = text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
-    except (OSError, ValueError):
-        pass
-    return {"thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"), "kernel_thp": mode}
-
-
 def device_block(device: torch.device | str, copy_gbps: float | None = None) -> dict[str, Any]:
     """What the numbers were measured on: device, versions, date, commit, copy bandwidth (GB/s)."""
     device = torch.device(device)
@@ -150,7 +137,7 @@ def device_block(device: torch.device | str, copy_gbps: float | None = None) -> 
                 name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
         except OSError:
             pass
-        extra = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), **cpu_huge_pages()}
+        extra = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
     return {
         "type": device.type,
         "name": name,

@@ -12,7 +12,6 @@ def environment() -> dict:
 
     import bertctl
     from bertctl._ext import compiled, kernels_loaded
-    from bertctl.bench.harness import cpu_huge_pages
 
     info = {
         "bertctl": bertctl.__version__,
@@ -22,7 +21,6 @@ def environment() -> dict:
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "cpu_threads": torch.get_num_threads(),
-        "cpu_huge_pages": cpu_huge_pages(),
         "devices": ["cpu"] + [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "compiled_module": getattr(compiled(), "__file__", None),
         "kernels": kernels_loaded(),
@@ -44,6 +42,4 @@ def register(app: typer.Typer) -> None:
         for key, value in info.items():
             if key == "kernels":
                 value = ", ".join(f"{op}[{'/'.join(keys) or '-'}]" for op, keys in value.items()) or "none (plain PyTorch)"
-            elif key == "cpu_huge_pages":
-                value = f"THP_MEM_ALLOC_ENABLE={value['thp_mem_alloc_enable']}, kernel THP mode {value['kernel_thp']}"
             typer.echo(f"{key:<{width}}  {value}")
