@@ -137,7 +137,9 @@ def device_block(device: torch.device | str, copy_gbps: float | None = None) -> 
                 name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
         except OSError:
             pass
-        extra = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
+        from bertctl import allocator
+
+        extra = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "allocator": allocator.status()}
     return {
         "type": device.type,
         "name": name,

@@ -11,6 +11,7 @@ def environment() -> dict:
     import torch
 
     import bertctl
+    from bertctl import allocator
     from bertctl._ext import compiled, kernels_loaded
 
     info = {
@@ -21,6 +22,7 @@ def environment() -> dict:
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "cpu_threads": torch.get_num_threads(),
+        "cpu_allocator": allocator.status(),
         "devices": ["cpu"] + [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "compiled_module": getattr(compiled(), "__file__", None),
         "kernels": kernels_loaded(),
@@ -42,4 +44,7 @@ def register(app: typer.Typer) -> None:
         for key, value in info.items():
             if key == "kernels":
                 value = ", ".join(f"{op}[{'/'.join(keys) or '-'}]" for op, keys in value.items()) or "none (plain PyTorch)"
+            elif key == "cpu_allocator":
+                value = (f"{'tuned by bertctl' if value['bertctl_tuned'] else 'as found'}; THP_MEM_ALLOC_ENABLE="
+                         f"{value['thp_mem_alloc_enable']}, kernel THP mode {value['kernel_thp']}")
             typer.echo(f"{key:<{width}}  {value}")
