@@ -111,7 +111,8 @@ def gather_python_docs(folder: str | Path, *, max_modules: int | None = None, ma
 
 
 def _calibrate_step_seconds(model_config, batch_size: int, seq_len: int, max_pred: int, seed: int) -> float:
-    """Seconds per training step of this model on this CPU (random tokens; 2 timed steps after 1 warm-up)."""
+    """Seconds per training step of this model on this CPU (random tokens; the fastest of 3 timed
+    steps after 3 warm-up ones: the first steps also fault in the heap the run will reuse)."""
     from bertctl.model import BertForPreTraining
     from bertctl.train.optim import build_optimizer
     from bertctl.train.pretrain import pretraining_sums
@@ -129,14 +130,14 @@ def _calibrate_step_seconds(model_config, batch_size: int, seq_len: int, max_pre
         "next_sentence_label": torch.randint(0, 2, (batch_size,), generator=g),
     }
     times = []
-    for _ in range(3):
+    for _ in range(6):
         t = time.perf_counter()
         s = pretraining_sums(model, mb)
         (s["mlm_sum"] / mb["masked_lm_labels"].numel() + s["nsp_sum"] / batch_size).backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t)
-    return min(times[1:])
+    return min(times[3:])
 
 
 def prepare_default_data(work: str | Path, *, vocab_size: int = 4000, max_seq_length: int = 128, seed: int = 0,
