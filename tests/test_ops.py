@@ -153,6 +153,28 @@ def test_layer_norm_16bit_params_and_mixed_residual(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("H", [264, 1000, 1024])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_16bit_params_vector_rows(device, dtype, H, with_residual):
+    """16-bit activations with 16-bit weight/bias on the 16-byte vector path, where the CUDA
+    forward loads weight and bias with the row (H = 1000 leaves the last vectors of a lane empty)."""
+    gen = torch.Generator().manual_seed(H + with_residual)
+    N = 67
+    x = rand(N, H, dtype=dtype, device=device, std=2.0, gen=gen).add_(-0.7)
+    res = rand(N, H, dtype=dtype, device=device, gen=gen) if with_residual else None
+    w = rand(H, dtype=dtype, device=device, gen=gen)
+    b = rand(H, dtype=dtype, device=device, gen=gen)
+    assert ops.layer_norm_kernel_ok(x, w, b, res)
+    y, mean, rstd = torch.ops.bertctl.layer_norm(x, res, w, b, 1e-12)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    y_ref, mean_ref, rstd_ref = reference.layer_norm_forward(d(x), d(res), d(w), d(b), 1e-12)
+    close(y, y_ref, dtype, "layer_norm forward")
+    close(mean.reshape(-1), mean_ref.reshape(-1), torch.float32, "layer_norm mean")
+    close(rstd.reshape(-1), rstd_ref.reshape(-1), torch.float32, "layer_norm rstd")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_layer_norm_noncontiguous(device):
     gen = torch.Generator().manual_seed(4)
     x = rand(64, 10, dtype=torch.float32, device=device, gen=gen).t()  # (10, 64) view
