@@ -22,7 +22,7 @@ echo "kernels with stack/local memory: $(grep -c Function "$OUT/spills.txt")"
 python3 -m bertctl env
 if [ "$MODE" != bench ] && [ "$MODE" != ncu ]; then
   start=$(date +%s)
-  python3 -m pytest -q --maxfail=30 -m cuda -p no:cacheprovider tests/test_ops.py tests/test_fused_model.py \
+  python3 -m pytest -q --maxfail=30 -m cuda -p no:cacheprovider tests/test_ops.py tests/test_fused_model.py tests/test_ops_bench.py \
     > "$OUT/pytest-cuda.log" 2>&1
   echo "pytest -m cuda: rc=$? in $(( $(date +%s) - start )) s"; tail -15 "$OUT/pytest-cuda.log"
 fi

@@ -47,3 +47,33 @@ def test_min_bytes_counts_each_tensor_once():
     # softmax fwd+bwd on (1, 1, 2, 4) bf16: x, y, dy, y, dx (5 x 16 B) + the (1, 4) mask
     assert min_bytes(Case("softmax", (1, 1, 2, 4), "t"), "fwdbwd", 2) == 5 * 16 + 4
     assert harness.rotation_count(harness.CACHE_BYTES // 3) == 4
+
+
+def test_call_spans_groups_device_work_between_sleep_markers():
+    us = [  # (name, start, end) in microseconds, deliberately out of order
+        ("ln_fwd_packed", 112.0, 122.0),
+        ("at::cuda::spin_kernel(long)", 0.0, 100.0),
+        ("warm-up kernel before any marker", -50.0, -40.0),
+        ("at::cuda::spin_kernel(long)", 130.0, 230.0),
+        ("ln_bwd_groups", 233.0, 260.0),
+        ("column_sum_kernel", 250.0, 262.5),  # overlaps its predecessor (programmatic dependent launch)
+        ("at::cuda::spin_kernel(long)", 270.0, 370.0),
+        ("at::cuda::spin_kernel(long)", 371.0, 380.0),  # a call with no device work: skipped
+        ("Memcpy DtoD", 381.0, 384.0),
+    ]
+    assert harness.call_spans(us) == [10.0, 29.5, 3.0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+def test_bench_ops_kernel_spans_on_cuda(tmp_path):
+    out = tmp_path / "ops.json"
+    result = CliRunner().invoke(app, ["bench", "ops", "--device", "cuda", "--tiny", "--reps", "5",
+                                      "--provider", "fused", "--provider", "eager", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for r in report["rows"]:
+        # The profiler's span excludes the launch latency that the event pair includes.
+        assert 0 < r["kernel_ms"] <= r["median_ms"] * 1.05
+        assert r["kernel_pct_of_copy_bw"] == pytest.approx(
+            100 * r["min_bytes"] / (r["kernel_ms"] * 1e-3) / 1e9 / report["device"]["copy_gbps"], rel=1e-2, abs=0.1)

@@ -6,9 +6,13 @@
   practical ceiling for memory-bound kernels, measured in the same run.
 - ``measure(fn, inputs, device)``: warm-up, then the median of many timed calls.  On CUDA each
   call is timed with CUDA events after a short device-side sleep that lets the host queue the
-  call's kernels ahead, so the figure is kernel time (host launch overhead excluded); on CPU
-  with ``time.perf_counter``.  ``inputs`` is a list of argument tuples used in rotation, so that
-  inputs smaller than the last-level cache are not timed hot (``rotation_count`` sizes it).
+  call's kernels ahead, so host launch overhead is excluded (the device's own launch latency,
+  about 3 us on an H100/H200, is not); on CPU with ``time.perf_counter``.  ``inputs`` is a list
+  of argument tuples used in rotation, so that inputs smaller than the last-level cache are not
+  timed hot (``rotation_count`` sizes it).
+- ``kernel_span(fn, inputs, device)`` (CUDA): the same calls under the profiler (CUPTI); per call
+  the span from its first kernel's start to its last kernel's end, i.e. kernel time without the
+  device launch latency before and after (gaps between a call's kernels are counted).
 """
 from __future__ import annotations
 
@@ -74,6 +78,17 @@ def _percentiles(samples: list[float]) -> Timing:
     return Timing(statistics.median(s), pick(0.1), pick(0.9), len(s))
 
 
+def _sleep_cycles(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.device) -> int:
+    """Cycles of device-side sleep that keep the GPU busy while the host queues one call (CUDA)."""
+    t0 = time.perf_counter()
+    for i in range(3):
+        fn(*inputs[i % len(inputs)])
+    host_s = (time.perf_counter() - t0) / 3
+    synchronize(device)
+    clock_hz = 2.0e9  # about a Hopper SM clock; only sizes the sleep, which needs no precision
+    return int(min(2 * host_s + 20e-6, 0.05) * clock_hz)
+
+
 def measure(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.device | str, *,
             warmup: int = 5, reps: int = 50, min_time_s: float = 0.0) -> Timing:
     """Median time of ``fn(*inputs[i % len(inputs)])`` over ``reps`` calls (more if ``min_time_s`` asks)."""
@@ -92,14 +107,7 @@ def measure(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.devic
             samples.append((time.perf_counter() - t0) * 1e3)
             i += 1
         return _percentiles(samples)
-    # Host time of one call bounds how long the GPU must be kept busy while it is queued.
-    t0 = time.perf_counter()
-    for i in range(3):
-        fn(*inputs[i % len(inputs)])
-    host_s = (time.perf_counter() - t0) / 3
-    synchronize(device)
-    clock_hz = 2.0e9  # about a Hopper SM clock; only sizes the sleep, which needs no precision
-    sleep_cycles = int(min(2 * host_s + 20e-6, 0.05) * clock_hz)
+    sleep_cycles = _sleep_cycles(fn, inputs, device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for i, (start, end) in enumerate(events):
         torch.cuda._sleep(sleep_cycles)
@@ -108,6 +116,57 @@ def measure(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.devic
         end.record()
     torch.cuda.synchronize(device)
     return _percentiles([s.elapsed_time(e) for s, e in events])
+
+
+# The kernel of torch.cuda._sleep, which separates the calls in a profiled sequence.
+SLEEP_KERNEL = "spin_kernel"
+
+
+def call_spans(events: Sequence[tuple[str, float, float]], marker: str = SLEEP_KERNEL) -> list[float]:
+    """Busy spans (last end minus first start) of the device activities between marker kernels.
+
+    ``events``: (name, start, end) of every kernel, copy and fill, in any order.  Each call is
+    what runs after one marker and before the next (or the end); calls with no activity are
+    skipped.  Activities before the first marker are not part of a call."""
+    spans: list[float] = []
+    first = last = None
+    seen_marker = False
+    for name, start, end in sorted(events, key=lambda e: e[1]):
+        if marker in name:
+            if first is not None:
+                spans.append(last - first)
+            first = last = None
+            seen_marker = True
+        elif seen_marker:
+            first = start if first is None else first
+            last = end if last is None else max(last, end)
+    if first is not None:
+        spans.append(last - first)
+    return spans
+
+
+def kernel_span(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.device | str, *,
+                warmup: int = 5, reps: int = 50) -> Timing:
+    """Median device busy span (ms) of ``fn(*inputs[i % len(inputs)])``, from profiler timestamps (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("kernel_span needs a CUDA device")
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    sleep_cycles = _sleep_cycles(fn, inputs, device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            torch.cuda._sleep(sleep_cycles)  # a marker between calls, and time for the host to queue the call
+            fn(*inputs[i % len(inputs)])
+        torch.cuda.synchronize(device)
+    cuda = torch.autograd.DeviceType.CUDA
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
+    spans = call_spans(events)
+    if len(spans) != reps:
+        raise RuntimeError(f"kernel_span: found {len(spans)} profiled calls, expected {reps}")
+    return _percentiles([us * 1e-3 for us in spans])
 
 
 def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, reps: int = 20) -> float:
