@@ -76,12 +76,17 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
 
 // 16-bit types convert in pairs: one instruction per two values (cvt.rn.bf16x2.f32 /
 // cvt.rn.f16x2.f32 on the way out) instead of a conversion plus a byte permute per value.
-// Same rounding (to nearest even) as the scalar casts.
+// Same rounding (to nearest even) as the scalar casts.  bf16 -> fp32 is exact: a shift and a
+// mask of the 32-bit word (with __bfloat1622float2 ptxas kept extra copies: the LayerNorm
+// backward spilled and its packed forward took 91 registers instead of 64).
 template <typename T> struct Pair { static constexpr bool kPaired = false; };
 template <> struct Pair<at::BFloat16> {
   static constexpr bool kPaired = true;
   using type = __nv_bfloat162;
-  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ float2 to_float2(type v) {
+    const uint32_t u = *reinterpret_cast<const uint32_t*>(&v);
+    return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+  }
   static __device__ __forceinline__ type from_floats(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 template <> struct Pair<at::Half> {
