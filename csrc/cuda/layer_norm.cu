@@ -115,9 +115,9 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
 // the three passes (sum, squared deviations, output) rather than held in fp32 registers.
 // Same arithmetic in the same order as ln_fwd_rows, so the results are bitwise the same.
 // 768 bf16 on an H200 (explorer, same minutes): 39 us at 32768 rows (92 % of copy bandwidth)
-// against 44-45 us for ln_fwd_rows and 40 us for torch.compile's kernel; 96 registers, 20
-// resident warps per SM.  Keeping only x and the residual raw (weight and bias read late):
-// 41 us, 71 registers.
+// against 44-45 us for ln_fwd_rows and 40 us for torch.compile's kernel; 91 registers (bf16),
+// about 22 resident warps per SM.  Keeping only x and the residual raw (weight and bias read
+// late): 41 us, 71 registers; two or three rows per warp: 40-46 us.
 template <typename T, typename W, int VEC, int NVEC, bool HasRes>
 __global__ void __launch_bounds__(kFwdThreads) ln_fwd_packed(const T* __restrict__ x, const T* __restrict__ res,
                                                              const W* __restrict__ w, const W* __restrict__ b,
@@ -390,11 +390,11 @@ __global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(const T* __res
     float h[VEC], g[VEC], sums[2] = {0.f, 0.f};
     const float mu_r = mu, rs_r = rs;
     if (live) {
-      unpack_float<VEC>(px, h);
-      unpack_float<VEC>(pg, g);
+      unpack_float<VEC, true>(px, h);
+      unpack_float<VEC, true>(pg, g);
       if (res != nullptr) {
         float r[VEC];
-        unpack_float<VEC>(pr, r);
+        unpack_float<VEC, true>(pr, r);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) h[k] += r[k];
       }
