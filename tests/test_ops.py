@@ -213,6 +213,64 @@ def test_layer_norm_many_rows(device, dtype, H, param_dtype):
     close(db, db_ref, pt, "layer_norm dbias", scale=N**0.5)
 
 
+# The CPU kernel writes y and dx with streaming stores (and prefetches the backward's rows into L2)
+# once the bytes an op moves reach these sizes (kStreamTraffic* in csrc/cpu/layer_norm.cpp).
+CPU_STREAM_TRAFFIC_FWD, CPU_STREAM_TRAFFIC_BWD = 32 * 2**20, 16 * 2**20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("H", [768, 1000])  # 1000: rows start off the vector boundaries
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_cpu_streamed_outputs(dtype, H, with_residual):
+    """Tensors large enough for the CPU kernel's streaming-store path, forward and backward."""
+    gen = torch.Generator().manual_seed(H + with_residual)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    N = -(-CPU_STREAM_TRAFFIC_FWD // (H * itemsize * (3 if with_residual else 2))) + 5
+    assert N * H * itemsize * (4 if with_residual else 3) >= CPU_STREAM_TRAFFIC_BWD
+    x = rand(N, H, dtype=dtype, device="cpu", std=2.0, gen=gen).add_(0.5).requires_grad_()
+    res = rand(N, H, dtype=dtype, device="cpu", gen=gen).requires_grad_() if with_residual else None
+    w = rand(H, dtype=dtype, device="cpu", gen=gen).requires_grad_()
+    b = rand(H, dtype=dtype, device="cpu", gen=gen).requires_grad_()
+    y = ops.layer_norm(x, w, b, 1e-12, residual=res)
+    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    y_ref, mean, rstd = reference.layer_norm_forward(d(x), d(res), d(w), d(b), 1e-12)
+    # fp64 has no entry in TOL: it is compared at fp32 tolerance, far looser than it needs.
+    tol_dtype = torch.float32
+    close(y, y_ref, tol_dtype, "layer_norm forward")
+    dy = rand(N, H, dtype=dtype, device="cpu", gen=gen)
+    inputs = (x, w, b) + ((res,) if with_residual else ())
+    grads = torch.autograd.grad(y, inputs, dy)
+    dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy.double(), d(x), d(res), d(w), mean, rstd)
+    close(grads[0], dx_ref, tol_dtype, "layer_norm dx")
+    close(grads[1], dw_ref, tol_dtype, "layer_norm dweight", scale=N**0.5)
+    close(grads[2], db_ref, tol_dtype, "layer_norm dbias", scale=N**0.5)
+    if with_residual:
+        assert torch.equal(grads[3], grads[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("N", [8, 4096])  # 4096 x 768 and x 1000 fp32 take the CPU streaming path
+@pytest.mark.parametrize("H", [768, 1000])
+def test_layer_norm_constant_rows_cancel_exactly(device, N, H):
+    """A constant row has variance 0, so with eps = 1e-12 rstd = 1e6 and dx = 1e6 (g*w - mean(g*w)).
+    With g*w constant along the row that is exactly 0, provided the kernel rounds g*w the same way in
+    the row sum and in dx: g = fp32(1/3) and w = 3 give g*w = 1 + 3e-8 before rounding and 1 after, so
+    an unrounded product in either place leaves 1e6 * 3e-8 = 0.03 instead of 0."""
+    gen = torch.Generator().manual_seed(N + H)
+    level = torch.randn(N, 1, generator=gen)
+    x = level.expand(N, H).contiguous().to(device).requires_grad_()
+    res = torch.full((N, H), 0.25, device=device).requires_grad_()
+    w = torch.full((H,), 3.0, device=device).requires_grad_()
+    b = rand(H, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    y = ops.layer_norm(x, w, b, 1e-12, residual=res)
+    assert torch.equal(y, b.detach().expand(N, H))  # (h - mean) is exactly 0
+    dy = torch.full((N, H), 1 / 3, device=device)
+    dx, dres, dw, db = torch.autograd.grad(y, (x, res, w, b), dy)
+    assert torch.count_nonzero(dx) == 0 and torch.count_nonzero(dres) == 0, dx.abs().max()
+    assert torch.count_nonzero(dw) == 0
+    close(db, torch.full((H,), N * dy[0, 0].double().item(), dtype=torch.float64), torch.float32, "dbias")
+
+
 # --- bias + GELU --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -123,9 +123,54 @@ inline void prefetch(const T* next, int64_t j) {
   if (next) __builtin_prefetch(next + j);
 }
 
+// The same into L2 only (prefetcht1), for rows fetched further ahead: fetched into L1 they
+// would evict the rows being worked on.
+template <typename T>
+inline void prefetch_l2(const T* ahead, int64_t j) {
+  if (ahead) __builtin_prefetch(ahead + j, 0, 2);
+}
+
 template <typename T>
 inline void prefetch_for_write(T* p, int64_t j) {
   __builtin_prefetch(p + j, 1);
+}
+
+// Non-temporal ("streaming") stores of whole vectors, for outputs too large to stay cached: a
+// store that misses the cache first reads the line from memory (read-for-ownership); a streaming
+// store writes it through write-combining buffers without that read.  p must be aligned to the
+// vector size (64 bytes with AVX-512, 32 with AVX2).  Without AVX2/AVX-512 it is an ordinary store.  A thread that
+// streamed must call stream_fence() before others read the data (end of its parallel chunk).
+template <typename acc_t>
+inline void stream_store(const at::vec::Vectorized<acc_t>& v, acc_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    _mm512_stream_ps(p, v);
+  } else {
+    _mm512_stream_pd(p, v);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    _mm256_stream_ps(p, v);
+  } else {
+    _mm256_stream_pd(p, v);
+  }
+#else
+  v.store(p);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// Elements from p (aligned to its element type, as tensor data is) to the next vector-aligned
+// address: 0 when p is aligned.
+template <typename acc_t>
+inline int64_t to_vector_boundary(const acc_t* p) {
+  constexpr uintptr_t bytes = at::vec::Vectorized<acc_t>::size() * sizeof(acc_t);
+  return static_cast<int64_t>((bytes - reinterpret_cast<uintptr_t>(p) % bytes) % bytes / sizeof(acc_t));
 }
 
 inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }

@@ -1,8 +1,22 @@
 // CPU LayerNorm(x + residual) over the last dim and its backward.
-// Forward: parallel over rows; per row one pass forms h = x + residual with the
-// sums of d = h - h[0] and d^2 (mean and variance of shifted data), a second
-// writes y = (h - mean) * rstd * w + b.  Backward: rows split into one chunk per
-// thread; dweight/dbias partial sums per chunk are added in chunk order.
+// Forward: rows split into one contiguous chunk per thread; per row one pass forms h = x + residual
+// with the sums of d = h - h[0] and d^2 (mean and variance of shifted data), a second writes
+// y = (h - mean) * rstd * w + b.  Backward: one chunk of rows per thread; per row pass 1 forms
+// g*w (into an L1 scratch row), its row sums and the chunk's dweight/dbias partials, pass 2 writes
+// dx once; the chunks' partials are added in chunk order (deterministic for a thread count).
+// Memory traffic, not arithmetic, bounds both (fp32, 2 threads, 2-core Zen 4), so:
+// - Large tensors (see kStreamTraffic*) get their output through streaming stores: a store that
+//   misses first reads the line from memory (read-for-ownership), which the backward's dx, and
+//   the forward's y, never need.  The backward also prefetches its rows kAheadRows ahead into
+//   L2.  4096 x 768 with residual, op alone: backward 0.6-0.8x the time (streaming alone or the
+//   prefetch alone gave ~0.9x; streaming with the next row prefetched into L1, as before, gained
+//   nothing: L1 cannot hold it beside the row being worked on), forward 0.75-0.85x.
+// - Every thread works in its own 64-byte-aligned buffer (copies of w and b, partials, scratch
+//   rows; std::vector's 16-byte alignment split AVX-512 loads across lines).  dweight/dbias
+//   partials in one shared allocation, updated on every row, cost up to half of the backward's
+//   time at 2 threads when a line near the boundary between two threads' partials bounced
+//   between the cores (it depended on where the allocation fell).
+// 16-bit tensors go through converted acc_t rows and ordinary stores.
 #include <cmath>
 
 #include "../common.h"
@@ -56,11 +70,115 @@ inline const acc_t* moments_row(const scalar_t* x, const scalar_t* res, acc_t* b
   return h;
 }
 
+// Outputs are written with streaming stores (and, in the backward, rows are prefetched into L2
+// kAheadRows ahead) once the bytes an op reads and writes reach these sizes; below them the output
+// is written through the cache, where the next op finds it.  Measured with 2 threads on a 2-core
+// EPYC (Zen 4, 32 MiB L3), fp32, hidden 768, with residual, op alone and with a read of its whole
+// output straight after (the worst case for streaming):
+// - forward (reads x, res; writes y): alone 1.3-1.6x the time at y = 2-4.5 MiB, 0.94-1.1x at 6-8
+//   MiB, 0.76-0.86x at 9-24 MiB; with the read after, 1.05-1.25x at 9-24 MiB and worse below (the
+//   end of y would still have been in L3).  So y is streamed only once the op moves more than the
+//   L3 holds (32 MiB: 4096 x 768 with residual, 36 MiB, streams; 2048 x 768 does not).
+// - backward (reads x, res, dy; writes dx): alone 0.98-1.03x at dx <= 2.6 MiB (read after: 1.3x),
+//   0.75-0.9x at 2.8-3 MiB (read after: 1.0-1.2x), 0.6-0.8x at 4.5-12 MiB (read after: 0.8-1.04x).
+//   Threshold 16 MiB moved: dx of 4 MiB with a residual.
+constexpr int64_t kStreamTrafficForward = int64_t(32) << 20;
+constexpr int64_t kStreamTrafficBackward = int64_t(16) << 20;
+constexpr int64_t kAheadRows = 2;
+
+// The sum of a vector's lanes, in lane order.  (at::vec::vec_reduce_all does the same with
+// shuffles that set off GCC 12's -Wuninitialized inside its AVX-512 headers.)
+template <typename acc_t>
+inline acc_t lane_sum(const at::vec::Vectorized<acc_t>& v) {
+  constexpr int64_t W = at::vec::Vectorized<acc_t>::size();
+  acc_t lanes[W], s = 0;
+  v.store(lanes);
+  for (int64_t i = 0; i < W; ++i) s += lanes[i];
+  return s;
+}
+
+// A row-sized scratch buffer aligned to 64 bytes (a cache line and an AVX-512 vector), so that
+// vector loads and stores on it never straddle two lines.
+template <typename acc_t>
+struct RowBuffer {
+  explicit RowBuffer(int64_t n) : storage(n + 64 / sizeof(acc_t)) {}
+  acc_t* get(int64_t offset = 0) {
+    auto* p = storage.data();
+    return p + to_line(p) + offset;
+  }
+  static int64_t to_line(const acc_t* p) {
+    return static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / sizeof(acc_t));
+  }
+  std::vector<acc_t> storage;
+};
+
+// Runs body(j, load, store) over the vectors of a row of n columns; load(p, j) reads the vector
+// at column j of row p, store(v, p, j) writes one.  Full vectors, then one zero-padded partial
+// vector for the tail.  With Stream, stores are streaming and the vectors are laid on the
+// boundaries of `out` (the row stores write): a partial head vector runs up to its first
+// boundary, so that every full vector stored is aligned.
+template <bool Stream, typename acc_t, typename Body>
+inline void for_each_vector(const acc_t* out, int64_t n, Body&& body) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  auto full_load = [](const acc_t* p, int64_t j) { return Vec::loadu(p + j); };
+  auto full_store = [](const Vec& v, acc_t* p, int64_t j) {
+    if constexpr (Stream) {
+      stream_store(v, p + j);
+    } else {
+      v.store(p + j);
+    }
+  };
+  auto part = [&](int64_t j, int64_t count) {
+    body(j, [count](const acc_t* p, int64_t k) { return Vec::loadu(p + k, count); },
+         [count](const Vec& v, acc_t* p, int64_t k) { v.store(p + k, count); });
+  };
+  int64_t j = 0;
+  if constexpr (Stream) {
+    j = std::min(n, to_vector_boundary(out));
+    if (j > 0) part(0, j);
+  }
+  for (; j + W <= n; j += W) body(j, full_load, full_store);
+  if (j < n) part(j, n - j);
+}
+
+template <bool Large, typename scalar_t, typename acc_t>
+void layer_norm_chunk(const scalar_t* x, const scalar_t* res, const acc_t* w_in, const acc_t* b_in, acc_t eps,
+                      scalar_t* y, acc_t* mean_out, acc_t* rstd_out, int64_t cols, int64_t begin, int64_t end) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  // This thread's line-aligned copies of w and b, and rows for h and (16-bit) conversions.
+  const int64_t ld = (cols + 15) / 16 * 16;
+  RowBuffer<acc_t> bufs(5 * ld);
+  acc_t *w = bufs.get(0), *b = bufs.get(ld), *buf = bufs.get(2 * ld), *buf2 = bufs.get(3 * ld);
+  acc_t* out_buf = bufs.get(4 * ld);
+  std::copy(w_in, w_in + cols, w);
+  std::copy(b_in, b_in + cols, b);
+  for (int64_t r = begin; r < end; ++r) {
+    acc_t mean, var;
+    const acc_t* h =
+        moments_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf, buf2, cols, mean, var);
+    const acc_t rstd = acc_t(1) / std::sqrt(var + eps);
+    mean_out[r] = mean;
+    rstd_out[r] = rstd;
+    acc_t* o = out_row<acc_t>(y + r * cols, out_buf);
+    // The next row is prefetched into L1 while this one is written (see prefetch in cpu_util.h):
+    // here that measured faster than the backward's way (two rows ahead, into L2, in pass 1).
+    const scalar_t* nx = r + 1 < end ? x + (r + 1) * cols : nullptr;
+    const scalar_t* nr = r + 1 < end && res ? res + (r + 1) * cols : nullptr;
+    for_each_vector<Large>(o, cols, [&](int64_t j, auto load, auto store) {
+      prefetch(nx, j);
+      prefetch(nr, j);
+      store(at::vec::fmadd((load(h, j) - Vec(mean)) * Vec(rstd), load(w, j), load(b, j)), o, j);
+    });
+    store_row<acc_t>(o, y + r * cols, cols);
+  }
+  if constexpr (Large) stream_fence();
+}
+
 template <typename scalar_t>
 void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Tensor& w_, const at::Tensor& b_,
                      double eps, at::Tensor& y_, at::Tensor& mean_, at::Tensor& rstd_) {
   using acc_t = acc_type<scalar_t>;
-  using Vec = at::vec::Vectorized<acc_t>;
   const int64_t cols = last_dim(x_), rows = rows_of(x_);
   const auto w = param_acc<acc_t>(w_), b = param_acc<acc_t>(b_);
   const scalar_t* x = x_.data_ptr<scalar_t>();
@@ -68,83 +186,97 @@ void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Ten
   scalar_t* y = y_.data_ptr<scalar_t>();
   acc_t* mean_out = mean_.data_ptr<acc_t>();
   acc_t* rstd_out = rstd_.data_ptr<acc_t>();
+  // Streaming is for outputs written directly (fp32, fp64), not through a conversion buffer.
+  const int64_t traffic = static_cast<int64_t>(y_.nbytes()) * (res ? 3 : 2);
+  const bool large = std::is_same_v<acc_t, scalar_t> && traffic >= kStreamTrafficForward;
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> buf(cols), buf2(cols), out_buf(cols);
-    for (int64_t r = begin; r < end; ++r) {
-      acc_t mean, var;
-      const acc_t* h = moments_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf.data(), buf2.data(),
-                                          cols, mean, var);
-      const acc_t rstd = acc_t(1) / std::sqrt(var + static_cast<acc_t>(eps));
-      mean_out[r] = mean;
-      rstd_out[r] = rstd;
-      acc_t* o = out_row<acc_t>(y + r * cols, out_buf.data());
-      int64_t j = 0;
-      // The next row is prefetched while this one is written (see prefetch in cpu_util.h).
-      const scalar_t* nx = r + 1 < end ? x + (r + 1) * cols : nullptr;
-      const scalar_t* nr = r + 1 < end && res ? res + (r + 1) * cols : nullptr;
-      for (; j + Vec::size() <= cols; j += Vec::size()) {
-        prefetch(nx, j);
-        prefetch(nr, j);
-        at::vec::fmadd((Vec::loadu(h + j) - Vec(mean)) * Vec(rstd), Vec::loadu(w.data() + j), Vec::loadu(b.data() + j))
-            .store(o + j);
-      }
-      for (; j < cols; ++j) o[j] = (h[j] - mean) * rstd * w[j] + b[j];
-      store_row<acc_t>(o, y + r * cols, cols);
-    }
+    if (large)
+      layer_norm_chunk<true>(x, res, w.data(), b.data(), acc_t(eps), y, mean_out, rstd_out, cols, begin, end);
+    else
+      layer_norm_chunk<false>(x, res, w.data(), b.data(), acc_t(eps), y, mean_out, rstd_out, cols, begin, end);
   });
 }
 
 // Backward of one row, in acc_t: x, res (HasRes) and g (grad_y) are the tensors' own rows for
 // fp32/fp64 and converted copies for 16-bit inputs; dx receives the row's dx.
-// Pass 1: xhat = (x + res - mean) * rstd in registers; g*w feeds the row sums of g*w and
-// g*w*xhat, and the chunk's dweight/dbias partials (dwp, dbp: L1-resident rows) are updated.
-// Pass 2 re-reads x, res and g*w from L1 and writes dx = rstd (g*w - mean(g*w) - xhat mean(g*w*xhat)),
-// while prefetching the next row (next_x/next_res/next_g, or null), so that its pass 1 does not
-// wait on memory: without it this loop ran at ~60% of the forward's bandwidth.
-template <bool HasRes, typename acc_t, typename scalar_t>
-inline void layer_norm_backward_row(const acc_t* x, const acc_t* res, const acc_t* g, acc_t* dx, acc_t mean,
-                                    acc_t rstd, const acc_t* w, acc_t* dwp, acc_t* dbp, int64_t n,
-                                    const scalar_t* next_x, const scalar_t* next_res, const scalar_t* next_g) {
+// Pass 1: xhat = (x + res - mean) * rstd in registers; g*w goes to gw (a scratch row in L1) and
+// feeds the row sums of g*w and g*w*xhat; the chunk's dweight/dbias partials (dwp, dbp) are
+// updated; with Large, the rows kAheadRows ahead (ahead_x/ahead_res/ahead_g, or null) are
+// prefetched into L2.
+// Pass 2 re-reads x, res (now in cache) and g*w and writes dx = rstd (g*w - mean(g*w) - xhat
+// mean(g*w*xhat)), streamed with Large.  dx is touched once: before, g*w was kept in the dx row
+// between the passes, which read every dx line from memory first.
+template <bool HasRes, bool Large, typename acc_t, typename scalar_t>
+inline void layer_norm_backward_row(const acc_t* x, const acc_t* res, const acc_t* g, acc_t* gw, acc_t* dx,
+                                    acc_t mean, acc_t rstd, const acc_t* w, acc_t* dwp, acc_t* dbp, int64_t n,
+                                    const scalar_t* ahead_x, const scalar_t* ahead_res, const scalar_t* ahead_g) {
   using Vec = at::vec::Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  // g*w is kept in the dx row between the passes (in L1), so the sums and dx see identically
-  // rounded values (held in registers the compiler may contract g*w into the sum's FMA): with a
-  // constant row (rstd = 1/sqrt(eps)) g*w - mean(g*w) must cancel exactly.  The last partial
-  // vector goes through the same code with zero-padded loads (a zero g adds nothing to the sums).
-  // Each pass is a body(j, load, store) run over the full vectors, then once over the tail.
-  const int64_t n_full = n - n % W;
-  auto full_load = [](const acc_t* p, int64_t j) { return Vec::loadu(p + j); };
-  auto full_store = [](const Vec& v, acc_t* p, int64_t j) { v.store(p + j); };
-  auto tail_load = [n](const acc_t* p, int64_t j) { return Vec::loadu(p + j, n - j); };
-  auto tail_store = [n](const Vec& v, acc_t* p, int64_t j) { v.store(p + j, n - j); };
+  // g*w is stored between the passes, so the sums and dx see identically rounded values (held
+  // in registers the compiler may contract g*w into the sum's FMA): with a constant row
+  // (rstd = 1/sqrt(eps)) g*w - mean(g*w) must cancel exactly.  The last partial vector goes
+  // through the same code with zero-padded loads (a zero g adds nothing to the sums).
   auto xhat = [&](int64_t j, auto load) {
     Vec h = load(x, j);
     if constexpr (HasRes) h = h + load(res, j);
     return (h - Vec(mean)) * Vec(rstd);
   };
   Vec s1(0), s2(0);
-  auto pass1 = [&](int64_t j, auto load, auto store) {
+  for_each_vector<false>(gw, n, [&](int64_t j, auto load, auto store) {
+    if constexpr (Large) {
+      prefetch_l2(ahead_x, j);
+      if constexpr (HasRes) prefetch_l2(ahead_res, j);
+      prefetch_l2(ahead_g, j);
+    }
     const Vec xh = xhat(j, load);
     const Vec gv = load(g, j);
-    const Vec gw = gv * load(w, j);
-    store(gw, dx, j);
-    s1 = s1 + gw;
-    s2 = at::vec::fmadd(gw, xh, s2);
+    const Vec gwv = gv * load(w, j);
+    store(gwv, gw, j);
+    s1 = s1 + gwv;
+    s2 = at::vec::fmadd(gwv, xh, s2);
     store(at::vec::fmadd(gv, xh, load(dwp, j)), dwp, j);
     store(load(dbp, j) + gv, dbp, j);
-  };
-  for (int64_t j = 0; j < n_full; j += W) pass1(j, full_load, full_store);
-  if (n_full < n) pass1(n_full, tail_load, tail_store);
-  auto add = [](Vec& p, Vec& q) { return p + q; };
-  const Vec m1(at::vec::vec_reduce_all<acc_t>(add, s1) / n), m2(at::vec::vec_reduce_all<acc_t>(add, s2) / n);
-  auto pass2 = [&](int64_t j, auto load, auto store) {
-    prefetch(next_x, j);
-    if constexpr (HasRes) prefetch(next_res, j);
-    prefetch(next_g, j);
-    store(Vec(rstd) * (load(dx, j) - m1 - xhat(j, load) * m2), dx, j);
-  };
-  for (int64_t j = 0; j < n_full; j += W) pass2(j, full_load, full_store);
-  if (n_full < n) pass2(n_full, tail_load, tail_store);
+  });
+  const Vec m1(lane_sum(s1) / n), m2(lane_sum(s2) / n);
+  for_each_vector<Large>(dx, n, [&](int64_t j, auto load, auto store) {
+    store(Vec(rstd) * (load(gw, j) - m1 - xhat(j, load) * m2), dx, j);
+  });
+}
+
+// One thread's rows [r_begin, r_end): their dx, and their column sums of g*xhat and g into dw, db.
+// The thread works in its own buffer (allocated here, by the thread): its copy of w, the
+// dweight/dbias partials it updates every row, the g*w row and, for 16-bit inputs, the converted
+// rows (see the top of the file for why).
+template <bool Large, typename scalar_t, typename acc_t>
+void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scalar_t* res, const acc_t* w_in,
+                               const acc_t* mean, const acc_t* rstd, scalar_t* dx, acc_t* dw, acc_t* db,
+                               int64_t cols, int64_t r_begin, int64_t r_end) {
+  constexpr bool kDirect = std::is_same_v<acc_t, scalar_t>;
+  const int64_t ld = (cols + 15) / 16 * 16;  // row stride in the buffer: whole lines
+  RowBuffer<acc_t> buf((kDirect ? 4 : 8) * ld);
+  acc_t *w = buf.get(0), *dwp = buf.get(ld), *dbp = buf.get(2 * ld), *gw = buf.get(3 * ld);
+  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((4 + k) * ld); };
+  std::copy(w_in, w_in + cols, w);
+  std::fill(dwp, dwp + cols, acc_t(0));
+  std::fill(dbp, dbp + cols, acc_t(0));
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t off = r * cols, ahead = off + kAheadRows * cols;
+    const acc_t* xr = load_row<acc_t>(x + off, conv(0), cols);
+    const acc_t* rr = res ? load_row<acc_t>(res + off, conv(1), cols) : nullptr;
+    const acc_t* gr = load_row<acc_t>(dy + off, conv(2), cols);
+    acc_t* o = out_row<acc_t>(dx + off, conv(3));
+    const bool more = r + kAheadRows < r_end;
+    const scalar_t* ax = more ? x + ahead : nullptr;
+    const scalar_t* ar = more && res ? res + ahead : nullptr;
+    const scalar_t* ag = more ? dy + ahead : nullptr;
+    if (res)
+      layer_norm_backward_row<true, Large>(xr, rr, gr, gw, o, mean[r], rstd[r], w, dwp, dbp, cols, ax, ar, ag);
+    else
+      layer_norm_backward_row<false, Large>(xr, rr, gr, gw, o, mean[r], rstd[r], w, dwp, dbp, cols, ax, ar, ag);
+    store_row<acc_t>(o, dx + off, cols);
+  }
+  if constexpr (Large) stream_fence();
+  std::copy(dwp, dwp + cols, dw);
+  std::copy(dbp, dbp + cols, db);
 }
 
 template <typename scalar_t>
@@ -161,38 +293,27 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
   const acc_t* rstd = rstd_.data_ptr<acc_t>();
   scalar_t* dx = dx_.data_ptr<scalar_t>();
   const int64_t chunks = num_chunks(rows);
-  // Per-chunk column sums in acc_t, then added in chunk order.
-  std::vector<acc_t> dw_part(chunks * cols, acc_t(0)), db_part(chunks * cols, acc_t(0));
+  const int64_t traffic = static_cast<int64_t>(dx_.nbytes()) * (res ? 4 : 3);
+  const bool large = std::is_same_v<acc_t, scalar_t> && traffic >= kStreamTrafficBackward;
+  // Per-chunk column sums in acc_t, then added in chunk order (dw of chunk c at 2c, db at 2c + 1).
+  std::vector<acc_t> part(2 * chunks * cols);
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-    // 16-bit inputs: the row of x, res, dy and dx converted to / from acc_t.
-    constexpr bool kDirect = std::is_same_v<acc_t, scalar_t>;
-    std::vector<acc_t> buf(kDirect ? 0 : 4 * cols);
     for (int64_t c = cb; c < ce; ++c) {
-      acc_t* dwp = dw_part.data() + c * cols;
-      acc_t* dbp = db_part.data() + c * cols;
-      const int64_t r_end = (c + 1) * rows / chunks;
-      for (int64_t r = c * rows / chunks; r < r_end; ++r) {
-        const int64_t off = r * cols, next = r + 1 < r_end ? off + cols : -1;
-        const acc_t* xr = load_row<acc_t>(x + off, buf.data(), cols);
-        const acc_t* rr = res ? load_row<acc_t>(res + off, buf.data() + cols, cols) : nullptr;
-        const acc_t* gr = load_row<acc_t>(dy + off, buf.data() + 2 * cols, cols);
-        acc_t* o = out_row<acc_t>(dx + off, buf.data() + 3 * cols);
-        const scalar_t* nx = next >= 0 ? x + next : nullptr;
-        const scalar_t* nr = next >= 0 && res ? res + next : nullptr;
-        const scalar_t* ng = next >= 0 ? dy + next : nullptr;
-        if (res)
-          layer_norm_backward_row<true>(xr, rr, gr, o, mean[r], rstd[r], w.data(), dwp, dbp, cols, nx, nr, ng);
-        else
-          layer_norm_backward_row<false>(xr, rr, gr, o, mean[r], rstd[r], w.data(), dwp, dbp, cols, nx, nr, ng);
-        store_row<acc_t>(o, dx + off, cols);
-      }
+      acc_t *dwp = part.data() + 2 * c * cols, *dbp = dwp + cols;
+      const int64_t r0 = c * rows / chunks, r1 = (c + 1) * rows / chunks;
+      if (large)
+        layer_norm_backward_chunk<true>(dy, x, res, w.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
+      else
+        layer_norm_backward_chunk<false>(dy, x, res, w.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
     }
   });
-  for (int64_t c = 0; c < chunks; ++c)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const acc_t *dwp = part.data() + 2 * c * cols, *dbp = dwp + cols;
     for (int64_t j = 0; j < cols; ++j) {
-      dw_sum[j] += dw_part[c * cols + j];
-      db_sum[j] += db_part[c * cols + j];
+      dw_sum[j] += dwp[j];
+      db_sum[j] += dbp[j];
     }
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cpu(const at::Tensor& x,
