@@ -164,7 +164,7 @@ void bias_gelu_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const 
   const scalar_t* dy = dy_.data_ptr<scalar_t>();
   const scalar_t* x = x_.data_ptr<scalar_t>();
   scalar_t* dx = dx_.data_ptr<scalar_t>();
-  const int64_t chunks = num_chunks(rows);
+  const int64_t chunks = num_chunks(rows, cols);
   std::vector<acc_t> db_part(chunks * cols + Vec::size(), acc_t(0));
   at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
     std::vector<acc_t> in_buf(cols), g_buf(cols), out_buf(cols);

@@ -49,11 +49,13 @@ inline std::vector<acc_t> param_acc(const at::Tensor& p) {
   return std::vector<acc_t>(c.data_ptr<acc_t>(), c.data_ptr<acc_t>() + c.numel());
 }
 
-// Rows split into at most one chunk per thread; column sums (dweight, dbias)
-// are accumulated per chunk and added at the end in chunk order, so results do
-// not depend on scheduling.
-inline int64_t num_chunks(int64_t rows) {
-  return std::max<int64_t>(1, std::min<int64_t>(rows, at::get_num_threads()));
+// Rows split into at most one chunk per thread, each of at least 16384 elements (the forwards'
+// grain: a smaller input runs on one thread rather than waking the others); column sums
+// (dweight, dbias) are accumulated per chunk and added at the end in chunk order, so results
+// do not depend on scheduling.
+inline int64_t num_chunks(int64_t rows, int64_t cols) {
+  const int64_t by_size = rows * std::max<int64_t>(cols, 1) / 16384;
+  return std::max<int64_t>(1, std::min<int64_t>({rows, by_size, static_cast<int64_t>(at::get_num_threads())}));
 }
 
 // exp for the softmax / GELU rows: at::vec's 20-ulp exp for fp32 (several times faster

@@ -292,7 +292,7 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
   const acc_t* mean = mean_.data_ptr<acc_t>();
   const acc_t* rstd = rstd_.data_ptr<acc_t>();
   scalar_t* dx = dx_.data_ptr<scalar_t>();
-  const int64_t chunks = num_chunks(rows);
+  const int64_t chunks = num_chunks(rows, cols);
   const int64_t traffic = static_cast<int64_t>(dx_.nbytes()) * (res ? 4 : 3);
   const bool large = std::is_same_v<acc_t, scalar_t> && traffic >= kStreamTrafficBackward;
   // Per-chunk column sums in acc_t, then added in chunk order (dw of chunk c at 2c, db at 2c + 1).
