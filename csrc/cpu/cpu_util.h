@@ -140,8 +140,9 @@ inline void prefetch_for_write(T* p, int64_t j) {
 // Non-temporal ("streaming") stores of whole vectors, for outputs too large to stay cached: a
 // store that misses the cache first reads the line from memory (read-for-ownership); a streaming
 // store writes it through write-combining buffers without that read.  p must be aligned to the
-// vector size (64 bytes with AVX-512, 32 with AVX2).  Without AVX2/AVX-512 it is an ordinary store.  A thread that
-// streamed must call stream_fence() before others read the data (end of its parallel chunk).
+// vector size (64 bytes with AVX-512, 32 with AVX2).  Without AVX2/AVX-512 it is an ordinary
+// store.  A thread that streamed must call stream_fence() before others read the data (end of
+// its parallel chunk).
 template <typename acc_t>
 inline void stream_store(const at::vec::Vectorized<acc_t>& v, acc_t* p) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -167,12 +168,17 @@ inline void stream_fence() {
 #endif
 }
 
-// Elements from p (aligned to its element type, as tensor data is) to the next vector-aligned
-// address: 0 when p is aligned.
+// Elements from p (aligned to its element type, as tensor data is) to the next address that is a
+// multiple of `bytes`: 0 when p is on one.
+template <typename T>
+inline int64_t to_boundary(const T* p, uintptr_t bytes) {
+  return static_cast<int64_t>((bytes - reinterpret_cast<uintptr_t>(p) % bytes) % bytes / sizeof(T));
+}
+
+// ... to the next vector-aligned address.
 template <typename acc_t>
 inline int64_t to_vector_boundary(const acc_t* p) {
-  constexpr uintptr_t bytes = at::vec::Vectorized<acc_t>::size() * sizeof(acc_t);
-  return static_cast<int64_t>((bytes - reinterpret_cast<uintptr_t>(p) % bytes) % bytes / sizeof(acc_t));
+  return to_boundary(p, at::vec::Vectorized<acc_t>::size() * sizeof(acc_t));
 }
 
 inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }

@@ -104,10 +104,7 @@ struct RowBuffer {
   explicit RowBuffer(int64_t n) : storage(n + 64 / sizeof(acc_t)) {}
   acc_t* get(int64_t offset = 0) {
     auto* p = storage.data();
-    return p + to_line(p) + offset;
-  }
-  static int64_t to_line(const acc_t* p) {
-    return static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / sizeof(acc_t));
+    return p + to_boundary(p, 64) + offset;
   }
   std::vector<acc_t> storage;
 };
