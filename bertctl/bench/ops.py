@@ -163,7 +163,6 @@ class OpsBenchConfig:
     reps: int = 0            # 0: 100 on CUDA, 20 on CPU (10 / 5 with quick)
     seed: int = 0
     copy_gbps: float | None = None  # measured when None
-    kernel_spans: bool = True  # CUDA: also the profiler's kernel span of each call (kernel_ms)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -204,7 +203,7 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                     sets.append((args, wrt, dy))
                 for provider in cfg.providers:
                     run = _runner(fns[provider], mode, len(sets[0][1]))
-                    t = harness.measure(lambda a, w, d: run(a, w, d), sets, device, reps=reps,
+                    t = harness.measure(run, sets, device, reps=reps,
                                         warmup=3 if provider == "compile" else 5)
                     gbps = nbytes / (t.median_ms * 1e-3) / 1e9
                     row = {
@@ -215,8 +214,8 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                         "pct_of_copy_bw": _sig(100 * gbps / copy_gbps),
                     }
                     note = ""
-                    if device.type == "cuda" and cfg.kernel_spans:
-                        k = harness.kernel_span(lambda a, w, d: run(a, w, d), sets, device, reps=reps,
+                    if device.type == "cuda":
+                        k = harness.kernel_span(run, sets, device, reps=reps,
                                                 warmup=3 if provider == "compile" else 5)
                         kgbps = nbytes / (k.median_ms * 1e-3) / 1e9
                         row.update({"kernel_ms": _sig(k.median_ms), "kernel_p10_ms": _sig(k.p10_ms),
