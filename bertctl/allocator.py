@@ -10,7 +10,11 @@ the variables involved):
 - glibc's mmap threshold goes to its 32 MB maximum and the trim threshold to 1 GB, so blocks under
   32 MB are reused from the heap instead of being returned and faulted in again;
 - torch's own ``THP_MEM_ALLOC_ENABLE=1`` puts blocks of 2 MB and more on transparent huge pages
-  (2 MB-aligned and madvised), so the larger mmapped ones fault in 2 MB at a time.
+  (madvised), so the larger mmapped ones fault in 2 MB at a time.
+
+A block under 32 MB freed and allocated again each step settles on one heap block.  The first few
+rounds may land on fresh memory (small allocations made in between split the freed block; how often
+depends on where the heap starts), then the rounds fault nothing in (tests/test_cli.py counts it).
 
 The cost: up to 1 GB of freed heap stays with the process, as with any caching allocator.
 
