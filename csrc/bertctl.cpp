@@ -1,6 +1,6 @@
 // Operator schemas for the bertctl namespace.  Implementations register per
-// device in csrc/cpu/*.cpp and csrc/cuda/*.cu with TORCH_LIBRARY_IMPL; the
-// Python side (bertctl/ops) adds register_fake and register_autograd.
+// device in csrc/cpu/*.cpp and csrc/cuda/*.cu with TORCH_LIBRARY_IMPL, autograd
+// in csrc/autograd.cpp; the Python side (bertctl/ops) adds register_fake.
 //
 // Every forward and every backward is its own op, so torch.compile keeps both
 // in the graph as opaque kernels.

@@ -16,7 +16,8 @@ when the extension loaded and the inputs meet the kernel's preconditions (one ga
 function per op: ``softmax_kernel_ok``, ``layer_norm_kernel_ok``, ``bias_gelu_kernel_ok``);
 otherwise the plain-PyTorch version in ``bertctl.ops.reference`` (same maths, hand-derived
 backward).  Forward and backward are separate ops with fake (meta) implementations, so
-``torch.compile(fullgraph=True)`` keeps them in the graph.  Outputs have the input dtype.
+``torch.compile(fullgraph=True)`` keeps them in the graph; the forwards' autograd nodes are C++
+(``csrc/autograd.cpp``) and call the backward ops.  Outputs have the input dtype.
 """
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     return reference.bias_gelu(x, bias, approximate)
 
 
-# --- registration: fake (meta) kernels for torch.compile, and autograd --------------------
+# --- registration: fake (meta) kernels for torch.compile ------------------------------------
+# (autograd is in C++, csrc/autograd.cpp, on the Autograd dispatch key)
 
 def _register() -> None:
     lib = "bertctl::"
@@ -168,44 +170,6 @@ def _register() -> None:
     @torch.library.register_fake(lib + "bias_gelu_backward")
     def _bias_gelu_backward_fake(grad_y, x, bias, approximate):
         return x.new_empty(x.shape), bias.new_empty(bias.shape)
-
-    def softmax_setup(ctx, inputs, output):
-        ctx.save_for_backward(output)
-        ctx.scale = inputs[2]
-
-    def softmax_backward(ctx, grad_y):
-        (y,) = ctx.saved_tensors
-        return torch.ops.bertctl.softmax_backward(grad_y, y, ctx.scale), None, None
-
-    def layer_norm_setup(ctx, inputs, output):
-        x, residual, weight, bias, _ = inputs
-        # x and residual are kept (not their sum): the backward re-adds them, which moves the
-        # same bytes as reading a saved sum and saves the forward a write.
-        ctx.save_for_backward(x, residual, weight, output[1], output[2])
-        ctx.bias_dtype = bias.dtype
-        # mean and rstd are saved statistics, never differentiated: no zero gradients are
-        # materialised for them (two fill kernels per backward otherwise).
-        ctx.set_materialize_grads(False)
-
-    def layer_norm_backward(ctx, grad_y, _grad_mean, _grad_rstd):
-        if grad_y is None:  # only the statistics were used downstream
-            return None, None, None, None, None
-        x, residual, weight, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = torch.ops.bertctl.layer_norm_backward(grad_y, x, residual, weight, mean, rstd)
-        return dx, (dx if residual is not None else None), dweight, dbias.to(ctx.bias_dtype), None
-
-    def bias_gelu_setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], inputs[1])
-        ctx.approximate = inputs[2]
-
-    def bias_gelu_backward(ctx, grad_y):
-        x, bias = ctx.saved_tensors
-        dx, dbias = torch.ops.bertctl.bias_gelu_backward(grad_y, x, bias, ctx.approximate)
-        return dx, dbias, None
-
-    torch.library.register_autograd(lib + "softmax", softmax_backward, setup_context=softmax_setup)
-    torch.library.register_autograd(lib + "layer_norm", layer_norm_backward, setup_context=layer_norm_setup)
-    torch.library.register_autograd(lib + "bias_gelu", bias_gelu_backward, setup_context=bias_gelu_setup)
 
 
 if compiled() is not None and _KERNELS:

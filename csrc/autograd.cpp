@@ -1,0 +1,230 @@
+// Autograd for the three forward ops, on the Autograd dispatch key.
+//
+// Each forward saves what its backward op needs and its node calls that op
+// through the dispatcher, so the same code serves eager mode (CPU or CUDA
+// kernels) and torch.compile's tracer (fake kernels, registered from Python).
+// In C++ the node costs a few microseconds per call; a Python autograd.Function
+// costs tens, which is most of a small LayerNorm's forward+backward on CPU.
+//
+// The backward ops are differentiable once: under create_graph their outputs get
+// a node that raises if it is ever reached, instead of the silently missing
+// second-order terms of an op without an autograd kernel.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The ops below autograd, looked up once.
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using LayerNormOut = std::tuple<Tensor, Tensor, Tensor>;
+
+Tensor softmax_op(const Tensor& x, const std::optional<Tensor>& mask, double scale) {
+  static const auto handle = op<Tensor(const Tensor&, const std::optional<Tensor>&, double)>("bertctl::softmax");
+  return handle.call(x, mask, scale);
+}
+
+Tensor softmax_backward_op(const Tensor& grad_y, const Tensor& y, double scale) {
+  static const auto handle = op<Tensor(const Tensor&, const Tensor&, double)>("bertctl::softmax_backward");
+  return handle.call(grad_y, y, scale);
+}
+
+LayerNormOut layer_norm_op(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
+                           const Tensor& bias, double eps) {
+  static const auto handle =
+      op<LayerNormOut(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, double)>(
+          "bertctl::layer_norm");
+  return handle.call(x, residual, weight, bias, eps);
+}
+
+LayerNormOut layer_norm_backward_op(const Tensor& grad_y, const Tensor& x, const std::optional<Tensor>& residual,
+                                    const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+  static const auto handle = op<LayerNormOut(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                             const Tensor&, const Tensor&, const Tensor&)>(
+      "bertctl::layer_norm_backward");
+  return handle.call(grad_y, x, residual, weight, mean, rstd);
+}
+
+Tensor bias_gelu_op(const Tensor& x, const Tensor& bias, std::string approximate) {
+  static const auto handle = op<Tensor(const Tensor&, const Tensor&, std::string)>("bertctl::bias_gelu");
+  return handle.call(x, bias, approximate);
+}
+
+std::tuple<Tensor, Tensor> bias_gelu_backward_op(const Tensor& grad_y, const Tensor& x, const Tensor& bias,
+                                                 std::string approximate) {
+  static const auto handle =
+      op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, std::string)>(
+          "bertctl::bias_gelu_backward");
+  return handle.call(grad_y, x, bias, approximate);
+}
+
+class Softmax : public torch::autograd::Function<Softmax> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& mask, double scale) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    Tensor y = softmax_op(x, mask, scale);
+    ctx->save_for_backward({y});
+    ctx->saved_data["scale"] = scale;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor y = ctx->get_saved_variables()[0];
+    return {softmax_backward_op(grads[0], y, ctx->saved_data["scale"].toDouble()), Tensor(), Tensor()};
+  }
+};
+
+class LayerNorm : public torch::autograd::Function<LayerNorm> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const std::optional<Tensor>& residual,
+                               const Tensor& weight, const Tensor& bias, double eps) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, mean, rstd] = layer_norm_op(x, residual, weight, bias, eps);
+    // x and residual are kept (not their sum): the backward re-adds them, which moves the same
+    // bytes as reading a saved sum and saves the forward a write.
+    ctx->save_for_backward({x, residual.value_or(Tensor()), weight, mean, rstd});
+    ctx->saved_data["bias_dtype"] = bias.scalar_type();
+    // mean and rstd are statistics, never differentiated; with grads left unmaterialised no
+    // zero gradients are made for them (two fill kernels per backward otherwise).
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) {  // only the statistics were used downstream
+      return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor& residual = saved[1];
+    const std::optional<Tensor> residual_opt = residual.defined() ? std::optional<Tensor>(residual) : std::nullopt;
+    auto [dx, dweight, dbias] = layer_norm_backward_op(grads[0], saved[0], residual_opt, saved[2], saved[3], saved[4]);
+    // dx is also the residual's gradient: LayerNorm sees only their sum.
+    return {dx, residual.defined() ? dx : Tensor(), dweight, dbias.to(ctx->saved_data["bias_dtype"].toScalarType()),
+            Tensor()};
+  }
+};
+
+class BiasGelu : public torch::autograd::Function<BiasGelu> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, std::string approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->save_for_backward({x, bias});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return bias_gelu_op(x, bias, approximate);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    auto [dx, dbias] = bias_gelu_backward_op(grads[0], saved[0], saved[1], approximate);
+    return {dx, dbias, Tensor()};
+  }
+};
+
+// The backward ops under create_graph=True: their outputs are differentiable, through a node that
+// raises.  Without grad mode (a plain backward) they run straight below autograd.
+[[noreturn]] void no_double_backward(const char* op_name) {
+  TORCH_CHECK(false, op_name,
+              " has no derivative of its own: no double backward through bertctl's fused ops "
+              "(run the model with kernels=torch for higher-order gradients)");
+}
+
+class SoftmaxBackward : public torch::autograd::Function<SoftmaxBackward> {
+ public:
+  static Tensor forward(AutogradContext*, const Tensor& grad_y, const Tensor& y, double scale) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return softmax_backward_op(grad_y, y, scale);
+  }
+  static variable_list backward(AutogradContext*, variable_list) { no_double_backward("bertctl::softmax_backward"); }
+};
+
+class LayerNormBackward : public torch::autograd::Function<LayerNormBackward> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& x,
+                               const std::optional<Tensor>& residual, const Tensor& weight, const Tensor& mean,
+                               const Tensor& rstd) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [dx, dweight, dbias] = layer_norm_backward_op(grad_y, x, residual, weight, mean, rstd);
+    return {dx, dweight, dbias};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    no_double_backward("bertctl::layer_norm_backward");
+  }
+};
+
+class BiasGeluBackward : public torch::autograd::Function<BiasGeluBackward> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& x, const Tensor& bias,
+                               std::string approximate) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [dx, dbias] = bias_gelu_backward_op(grad_y, x, bias, approximate);
+    return {dx, dbias};
+  }
+  static variable_list backward(AutogradContext*, variable_list) { no_double_backward("bertctl::bias_gelu_backward"); }
+};
+
+Tensor softmax_backward_autograd(const Tensor& grad_y, const Tensor& y, double scale) {
+  if (!at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return softmax_backward_op(grad_y, y, scale);
+  }
+  return SoftmaxBackward::apply(grad_y, y, scale);
+}
+
+LayerNormOut layer_norm_backward_autograd(const Tensor& grad_y, const Tensor& x, const std::optional<Tensor>& residual,
+                                          const Tensor& weight, const Tensor& mean, const Tensor& rstd) {
+  if (!at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return layer_norm_backward_op(grad_y, x, residual, weight, mean, rstd);
+  }
+  const variable_list out = LayerNormBackward::apply(grad_y, x, residual, weight, mean, rstd);
+  return {out[0], out[1], out[2]};
+}
+
+std::tuple<Tensor, Tensor> bias_gelu_backward_autograd(const Tensor& grad_y, const Tensor& x, const Tensor& bias,
+                                                       std::string approximate) {
+  if (!at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return bias_gelu_backward_op(grad_y, x, bias, approximate);
+  }
+  const variable_list out = BiasGeluBackward::apply(grad_y, x, bias, approximate);
+  return {out[0], out[1]};
+}
+
+Tensor softmax_autograd(const Tensor& x, const std::optional<Tensor>& mask, double scale) {
+  return Softmax::apply(x, mask, scale);
+}
+
+LayerNormOut layer_norm_autograd(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
+                                 const Tensor& bias, double eps) {
+  const variable_list out = LayerNorm::apply(x, residual, weight, bias, eps);
+  return {out[0], out[1], out[2]};
+}
+
+Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, std::string approximate) {
+  return BiasGelu::apply(x, bias, approximate);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
+  m.impl("softmax", &softmax_autograd);
+  m.impl("layer_norm", &layer_norm_autograd);
+  m.impl("bias_gelu", &bias_gelu_autograd);
+  m.impl("softmax_backward", &softmax_backward_autograd);
+  m.impl("layer_norm_backward", &layer_norm_backward_autograd);
+  m.impl("bias_gelu_backward", &bias_gelu_backward_autograd);
+}
