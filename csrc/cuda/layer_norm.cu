@@ -9,7 +9,11 @@
 // vectors per lane, so 768 and 1024 waste no lanes); other rows up to 1024 use scalar
 // accesses; longer ones a block per row.  The sum h = x + residual is never written: the
 // forward moves read x, residual, write y (the minimum); mean and the variance (second
-// pass over registers, not E[h^2] - mean^2) in fp32, saved as fp32 mean/rstd.
+// pass over registers, not E[h^2] - mean^2) in fp32, saved as fp32 mean/rstd.  The mean is
+// taken of the row shifted by its first element, so a constant row has exactly its value as
+// mean and gives y = bias exactly even with eps = 1e-12 (sum * (1 / H) alone is off by an ulp,
+// which rstd = 1e6 turns into errors of 0.1).  The backward rounds g * w once and takes
+// mean(g * w) by a correctly rounded division, so a constant g * w cancels to dx = 0 exactly.
 //
 // Backward, two stages.  Stage 1 for rows of 33..384 16-byte vectors (16-bit H 264..3072,
 // fp32 H 132..1536; BERT's 768 and 1024): ln_bwd_groups, a persistent grid of 384-thread
@@ -65,7 +69,6 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
   const int lane = threadIdx.x % kWarp;
   if (row >= rows) return;  // whole warps: a warp's lanes share one row
   float h[NVEC][VEC];
-  float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < NVEC; ++i) {
     const int col = (i * kWarp + lane) * VEC;
@@ -77,11 +80,17 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
 #pragma unroll
         for (int k = 0; k < VEC; ++k) h[i][k] += r[k];
       }
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += h[i][k];
     }
   }
-  const float mean = group_sum<kWarp>(sum) * inv_cols;
+  const float h0 = __shfl_sync(0xffffffffu, h[0][0], 0);  // the row's first element (lane 0 holds it)
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < NVEC; ++i) {
+    if ((i * kWarp + lane) * VEC < cols)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sum += h[i][k] - h0;
+  }
+  const float mean = h0 + group_sum<kWarp>(sum) * inv_cols;
   float sq = 0.f;
 #pragma unroll
   for (int i = 0; i < NVEC; ++i) {
@@ -159,6 +168,12 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_packed(const T* __restrict
       for (int k = 0; k < VEC; ++k) h[k] += r[k];
     }
   };
+  float h0;  // the row's first element (lane 0 holds it)
+  {
+    float h[VEC];
+    h_of(0, h);
+    h0 = __shfl_sync(0xffffffffu, h[0], 0);
+  }
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < NVEC; ++i) {
@@ -166,10 +181,10 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_packed(const T* __restrict
       float h[VEC];
       h_of(i, h);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += h[k];
+      for (int k = 0; k < VEC; ++k) sum += h[k] - h0;
     }
   }
-  const float mean = group_sum<kWarp>(sum) * inv_cols;
+  const float mean = h0 + group_sum<kWarp>(sum) * inv_cols;
   float sq = 0.f;
 #pragma unroll
   for (int i = 0; i < NVEC; ++i) {
@@ -247,9 +262,10 @@ __global__ void __launch_bounds__(256) ln_fwd_long(const T* __restrict__ x, cons
     float v = static_cast<float>(x[base + c]);
     return res != nullptr ? v + static_cast<float>(res[base + c]) : v;
   };
+  const float h0 = h(0);
   float s = 0.f;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += h(c);
-  const float mean = block_sum(s, smem) / cols;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) s += h(c) - h0;
+  const float mean = h0 + block_sum(s, smem) / cols;
   float q = 0.f;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) q += (h(c) - mean) * (h(c) - mean);
   const float rstd = rsqrtf(block_sum(q, smem) / cols + eps);
@@ -309,7 +325,8 @@ __global__ void __launch_bounds__(bwd_threads(NVEC), bwd_min_blocks(NVEC)) ln_bw
         }
       }
     }
-    const float c1 = group_sum<kWarp>(s1) / cols, c2 = group_sum<kWarp>(s2) / cols;
+    // c1 correctly rounded (not fast-math's approximate division): a constant g * w cancels exactly.
+    const float c1 = __fdiv_rn(group_sum<kWarp>(s1), cols), c2 = group_sum<kWarp>(s2) / cols;
 #pragma unroll
     for (int i = 0; i < NVEC; ++i) {
       const int col = (i * kWarp + lane) * VEC;
@@ -416,7 +433,7 @@ __global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(const T* __res
     }
     group_sums<2>(sums, smem + (it & 1) * 64, grp * gwarps, gwarps);  // buffers alternate: one barrier per row
     if (live) {
-      const float c1 = sums[0] * inv_cols, c2 = sums[1] * inv_cols;
+      const float c1 = __fdiv_rn(sums[0], cols), c2 = sums[1] * inv_cols;  // c1: as in ln_bwd_rows
       float o[VEC];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) o[k] = rs_r * (g[k] - c1 - h[k] * c2);
@@ -469,7 +486,7 @@ __global__ void __launch_bounds__(256) ln_bwd_long(const T* __restrict__ dy, con
       pw[c] += g * xh;
       pb[c] += g;
     }
-    const float c1 = block_sum(s1, smem) / cols, c2 = block_sum(s2, smem) / cols;
+    const float c1 = __fdiv_rn(block_sum(s1, smem), cols), c2 = block_sum(s2, smem) / cols;  // as in ln_bwd_rows
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
       const float gw = __fmul_rn(static_cast<float>(dy[base + c]), w[c]);
       dx[base + c] = static_cast<T>(rs * (gw - c1 - xhat(c) * c2));
