@@ -77,3 +77,15 @@ def test_bench_ops_kernel_spans_on_cuda(tmp_path):
         assert 0 < r["kernel_ms"] <= r["median_ms"] * 1.05
         assert r["kernel_pct_of_copy_bw"] == pytest.approx(
             100 * r["min_bytes"] / (r["kernel_ms"] * 1e-3) / 1e9 / report["device"]["copy_gbps"], rel=1e-2, abs=0.1)
+
+
+def test_measure_interleaved_alternates_functions_in_rotated_rounds():
+    calls: list[tuple[str, int]] = []
+    fns = {name: (lambda x, name=name: calls.append((name, x))) for name in ("a", "b", "c")}
+    timings = harness.measure_interleaved(fns, [(0,), (1,)], rounds=4, reps=3, warmup=2)
+    assert {name: t.runs for name, t in timings.items()} == {"a": 12, "b": 12, "c": 12}
+    timed = calls[3 * 2:]  # after each function's warm-up calls
+    blocks = [timed[i][0] for i in range(0, len(timed), 3)]
+    assert blocks == list("abc" "bca" "cab" "abc")  # each round starts one function later
+    assert all(len({name for name, _ in timed[i:i + 3]}) == 1 for i in range(0, len(timed), 3))
+    assert [x for _, x in timed[:3]] == [0, 1, 0]  # the input sets rotate within a block

@@ -10,6 +10,9 @@
   about 3 us on an H100/H200, is not); on CPU with ``time.perf_counter``.  ``inputs`` is a list
   of argument tuples used in rotation, so that inputs smaller than the last-level cache are not
   timed hot (``rotation_count`` sizes it).
+- ``measure_interleaved(fns, inputs, device)`` (CPU): several functions timed in alternating
+  rounds, so that a slow spell of a shared machine (another process on the cores, a frequency
+  drop) lands on all of them rather than on whichever was being timed.
 - ``kernel_span(fn, inputs, device)`` (CUDA): the same calls under the profiler (CUPTI); per call
   the span from its first kernel's start to its last kernel's end, i.e. kernel time without the
   device launch latency before and after (gaps between a call's kernels are counted).
@@ -116,6 +119,26 @@ def measure(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.devic
         end.record()
     torch.cuda.synchronize(device)
     return _percentiles([s.elapsed_time(e) for s, e in events])
+
+
+def measure_interleaved(fns: dict[str, Callable[..., Any]], inputs: Sequence[tuple], *, rounds: int = 5,
+                        reps: int = 20, warmup: int = 5) -> dict[str, Timing]:
+    """CPU: median time of each of ``fns`` over ``rounds`` x ``reps`` calls, timed in rounds of
+    ``reps`` calls per function with the order rotated every round."""
+    names = list(fns)
+    for name in names:
+        for i in range(warmup):
+            fns[name](*inputs[i % len(inputs)])
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            for i in range(reps):
+                args = inputs[i % len(inputs)]
+                t0 = time.perf_counter()
+                fn(*args)
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: _percentiles(samples[name]) for name in names}
 
 
 # The kernel of torch.cuda._sleep, which separates the calls in a profiled sequence.

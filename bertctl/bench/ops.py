@@ -24,6 +24,8 @@ from bertctl.bench import harness
 
 PROVIDERS = ("fused", "eager", "compile")
 MODES = ("fwd", "fwdbwd")
+# CPU: rounds of `reps` calls per provider, the providers alternating (harness.measure_interleaved).
+CPU_ROUNDS = 5
 
 
 @dataclass
@@ -160,7 +162,7 @@ class OpsBenchConfig:
     tiny: bool = False
     providers: tuple[str, ...] = PROVIDERS
     modes: tuple[str, ...] = MODES
-    reps: int = 0            # 0: 100 on CUDA, 20 on CPU (10 / 5 with quick)
+    reps: int = 0            # 0: 100 on CUDA, 20 per round on CPU (10 / 5 with quick)
     seed: int = 0
     copy_gbps: float | None = None  # measured when None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -201,10 +203,13 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                     out_shape = case.shape
                     dy = torch.randn(out_shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
                     sets.append((args, wrt, dy))
+                runs = {p: _runner(fns[p], mode, len(sets[0][1])) for p in cfg.providers}
+                if device.type == "cpu":  # providers alternate in rounds (a shared machine's slow spells hit all)
+                    timings = harness.measure_interleaved(runs, sets, rounds=CPU_ROUNDS, reps=reps)
                 for provider in cfg.providers:
-                    run = _runner(fns[provider], mode, len(sets[0][1]))
-                    t = harness.measure(run, sets, device, reps=reps,
-                                        warmup=3 if provider == "compile" else 5)
+                    run = runs[provider]
+                    t = timings[provider] if device.type == "cpu" else harness.measure(
+                        run, sets, device, reps=reps, warmup=3 if provider == "compile" else 5)
                     gbps = nbytes / (t.median_ms * 1e-3) / 1e9
                     row = {
                         "op": case.op, "mode": mode, "shape": list(case.shape), "label": case.label,

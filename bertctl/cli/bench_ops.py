@@ -19,7 +19,7 @@ def register(bench_app: typer.Typer) -> None:
         quick: bool = typer.Option(False, "--quick", help="BERT-Base shapes only, fewer repetitions."),
         tiny: bool = typer.Option(False, "--tiny", hidden=True, help="Tiny shapes (tests)."),
         provider: list[str] = typer.Option(None, "--provider", help="fused, eager, compile (repeatable; default all)."),
-        reps: int = typer.Option(0, "--reps", help="Timed calls per measurement (0: default for the device)."),
+        reps: int = typer.Option(0, "--reps", help="Timed calls per measurement; on CPU per round of 5, the providers alternating (0: default for the device)."),
         threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
         output: Path = typer.Option(None, "--output", "-o", help="Write the JSON report here (else to stdout)."),
     ) -> None:
