@@ -109,6 +109,27 @@ def test_softmax_other_mask_shapes_fall_back():
 
 # --- LayerNorm ----------------------------------------------------------------------------
 
+def check_layer_norm(x, res, w, b, eps, gen, tol_dtype):
+    """ops.layer_norm and its gradients (x, weight, bias, residual) against the float64 reference on
+    the same rounded inputs, at the tolerances of ``tol_dtype``; dweight/dbias are sums over the
+    rows, so their atol grows with sqrt(rows)."""
+    rows = x.numel() // x.shape[-1]
+    y = ops.layer_norm(x, w, b, eps, residual=res)
+    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    y_ref, mean, rstd = reference.layer_norm_forward(d(x), d(res), d(w), d(b), eps)
+    assert y.dtype == x.dtype
+    close(y, y_ref, tol_dtype, "layer_norm forward")
+    dy = rand(*x.shape, dtype=x.dtype, device=x.device, gen=gen)
+    inputs = (x, w, b) + ((res,) if res is not None else ())
+    grads = torch.autograd.grad(y, inputs, dy)
+    dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy.double(), d(x), d(res), d(w), mean, rstd)
+    close(grads[0], dx_ref, tol_dtype, "layer_norm dx")
+    close(grads[1], dw_ref, tol_dtype, "layer_norm dweight", scale=rows**0.5)
+    close(grads[2], db_ref, tol_dtype, "layer_norm dbias", scale=rows**0.5)
+    if res is not None:
+        close(grads[3], dx_ref, tol_dtype, "layer_norm dresidual")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H", SIZES)
@@ -122,21 +143,7 @@ def test_layer_norm_matches_float64(device, dtype, H, with_residual):
     w = rand(H, dtype=torch.float32, device=device, gen=gen).requires_grad_()
     b = rand(H, dtype=torch.float32, device=device, gen=gen).requires_grad_()
     assert ops.layer_norm_kernel_ok(x, w, b, res)
-    y = ops.layer_norm(x, w, b, eps, residual=res)
-    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
-    y_ref, mean, rstd = reference.layer_norm_forward(d(x), d(res), d(w), d(b), eps)
-    assert y.dtype == dtype
-    close(y, y_ref, dtype, "layer_norm forward")
-    dy = rand(N, H, dtype=dtype, device=device, gen=gen)
-    inputs = (x, w, b) + ((res,) if with_residual else ())
-    grads = torch.autograd.grad(y, inputs, dy)
-    dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy.double(), d(x), d(res), d(w), mean, rstd)
-    close(grads[0], dx_ref, dtype, "layer_norm dx")
-    # dweight/dbias are fp32 sums of N rounded-input products: fp32 tolerance, scaled by sqrt(N).
-    close(grads[1], dw_ref, dtype, "layer_norm dweight", scale=N**0.5)
-    close(grads[2], db_ref, dtype, "layer_norm dbias", scale=N**0.5)
-    if with_residual:
-        close(grads[3], dx_ref, dtype, "layer_norm dresidual")
+    check_layer_norm(x, res, w, b, eps, gen, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -231,21 +238,8 @@ def test_layer_norm_cpu_streamed_outputs(dtype, H, with_residual):
     res = rand(N, H, dtype=dtype, device="cpu", gen=gen).requires_grad_() if with_residual else None
     w = rand(H, dtype=dtype, device="cpu", gen=gen).requires_grad_()
     b = rand(H, dtype=dtype, device="cpu", gen=gen).requires_grad_()
-    y = ops.layer_norm(x, w, b, 1e-12, residual=res)
-    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
-    y_ref, mean, rstd = reference.layer_norm_forward(d(x), d(res), d(w), d(b), 1e-12)
     # fp64 has no entry in TOL: it is compared at fp32 tolerance, far looser than it needs.
-    tol_dtype = torch.float32
-    close(y, y_ref, tol_dtype, "layer_norm forward")
-    dy = rand(N, H, dtype=dtype, device="cpu", gen=gen)
-    inputs = (x, w, b) + ((res,) if with_residual else ())
-    grads = torch.autograd.grad(y, inputs, dy)
-    dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy.double(), d(x), d(res), d(w), mean, rstd)
-    close(grads[0], dx_ref, tol_dtype, "layer_norm dx")
-    close(grads[1], dw_ref, tol_dtype, "layer_norm dweight", scale=N**0.5)
-    close(grads[2], db_ref, tol_dtype, "layer_norm dbias", scale=N**0.5)
-    if with_residual:
-        assert torch.equal(grads[3], grads[0])
+    check_layer_norm(x, res, w, b, 1e-12, gen, torch.float32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
