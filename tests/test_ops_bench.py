@@ -12,13 +12,18 @@ from bertctl.bench.ops import Case, min_bytes
 from bertctl.cli.app import app
 
 
-@pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
-def test_bench_ops_cli_writes_report(tmp_path):
+def tiny_report(tmp_path, device: str, reps: int) -> dict:
+    """`bertctl bench ops --tiny` for the fused and eager providers; the JSON report it wrote."""
     out = tmp_path / "ops.json"
-    result = CliRunner().invoke(app, ["bench", "ops", "--device", "cpu", "--tiny", "--reps", "3",
+    result = CliRunner().invoke(app, ["bench", "ops", "--device", device, "--tiny", "--reps", str(reps),
                                       "--provider", "fused", "--provider", "eager", "--output", str(out)])
     assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+def test_bench_ops_cli_writes_report(tmp_path):
+    report = tiny_report(tmp_path, "cpu", reps=3)
     device = report["device"]
     for key in ("name", "torch", "cuda", "commit", "date", "copy_gbps"):
         assert key in device
@@ -67,11 +72,7 @@ def test_call_spans_groups_device_work_between_sleep_markers():
 @pytest.mark.cuda
 @pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
 def test_bench_ops_kernel_spans_on_cuda(tmp_path):
-    out = tmp_path / "ops.json"
-    result = CliRunner().invoke(app, ["bench", "ops", "--device", "cuda", "--tiny", "--reps", "5",
-                                      "--provider", "fused", "--provider", "eager", "--output", str(out)])
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    report = tiny_report(tmp_path, "cuda", reps=5)
     for r in report["rows"]:
         # The profiler's span excludes the launch latency that the event pair includes.
         assert 0 < r["kernel_ms"] <= r["median_ms"] * 1.05

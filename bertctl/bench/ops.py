@@ -206,10 +206,11 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                 runs = {p: _runner(fns[p], mode, len(sets[0][1])) for p in cfg.providers}
                 if device.type == "cpu":  # providers alternate in rounds (a shared machine's slow spells hit all)
                     timings = harness.measure_interleaved(runs, sets, rounds=CPU_ROUNDS, reps=reps)
-                for provider in cfg.providers:
-                    run = runs[provider]
-                    t = timings[provider] if device.type == "cpu" else harness.measure(
-                        run, sets, device, reps=reps, warmup=3 if provider == "compile" else 5)
+                else:
+                    timings = {p: harness.measure(run, sets, device, reps=reps, warmup=3 if p == "compile" else 5)
+                               for p, run in runs.items()}
+                for provider, run in runs.items():
+                    t = timings[provider]
                     gbps = nbytes / (t.median_ms * 1e-3) / 1e9
                     row = {
                         "op": case.op, "mode": mode, "shape": list(case.shape), "label": case.label,
