@@ -5,6 +5,10 @@ import functools
 import os
 import warnings
 
+# The ops of csrc/bertctl.cpp: each forward, its backward, and LayerNorm's forward without statistics.
+OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference",
+            "bias_gelu", "bias_gelu_backward")
+
 
 @functools.lru_cache(maxsize=1)
 def compiled():
@@ -33,7 +37,7 @@ def kernels_loaded() -> dict[str, list[str]]:
     if compiled() is None:
         return {}
     out: dict[str, list[str]] = {}
-    for name in ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "bias_gelu", "bias_gelu_backward"):
+    for name in OP_NAMES:
         if not hasattr(torch.ops.bertctl, name):
             continue
         packet = getattr(torch.ops.bertctl, name)

@@ -1,4 +1,5 @@
-// Autograd for the three forward ops, on the Autograd dispatch key.
+// Autograd for the three forward ops, on the Autograd dispatch key (and a refusal for
+// layer_norm_inference, which has no backward).
 //
 // Each forward saves what its backward op needs and its node calls that op
 // through the dispatcher, so the same code serves eager mode (CPU or CUDA
@@ -46,6 +47,14 @@ LayerNormOut layer_norm_op(const Tensor& x, const std::optional<Tensor>& residua
   static const auto handle =
       op<LayerNormOut(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, double)>(
           "bertctl::layer_norm");
+  return handle.call(x, residual, weight, bias, eps);
+}
+
+Tensor layer_norm_inference_op(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
+                              const Tensor& bias, double eps) {
+  static const auto handle =
+      op<Tensor(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, double)>(
+          "bertctl::layer_norm_inference");
   return handle.call(x, residual, weight, bias, eps);
 }
 
@@ -214,6 +223,17 @@ LayerNormOut layer_norm_autograd(const Tensor& x, const std::optional<Tensor>& r
   return {out[0], out[1], out[2]};
 }
 
+// Keeps no statistics, so it cannot be differentiated: refused where a gradient would be recorded.
+Tensor layer_norm_inference_autograd(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
+                                     const Tensor& bias, double eps) {
+  const bool res_grad = residual.has_value() && residual->defined() && residual->requires_grad();
+  TORCH_CHECK(!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || bias.requires_grad() || res_grad),
+              "bertctl::layer_norm_inference has no backward (it keeps no mean/rstd): use bertctl::layer_norm "
+              "where gradients are needed");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return layer_norm_inference_op(x, residual, weight, bias, eps);
+}
+
 Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, std::string approximate) {
   return BiasGelu::apply(x, bias, approximate);
 }
@@ -223,6 +243,7 @@ Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, std::string appro
 TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
   m.impl("softmax", &softmax_autograd);
   m.impl("layer_norm", &layer_norm_autograd);
+  m.impl("layer_norm_inference", &layer_norm_inference_autograd);
   m.impl("bias_gelu", &bias_gelu_autograd);
   m.impl("softmax_backward", &softmax_backward_autograd);
   m.impl("layer_norm_backward", &layer_norm_backward_autograd);

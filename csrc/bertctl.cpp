@@ -34,6 +34,9 @@ TORCH_LIBRARY(bertctl, m) {
   // (y, mean, rstd) of LayerNorm(x + residual) over the last dim; mean and rstd
   // are float32 of shape x.shape[:-1].
   m.def("layer_norm(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps) -> (Tensor, Tensor, Tensor)");
+  // y alone, for inference: no statistics are computed into memory, and it has no backward
+  // (bertctl.ops.layer_norm calls it when no input requires grad or grad mode is off).
+  m.def("layer_norm_inference(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps) -> Tensor");
   // (dx, dweight, dbias); dx is also the gradient of the residual.
   m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor? residual, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
   // y = GELU(x + bias); approximate is "none" (erf, BERT's) or "tanh".

@@ -8,12 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bertctl import ops
 from bertctl._ext import kernels_loaded
 from bertctl.ops import reference
 
-OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "bias_gelu", "bias_gelu_backward")
+OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference", "bias_gelu",
+            "bias_gelu_backward")
 SIZES = (1, 7, 13, 127, 768, 1000, 1024, 4096)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One rounding of an O(1) result: fp32 math inside; fp16 has 11 significant bits, bf16 8.
@@ -265,6 +267,56 @@ def test_layer_norm_constant_rows_cancel_exactly(device, N, H):
     close(db, torch.full((H,), N * dy[0, 0].double().item(), dtype=torch.float64), torch.float32, "dbias")
 
 
+class OpsRun(TorchDispatchMode):
+    """Records the name of every op that reaches the kernels (below autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", (7, 768, 1000, 1024, 4096))
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_without_gradients_stores_no_statistics(device, dtype, H, with_residual):
+    """Where no gradient is recorded, ops.layer_norm runs layer_norm_inference (no mean/rstd written):
+    the same y as the training op, bit for bit, and within the dtype's tolerance of float64.  With an
+    input that requires grad it runs the training op."""
+    gen = torch.Generator().manual_seed(H + 1)
+    x = rand(37, H, dtype=dtype, device=device, std=3.0, gen=gen).add_(1.5)
+    res = rand(37, H, dtype=dtype, device=device, gen=gen) if with_residual else None
+    # parameters of the activation dtype: the 16-bit vector kernel on CUDA for H <= 1024
+    w, b = (rand(H, dtype=dtype, device=device, gen=gen) for _ in range(2))
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    y_ref = reference.layer_norm_forward(d(x), d(res), d(w), d(b), 1e-12)[0]
+    y_train = torch.ops.bertctl.layer_norm(x, res, w, b, 1e-12)[0]
+    for grad_mode in (False, True):  # grad mode on, but nothing requires grad: still nothing to record
+        with torch.set_grad_enabled(grad_mode), OpsRun() as run:
+            y = ops.layer_norm(x, w, b, 1e-12, residual=res)
+        assert run.names == ["bertctl::layer_norm_inference"]
+        assert torch.equal(y, y_train)
+        close(y, y_ref, dtype, "layer_norm_inference")
+    w.requires_grad_()
+    with OpsRun() as run:
+        y = ops.layer_norm(x, w, b, 1e-12, residual=res)
+    assert run.names == ["bertctl::layer_norm"] and y.requires_grad
+
+
+def test_layer_norm_inference_refuses_to_record_a_gradient():
+    x = torch.randn(4, 8, requires_grad=True)
+    w, b = torch.ones(8), torch.zeros(8)
+    with pytest.raises(RuntimeError, match="layer_norm_inference has no backward"):
+        torch.ops.bertctl.layer_norm_inference(x, None, w, b, 1e-5)
+    with torch.no_grad():
+        y = torch.ops.bertctl.layer_norm_inference(x, None, w, b, 1e-5)
+    close(y, F.layer_norm(x.detach().double(), (8,), eps=1e-5), torch.float32, "no grad")
+
+
 # --- bias + GELU --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -407,13 +459,16 @@ def test_opcheck(device):
         (bl.layer_norm.default, (h, r, w, b, 1e-12)),
         (bl.layer_norm.default, (h, None, w, b, 1e-5)),
         (bl.layer_norm_backward.default, (torch.randn_like(h), h.detach(), r.detach(), w.detach(), mean, rstd)),
+        (bl.layer_norm_inference.default, (h.detach(), r.detach(), w.detach(), b.detach(), 1e-12)),
+        (bl.layer_norm_inference.default, (h.detach(), None, w.detach(), b.detach(), 1e-5)),
         (bl.bias_gelu.default, (h, b, "none")),
         (bl.bias_gelu.default, (h, b, "tanh")),
         (bl.bias_gelu_backward.default, (torch.randn_like(h), h.detach(), b.detach(), "none")),
     ]
     for op, args in cases:
-        # The backward ops' inputs do not require grad: they have no derivative of their own
-        # (test_create_graph_first_order_right_second_order_refused).
+        # The backward ops' and layer_norm_inference's inputs do not require grad: they have no
+        # derivative of their own (test_create_graph_first_order_right_second_order_refused,
+        # test_layer_norm_inference_refuses_to_record_a_gradient).
         torch.library.opcheck(op, args)
 
 
@@ -448,6 +503,9 @@ def test_torch_compile_fullgraph_parity(device):
     compiled_grads = torch.autograd.grad(compiled, grads_in, (dp, dy))
     for a, e in zip(compiled + compiled_grads, eager + eager_grads):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the inference graph: layer_norm_inference's fake and kernel
+        for a, e in zip(torch.compile(f, fullgraph=True)(*args), eager):
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
 
 
 def test_bias_gelu_cpu_large_inputs_and_nan():

@@ -7,7 +7,9 @@ Public entry points (stable; the model calls only these):
   (B, Sk) or (B, 1, 1, Sk): bool (True = attend) or additive float (0 / -inf or a large
   negative).  Fully masked rows give exact zeros.
 - ``layer_norm(x, weight, bias, eps, residual=None)``: LayerNorm(x + residual) over the
-  last dim; mean and rstd are kept in float32 for the backward.
+  last dim; mean and rstd are kept in float32 for the backward.  Where no gradient is
+  recorded (grad mode off, or no input requiring grad) it runs ``layer_norm_inference``,
+  which stores no statistics.
 - ``bias_gelu(x, bias, approximate="none")``: GELU(x + bias), "none" = exact erf (BERT's),
   "tanh" = the tanh approximation.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from bertctl._ext import compiled, kernels_loaded
+from bertctl._ext import OP_NAMES, compiled, kernels_loaded
 from bertctl.ops import reference
 
 __all__ = ["softmax", "layer_norm", "bias_gelu", "fused_available",
@@ -40,14 +42,13 @@ _KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
 
 def fused_available() -> bool:
-    """True when the compiled module loaded with all six ops (what ``kernels="auto"`` resolves to)."""
-    names = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "bias_gelu", "bias_gelu_backward")
-    return all(_KERNELS.get(name) for name in names)
+    """True when the compiled module loaded with all its ops (what ``kernels="auto"`` resolves to)."""
+    return all(_KERNELS.get(name) for name in OP_NAMES)
 
 
-def _has_kernel(op: str, x: torch.Tensor) -> bool:
+def _has_kernel(op: str, x: torch.Tensor, *extra: str) -> bool:
     key = _KEY.get(x.device.type)
-    return (key is not None and key in _KERNELS.get(op, ()) and key in _KERNELS.get(op + "_backward", ())
+    return (key is not None and all(key in _KERNELS.get(name, ()) for name in (op, op + "_backward") + extra)
             and x.dtype in _DTYPES[x.device.type])
 
 
@@ -99,7 +100,7 @@ def layer_norm_kernel_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          residual: torch.Tensor | None = None) -> bool:
     """The compiled LayerNorm takes: x of a supported dtype on a device with a kernel, at least 1-D and non-empty;
     weight and bias 1-D of size H = x.shape[-1], one dtype, x's or float32; a residual of x's shape, dtype, device."""
-    if not (_has_kernel("layer_norm", x) and x.dim() >= 1 and x.numel() > 0):
+    if not (_has_kernel("layer_norm", x, "layer_norm_inference") and x.dim() >= 1 and x.numel() > 0):
         return False
     if not (_param_ok(x, weight) and _param_ok(x, bias) and weight.dtype == bias.dtype):
         return False
@@ -115,7 +116,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
         common = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(common), residual.to(common)
     if layer_norm_kernel_ok(x, weight, bias, residual):
-        return torch.ops.bertctl.layer_norm(x, residual, weight, bias, float(eps))[0]
+        inputs = (x, weight, bias) if residual is None else (x, weight, bias, residual)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return torch.ops.bertctl.layer_norm(x, residual, weight, bias, float(eps))[0]
+        return torch.ops.bertctl.layer_norm_inference(x, residual, weight, bias, float(eps))
     return reference.layer_norm(x, weight, bias, eps, residual)
 
 
@@ -158,6 +162,10 @@ def _register() -> None:
     def _layer_norm_fake(x, residual, weight, bias, eps):
         stats = x.new_empty(x.shape[:-1], dtype=_stats_dtype(x))
         return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
+
+    @torch.library.register_fake(lib + "layer_norm_inference")
+    def _layer_norm_inference_fake(x, residual, weight, bias, eps):
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake(lib + "layer_norm_backward")
     def _layer_norm_backward_fake(grad_y, x, residual, weight, mean, rstd):

@@ -155,8 +155,10 @@ void layer_norm_chunk(const scalar_t* x, const scalar_t* res, const acc_t* w_in,
     const acc_t* h =
         moments_row<acc_t>(x + r * cols, res ? res + r * cols : nullptr, buf, buf2, cols, mean, var);
     const acc_t rstd = acc_t(1) / std::sqrt(var + eps);
-    mean_out[r] = mean;
-    rstd_out[r] = rstd;
+    if (mean_out != nullptr) {
+      mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
     acc_t* o = out_row<acc_t>(y + r * cols, out_buf);
     // The next row is prefetched into L1 while this one is written (see prefetch in cpu_util.h):
     // here that measured faster than the backward's way (two rows ahead, into L2, in pass 1).
@@ -181,8 +183,8 @@ void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Ten
   const scalar_t* x = x_.data_ptr<scalar_t>();
   const scalar_t* res = res_.defined() ? res_.data_ptr<scalar_t>() : nullptr;
   scalar_t* y = y_.data_ptr<scalar_t>();
-  acc_t* mean_out = mean_.data_ptr<acc_t>();
-  acc_t* rstd_out = rstd_.data_ptr<acc_t>();
+  acc_t* mean_out = mean_.defined() ? mean_.data_ptr<acc_t>() : nullptr;  // undefined: no statistics stored
+  acc_t* rstd_out = rstd_.defined() ? rstd_.data_ptr<acc_t>() : nullptr;
   // Streaming is for outputs written directly (fp32, fp64), not through a conversion buffer.
   const int64_t traffic = static_cast<int64_t>(y_.nbytes()) * (res ? 3 : 2);
   const bool large = std::is_same_v<acc_t, scalar_t> && traffic >= kStreamTrafficForward;
@@ -313,11 +315,11 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cpu(const at::Tensor& x,
-                                                              const c10::optional<at::Tensor>& residual,
-                                                              const at::Tensor& weight, const at::Tensor& bias,
-                                                              double eps) {
-  const char* op = "bertctl::layer_norm";
+// y, and with stats the mean and rstd (undefined without).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(const at::Tensor& x,
+                                                                  const c10::optional<at::Tensor>& residual,
+                                                                  const at::Tensor& weight, const at::Tensor& bias,
+                                                                  double eps, bool stats, const char* op) {
   TORCH_CHECK(x.dim() >= 1, op, ": input must have at least one dimension");
   check_param(x, weight, op, "weight");
   check_param(x, bias, op, "bias");
@@ -328,11 +330,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cpu(const at::Tensor& 
   }
   auto xc = x.contiguous();
   auto y = at::empty_like(xc);
-  auto mean = stats_like(x), rstd = stats_like(x);
+  at::Tensor mean, rstd;
+  if (stats) mean = stats_like(x), rstd = stats_like(x);
   if (x.numel() == 0) return {y, mean, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_layer_norm_cpu",
                                   [&] { layer_norm_rows<scalar_t>(xc, res, weight, bias, eps, y, mean, rstd); });
   return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cpu(const at::Tensor& x,
+                                                              const c10::optional<at::Tensor>& residual,
+                                                              const at::Tensor& weight, const at::Tensor& bias,
+                                                              double eps) {
+  return layer_norm_forward(x, residual, weight, bias, eps, true, "bertctl::layer_norm");
+}
+
+at::Tensor layer_norm_inference_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                    const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  return std::get<0>(layer_norm_forward(x, residual, weight, bias, eps, false, "bertctl::layer_norm_inference"));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
@@ -366,5 +381,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
 
 TORCH_LIBRARY_IMPL(bertctl, CPU, m) {
   m.impl("layer_norm", &bertctl::cpu::layer_norm_cpu);
+  m.impl("layer_norm_inference", &bertctl::cpu::layer_norm_inference_cpu);
   m.impl("layer_norm_backward", &bertctl::cpu::layer_norm_backward_cpu);
 }

@@ -8,8 +8,9 @@
 // tensors sit in registers, read with 16-byte loads (the exact fit NVEC = H / (32 * VEC)
 // vectors per lane, so 768 and 1024 waste no lanes); other rows up to 1024 use scalar
 // accesses; longer ones a block per row.  The sum h = x + residual is never written: the
-// forward moves read x, residual, write y (the minimum); mean and the variance (second
-// pass over registers, not E[h^2] - mean^2) in fp32, saved as fp32 mean/rstd.  The mean is
+// forward moves read x, residual, write y (the minimum; ln_fwd_packed stores y evict-first); mean and
+// the variance (second pass over registers, not E[h^2] - mean^2) in fp32, saved as fp32
+// mean/rstd (not by layer_norm_inference, which stores no statistics).  The mean is
 // taken of the row shifted by its first element, so a constant row has exactly its value as
 // mean and gives y = bias exactly even with eps = 1e-12 (sum * (1 / H) alone is off by an ulp,
 // which rstd = 1e6 turns into errors of 0.1).  The backward rounds g * w once and takes
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
       for (int k = 0; k < VEC; ++k) sq += (h[i][k] - mean) * (h[i][k] - mean);
   }
   const float rstd = rsqrtf(group_sum<kWarp>(sq) * inv_cols + eps);
-  if (lane == 0) {
+  if (lane == 0 && mean_out != nullptr) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_packed(const T* __restrict
     }
   }
   const float rstd = rsqrtf(group_sum<kWarp>(sq) * inv_cols + eps);
-  if (lane == 0) {
+  if (lane == 0 && mean_out != nullptr) {
     mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_packed(const T* __restrict
       }
 #pragma unroll
       for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[k] - mean) * rstd, wv[k], bv[k]);
-      store_float<VEC>(y + row * cols + col, o);
+      store_float<VEC, true>(y + row * cols + col, o);
     }
   }
 }
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(256) ln_fwd_long(const T* __restrict__ x, cons
   float q = 0.f;
   for (int c = threadIdx.x; c < cols; c += blockDim.x) q += (h(c) - mean) * (h(c) - mean);
   const float rstd = rsqrtf(block_sum(q, smem) / cols + eps);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && mean_out != nullptr) {
     mean_out[blockIdx.x] = mean;
     rstd_out[blockIdx.x] = rstd;
   }
@@ -535,11 +536,11 @@ int block_group_threads(int cols, bool wide) {
 
 at::Tensor as_float_param(const at::Tensor& p) { return p.scalar_type() == at::kFloat ? p.contiguous() : p.to(at::kFloat).contiguous(); }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor& x,
-                                                               const c10::optional<at::Tensor>& residual,
-                                                               const at::Tensor& weight, const at::Tensor& bias,
-                                                               double eps) {
-  const char* op = "bertctl::layer_norm";
+// y, and with stats the fp32 mean and rstd (undefined without: the kernels store none).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(const at::Tensor& x,
+                                                                  const c10::optional<at::Tensor>& residual,
+                                                                  const at::Tensor& weight, const at::Tensor& bias,
+                                                                  double eps, bool stats, const char* op) {
   TORCH_CHECK(x.dim() >= 1, op, ": input must have at least one dimension");
   check_param(x, weight, op, "weight");
   check_param(x, bias, op, "bias");
@@ -551,7 +552,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
   }
   auto xc = x.contiguous();
   auto y = at::empty_like(xc);
-  auto mean = stats_like(x), rstd = stats_like(x);
+  at::Tensor mean, rstd;
+  if (stats) mean = stats_like(x), rstd = stats_like(x);
   const int64_t rows = rows_of(x), cols64 = last_dim(x);
   if (rows == 0 || cols64 == 0) return {y, mean, rstd};
   TORCH_CHECK(cols64 <= INT32_MAX, op, ": rows longer than 2^31 are not supported");
@@ -563,8 +565,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
     const T* xp = xc.data_ptr<T>();
     const T* rp = res.defined() ? res.data_ptr<T>() : nullptr;
     T* yp = y.data_ptr<T>();
-    float* mp = mean.data_ptr<float>();
-    float* sp = rstd.data_ptr<float>();
+    float* mp = stats ? mean.data_ptr<float>() : nullptr;
+    float* sp = stats ? rstd.data_ptr<float>() : nullptr;
     const bool wide = aligned16(xp) && (rp == nullptr || aligned16(rp)) && aligned16(yp);
     const auto dispatch = [&](auto* wp, auto* bp) {
       using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
@@ -606,6 +608,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor&
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {y, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_cuda(const at::Tensor& x,
+                                                               const c10::optional<at::Tensor>& residual,
+                                                               const at::Tensor& weight, const at::Tensor& bias,
+                                                               double eps) {
+  return layer_norm_forward(x, residual, weight, bias, eps, true, "bertctl::layer_norm");
+}
+
+at::Tensor layer_norm_inference_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                     const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  return std::get<0>(layer_norm_forward(x, residual, weight, bias, eps, false, "bertctl::layer_norm_inference"));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
@@ -697,5 +711,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
 
 TORCH_LIBRARY_IMPL(bertctl, CUDA, m) {
   m.impl("layer_norm", &bertctl::cuda::layer_norm_cuda);
+  m.impl("layer_norm_inference", &bertctl::cuda::layer_norm_inference_cuda);
   m.impl("layer_norm_backward", &bertctl::cuda::layer_norm_backward_cuda);
 }
