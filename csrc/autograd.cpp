@@ -227,7 +227,9 @@ LayerNormOut layer_norm_autograd(const Tensor& x, const std::optional<Tensor>& r
 Tensor layer_norm_inference_autograd(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
                                      const Tensor& bias, double eps) {
   const bool res_grad = residual.has_value() && residual->defined() && residual->requires_grad();
-  TORCH_CHECK(!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || bias.requires_grad() || res_grad),
+  const bool records = at::GradMode::is_enabled() &&
+                       (x.requires_grad() || weight.requires_grad() || bias.requires_grad() || res_grad);
+  TORCH_CHECK(!records,
               "bertctl::layer_norm_inference has no backward (it keeps no mean/rstd): use bertctl::layer_norm "
               "where gradients are needed");
   at::AutoDispatchBelowADInplaceOrView below;
