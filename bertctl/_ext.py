@@ -5,6 +5,8 @@ import functools
 import os
 import warnings
 
+from bertctl.errors import BertctlError
+
 # The ops of csrc/bertctl.cpp: each forward, its backward, and LayerNorm's forward without statistics.
 OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference",
             "bias_gelu", "bias_gelu_backward")
@@ -15,12 +17,18 @@ def compiled():
     """The ``bertctl._C`` module, or None (said once) when it is missing or disabled.
 
     ``BERTCTL_NO_EXT=1`` disables it on purpose (used by tests of the fallback).
+    ``BERTCTL_REQUIRE_EXT=1`` makes a module that fails to import an error instead of a warning
+    (CI and the test suite set it).
     """
     if os.environ.get("BERTCTL_NO_EXT") == "1":
         return None
     try:
         from bertctl import _C  # noqa: F401  (importing registers the torch.ops.bertctl ops)
     except ImportError as e:
+        if os.environ.get("BERTCTL_REQUIRE_EXT") == "1":
+            raise BertctlError(
+                f"BERTCTL_REQUIRE_EXT=1 but the compiled kernels bertctl._C did not load ({e}); "
+                "build them with `pip install --no-build-isolation -e .`") from e
         warnings.warn(
             f"bertctl: compiled kernels unavailable ({e}); using plain PyTorch ops",
             RuntimeWarning,

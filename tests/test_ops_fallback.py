@@ -1,6 +1,8 @@
-"""Without the compiled module (BERTCTL_NO_EXT=1) the ops run their plain-PyTorch versions."""
+"""Without the compiled module (BERTCTL_NO_EXT=1) the ops run their plain-PyTorch versions; a module
+that fails to load is a warning, or with BERTCTL_REQUIRE_EXT=1 an error."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +41,37 @@ def test_ops_without_compiled_module():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+# `bertctl env --json` in a process where importing bertctl._C fails, as after a failed or stale build.
+HIDDEN = r"""
+import sys
+class Hide:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "bertctl._C":
+            raise ImportError("bertctl._C hidden by the test")
+sys.meta_path.insert(0, Hide)
+from bertctl.cli.app import main
+main(["env", "--json"])
+"""
+
+
+def test_missing_module_is_an_error_under_require_ext():
+    """Under BERTCTL_REQUIRE_EXT=1 a module that does not load is one error line and exit code 2;
+    without it, a warning and the plain-PyTorch ops."""
+    env = {k: v for k, v in os.environ.items() if k not in ("BERTCTL_NO_EXT", "BERTCTL_REQUIRE_EXT")}
+
+    def run(require: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", HIDDEN], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**env, "OMP_NUM_THREADS": "1", "BERTCTL_REQUIRE_EXT": require})
+
+    out = run("0")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["compiled_module"] is None and info["kernels"] == {}
+    assert "compiled kernels unavailable (bertctl._C hidden by the test)" in out.stderr
+    out = run("1")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr == ("bertctl: error: BERTCTL_REQUIRE_EXT=1 but the compiled kernels bertctl._C did not load "
+                          "(bertctl._C hidden by the test); build them with `pip install --no-build-isolation -e .`\n")

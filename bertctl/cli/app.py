@@ -40,6 +40,9 @@ for _name in COMMANDS:
         if _e.name != f"bertctl.cli.{_name}":
             raise
         continue
+    except BertctlError as _e:  # at import: BERTCTL_REQUIRE_EXT=1 and the compiled kernels did not load
+        print(f"bertctl: error: {_e}", file=sys.stderr)
+        sys.exit(2)
     _module.register(app)
 
 
