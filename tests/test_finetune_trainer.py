@@ -110,7 +110,6 @@ def test_warmup_and_linear_decay_schedule(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_fine_tuning_on_gpu_learns(tmp_path):
     build, feats = _setup(tmp_path)
     cfg = T.TrainConfig(epochs=12, lr=1e-3, batch_size=8, device="cuda", progress=False, log_steps=5)

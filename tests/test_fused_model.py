@@ -13,7 +13,7 @@ from bertctl import ops
 from bertctl.config import BertConfig
 from bertctl.model import BertForPreTraining
 
-pytestmark = pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+pytestmark = pytest.mark.usefixtures("fused_kernels")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 

@@ -26,7 +26,7 @@ TOL = {
 }
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
-pytestmark = pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+pytestmark = pytest.mark.usefixtures("fused_kernels")
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str, scale: float = 1.0) -> None:

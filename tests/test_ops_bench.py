@@ -6,7 +6,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from bertctl import ops
 from bertctl.bench import harness
 from bertctl.bench.ops import Case, min_bytes
 from bertctl.cli.app import app
@@ -21,7 +20,7 @@ def tiny_report(tmp_path, device: str, reps: int) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+@pytest.mark.usefixtures("fused_kernels")
 def test_bench_ops_cli_writes_report(tmp_path):
     report = tiny_report(tmp_path, "cpu", reps=3)
     device = report["device"]
@@ -70,7 +69,7 @@ def test_call_spans_groups_device_work_between_sleep_markers():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not ops.fused_available(), reason="compiled bertctl._C not built")
+@pytest.mark.usefixtures("fused_kernels")
 def test_bench_ops_kernel_spans_on_cuda(tmp_path):
     report = tiny_report(tmp_path, "cuda", reps=5)
     for r in report["rows"]:

@@ -2,7 +2,6 @@
 masked-position loss equals Hugging Face's all-position loss on the same weights and batch."""
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -44,7 +43,6 @@ def test_flop_count_matches_torch_flop_counter():
 
 
 def test_bertctl_loss_equals_hf_loss_on_the_same_batch():
-    pytest.importorskip("transformers")
     conf = BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     ours = bertctl_model(conf).eval()
     theirs = hf_model(conf).eval()
@@ -59,7 +57,6 @@ def test_bertctl_loss_equals_hf_loss_on_the_same_batch():
 
 
 def test_bench_model_runs_end_to_end_on_cpu():
-    pytest.importorskip("transformers")
     from bertctl.bench.model import bench_model
 
     rows = []

@@ -94,7 +94,7 @@ def test_every_train_answer_is_recoverable_from_its_windows(tokenizer):
 
 
 def test_offsets_agree_with_hf_fast_tokenizer(tokenizer):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf = transformers.BertTokenizerFast.from_pretrained(minilm_dir())
     data = squad.read_squad(data_path("squad", "dev-v1.1.json"))
     for context in data.contexts[:40]:

