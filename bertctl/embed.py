@@ -19,6 +19,7 @@ from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, atomic_path, parse_json_line
 from bertctl.model import BertModel
 from bertctl.progress import stderr, track
+from bertctl.tokenizer import iter_lines
 
 # Table 7 of the paper: which hidden states feed the features.
 LAYER_CHOICES = ("last", "second-to-last", "sum-last-4", "concat-last-4", "embeddings")
@@ -32,7 +33,7 @@ class EmbedConfig:
     pooling: str = "mean"
     normalize: bool = False
     batch_size: int = 64
-    max_length: int | None = None  # default: the model's max_position_embeddings
+    max_length: int | None = None  # default and upper bound: the model's max_position_embeddings
     dtype: str = "fp32"  # or "bf16"
     device: str = "auto"
 
@@ -44,7 +45,9 @@ class EmbedConfig:
         if self.dtype not in ("fp32", "bf16"):
             raise BertctlError(f"--dtype must be fp32 or bf16, not {self.dtype!r}")
         if self.batch_size < 1:
-            raise BertctlError("--batch-size must be at least 1")
+            raise BertctlError(f"--batch-size must be at least 1, not {self.batch_size}")
+        if self.max_length is not None and self.max_length < 2:
+            raise BertctlError(f"--max-length must be at least 2 (room for [CLS] and [SEP]), not {self.max_length}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,30 +63,23 @@ def resolve_device(name: str) -> torch.device:
 
 
 def read_texts(path: str | Path, field: str | None = None) -> list[str]:
-    """One text per line of a text file, or the ``field`` of each JSONL object (``.jsonl`` or ``field`` given)."""
+    """One text per line of a text file, or the ``field`` of each JSONL object (``.jsonl`` or ``field`` given).
+
+    Lines are read as ``tokenize encode`` reads them (``iter_lines``: the same errors for a missing
+    file or a line that is not UTF-8)."""
     path = Path(path)
     as_jsonl = field is not None or path.suffix == ".jsonl"
     field = field or "text"
     texts: list[str] = []
-    try:
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as e:
-                    raise BertctlError(f"{path}:{lineno}: not UTF-8 (byte {e.start}); re-encode the file as UTF-8") from None
-                if as_jsonl:
-                    if not line.strip():
-                        continue
-                    obj = parse_json_line(line, path, lineno)
-                    if not isinstance(obj.get(field), str):
-                        raise BertctlError(f"{path}:{lineno}: no string field {field!r}")
-                    line = obj[field]
-                texts.append(line)
-    except FileNotFoundError:
-        raise BertctlError(f"{path}: input file not found") from None
-    except IsADirectoryError:
-        raise BertctlError(f"{path}: is a directory, expected a file") from None
+    for lineno, line, _ in iter_lines(path):
+        if as_jsonl:
+            if not line.strip():
+                continue
+            obj = parse_json_line(line, path, lineno)
+            if not isinstance(obj.get(field), str):
+                raise BertctlError(f"{path}:{lineno}: no string field {field!r}")
+            line = obj[field]
+        texts.append(line)
     if not texts:
         raise BertctlError(f"{path}: no texts to embed (empty input)")
     return texts
@@ -125,7 +121,9 @@ def pool(x: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
 def embed_texts(model: BertModel, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True) -> np.ndarray:
     """(N, D) float32 features, row i for texts[i]."""
     device = next(model.parameters()).device
-    max_length = min(config.max_length or model.config.max_position_embeddings, model.config.max_position_embeddings)
+    limit = model.config.max_position_embeddings
+    max_length = limit if config.max_length is None else min(config.max_length, limit)
+    vocab_size = model.config.vocab_size
     # Sort by length so each batch pads little; restore input order at the end.
     lengths = [len(t) for t in texts]
     order = sorted(range(len(texts)), key=lengths.__getitem__, reverse=True)
@@ -137,6 +135,10 @@ def embed_texts(model: BertModel, tokenizer, texts: list[str], config: EmbedConf
         for b in range(0, len(order), config.batch_size):
             index = order[b : b + config.batch_size]
             batch = tokenizer.encode_batch([texts[i] for i in index], max_length=max_length, truncation="longest_first")
+            top = int(batch["input_ids"].max())
+            if top >= vocab_size:  # an index past the embedding table: a tokenizer of another model
+                raise BertctlError(f"token id {top} from the tokenizer is past the model's {vocab_size:,} word "
+                                   "embeddings: use the tokenizer saved with this model")
             ids = batch["input_ids"].to(device, non_blocking=True)
             mask = batch["attention_mask"].to(device, non_blocking=True)
             types = batch["token_type_ids"].to(device, non_blocking=True)

@@ -2,10 +2,17 @@
 
 A reader never sees a half-written file under its final name, and an
 interrupted writer leaves only ``*.tmp*`` debris that later runs ignore.
+What a failed write leaves is removed: the temporary file or folder, and the
+parent folders it created.  Published files and folders get the permissions a
+plain ``open``/``mkdir`` would give under the caller's umask (``mkstemp`` and
+``mkdtemp`` create them 0600/0700).  An ``OSError`` without a file name (a full
+disk during a write) is re-raised naming the target, so the CLI can say which
+output failed.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -23,23 +30,114 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``/proc/self/status``)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status", encoding="ascii") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere: set and restore (briefly racy with other threads)
+    os.umask(mask)
+    return mask
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """``mkdir -p folder``; returns the folders it created, innermost first (for clean-up)."""
+    created = []
+    for p in [folder, *folder.parents]:
+        if p.exists():
+            break
+        created.append(p)
+    folder.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for p in folders:
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
+def _naming(e: OSError, target: Path) -> OSError:
+    """``e`` if it names one file, else the same error naming ``target`` (not a temporary name)."""
+    if (e.filename is not None and e.filename2 is None) or e.errno is None:
+        return e
+    return type(e)(e.errno, e.strerror, str(target))
+
+
+# What to do about the operating-system errors a user can fix, by errno.
+OS_ERROR_FIXES = {
+    errno.EROFS: "read-only file system; write somewhere else",
+    errno.EACCES: "permission denied; choose a location you may write to, or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a location you may write to, or fix its permissions",
+    errno.ENOSPC: "no space left on the device; free some space or write somewhere else",
+    errno.EDQUOT: "disk quota exceeded; free some space or write somewhere else",
+    errno.ENOTDIR: "a part of this path is a file, not a folder",
+    errno.EISDIR: "is a folder, expected a file",
+    errno.ENOENT: "no such file or folder",
+    errno.EEXIST: "already exists",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """One line for an ``OSError``: the path it names, what happened and, where there is one, the fix."""
+    what = OS_ERROR_FIXES.get(e.errno) or (e.strerror or str(e)).lower()
+    path = e.filename2 if e.filename2 is not None else e.filename
+    return f"{path}: {what}" if path is not None else what
+
+
+def check_writable(target: str | os.PathLike, *, folder: bool = False, what: str = "--output") -> None:
+    """Fail at once, before any expensive work, if ``target`` (a file, or with ``folder`` a folder) cannot be
+    created: a BertctlError naming it and the reason.  The probe is a real file created and removed in the
+    nearest existing folder, so read-only mounts, permissions and quotas all count (also for root)."""
+    from bertctl.errors import BertctlError
+
+    target = Path(target)
+    if folder and target.exists() and not target.is_dir():
+        raise BertctlError(f"{target}: {what} exists and is not a folder")
+    if not folder and target.is_dir():
+        raise BertctlError(f"{target}: {what} is a folder; give a file name")
+    base = target if folder else target.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise BertctlError(f"{target}: cannot write {what}: {base} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".bertctl-probe.", suffix=".tmp", dir=base)
+    except OSError as e:
+        raise BertctlError(f"{target}: cannot write {what}: {describe_os_error(OSError(e.errno, e.strerror, str(base)))}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in the target's folder; rename it onto ``target`` on success."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(tmp)
+    created = _make_parents(target.parent)
+    published = False
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+        tmp = Path(tmp)
+        try:
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fchmod(f.fileno(), 0o666 & ~current_umask())
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            published = True
+            _fsync_dir(target.parent)
+        except OSError as e:
+            named = _naming(e, target)
+            if named is e:
+                raise
+            raise named from e
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        if not published:
+            _remove_empty(created)
 
 
 @contextlib.contextmanager
@@ -63,22 +161,34 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     old directory, the new one, or the old one under ``.<name>.old``; never a mix.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    created = _make_parents(target.parent)
+    published = False
     try:
-        yield tmp
-        old = target.parent / f".{target.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        if target.exists():
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-        if old.exists():
-            shutil.rmtree(old)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            yield tmp
+            os.chmod(tmp, 0o777 & ~current_umask())
+            old = target.parent / f".{target.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            if target.exists():
+                os.replace(target, old)
+            os.replace(tmp, target)
+            published = True
+            _fsync_dir(target.parent)
+            if old.exists():
+                shutil.rmtree(old)
+        except OSError as e:
+            named = _naming(e, target)
+            if named is e:
+                raise
+            raise named from e
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not published:
+            _remove_empty(created)
 
 
 def read_json_object(path: str | os.PathLike, what: str = "JSON") -> dict:

@@ -112,8 +112,8 @@ def test_bad_input_gives_one_line_errors(tmp_path, minilm_dir):
     (no_vocab / "tokenizer.json").unlink(missing_ok=True)
     cases = [
         (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "empty.txt")], "empty input"),
-        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "latin1.txt")], "latin1.txt:2: not UTF-8"),
-        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "missing.txt")], "not found"),
+        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "latin1.txt")], "latin1.txt:2: not valid UTF-8"),
+        (["--model", str(minilm_dir), "--output", str(tmp_path / "o.npy"), str(tmp_path / "missing.txt")], "missing.txt: no such file"),
         (["--model", str(minilm_dir), "--output", str(tmp_path / "o.csv"), str(tmp_path / "ok.txt")], "suffix must be"),
         (["--model", str(minilm_dir), "--pooling", "sum", "--output", str(tmp_path / "o.npy"), str(tmp_path / "ok.txt")], "--pooling"),
         (["--model", str(no_vocab), "--output", str(tmp_path / "o.npy"), str(tmp_path / "ok.txt")], "vocab"),

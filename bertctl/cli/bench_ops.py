@@ -13,7 +13,8 @@ from bertctl.errors import BertctlError
 def register(bench_app: typer.Typer) -> None:
     @bench_app.command("ops")
     def ops_cmd(
-        device: str = typer.Option("cuda", "--device", help="cpu or cuda."),
+        device: str = typer.Option("auto", "--device", help="cpu, cuda, or auto: cuda when a GPU is available, "
+                                                            "else cpu."),
         dtype: list[str] = typer.Option(None, "--dtype", help="float32, float16 or bfloat16 (repeatable). "
                                         "Default: bfloat16 on cuda, float32 on cpu."),
         quick: bool = typer.Option(False, "--quick", help="BERT-Base shapes only, fewer repetitions."),
@@ -31,8 +32,10 @@ def register(bench_app: typer.Typer) -> None:
 
         if threads > 0:
             torch.set_num_threads(threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cpu", "cuda"):
-            raise BertctlError(f"--device must be cpu or cuda, not {device!r}")
+            raise BertctlError(f"--device must be auto, cpu or cuda, not {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise BertctlError("--device cuda: no CUDA device is available")
         dtypes = tuple(dtype) if dtype else (("bfloat16",) if device == "cuda" else ("float32",))

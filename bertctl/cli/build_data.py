@@ -65,6 +65,44 @@ def register(app: typer.Typer) -> None:
                             whole_word_mask=whole_word_mask, dynamic_masking=dynamic_masking, seed=seed,
                             shard_size=shard_size, chunk_bytes=max(1, int(unit_mb * (1 << 20))),
                             holdout_fraction=holdout_fraction)
-        summary = build_data([str(p) for p in inputs], output, tokenizer, config, workers=workers, resume=resume,
-                             progress=not no_progress)
+        made = _new_folders(output)
+        try:
+            summary = build_data([str(p) for p in inputs], output, tokenizer, config, workers=workers, resume=resume,
+                                 progress=not no_progress)
+        except BaseException as e:
+            if made is not None:
+                _after_failure(output, made, keep=not isinstance(e, BertctlError))
+            raise
         typer.echo(json.dumps(summary, indent=2))
+
+
+def _new_folders(output: Path) -> list[Path] | None:
+    """The folders a build into ``output`` creates (it and missing parents, innermost first), [] for an
+    existing empty ``output``; None when ``output`` holds files already (a resumed build: never touched)."""
+    from bertctl.io import check_writable
+
+    check_writable(output, folder=True)  # before reading any input
+    if output.is_dir():
+        return None if any(output.iterdir()) else []
+    return [p for p in [output, *output.parents] if not p.exists()]
+
+
+def _after_failure(output: Path, made: list[Path], keep: bool) -> None:
+    """A failed build that started from nothing leaves nothing behind, except finished work units that
+    ``--resume`` can continue after an interruption or an operating-system error (``keep``); then it
+    says what it left and why."""
+    import shutil
+
+    from bertctl.data.build import BUILD_DIR
+
+    if not output.is_dir():
+        return
+    done = [p for p in (output / BUILD_DIR).glob("*.json") if p.name != "state.json"]
+    if keep and done:
+        typer.echo(f"bertctl: build-data: kept the partial build in {output} ({len(done)} finished work units); "
+                   "run the same command with --resume to continue it, or delete the folder", err=True)
+        return
+    for child in output.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    for folder in made:  # innermost first: output itself, then the parents created for it
+        folder.rmdir()

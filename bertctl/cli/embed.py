@@ -19,7 +19,9 @@ def register(app: typer.Typer) -> None:
         normalize: bool = typer.Option(False, "--normalize", help="L2-normalise each embedding."),
         field: str = typer.Option(None, "--field", help="JSONL field holding the text (default 'text')."),
         batch_size: int = typer.Option(64, "--batch-size", help="Texts per forward pass."),
-        max_length: int = typer.Option(None, "--max-length", help="Truncate longer texts (default: model limit)."),
+        max_length: int = typer.Option(None, "--max-length", show_default=False,
+                                       help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2 "
+                                            "(default and upper bound: the model's max_position_embeddings)."),
         dtype: str = typer.Option("fp32", help="fp32 or bf16 (autocast)."),
         device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
     ) -> None:
@@ -31,10 +33,12 @@ def register(app: typer.Typer) -> None:
 
         config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
                              max_length=max_length, dtype=dtype, device=device)
-        if output.suffix not in OUTPUT_SUFFIXES:
-            from bertctl.errors import BertctlError
+        from bertctl.errors import BertctlError
+        from bertctl.io import check_writable
 
+        if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
+        check_writable(output)  # before the model runs, not after
         texts = [t for path in inputs for t in read_texts(path, field)]
         encoder = load_encoder(model, resolve_device(config.device))
         tokenizer = BertTokenizer.from_pretrained(model)

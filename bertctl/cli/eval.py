@@ -8,13 +8,14 @@ from typing import Optional
 import typer
 
 from bertctl.errors import BertctlError
+from bertctl.io import check_writable
 from bertctl.tasks.trainer import TrainConfig
 
 eval_app = typer.Typer(help="Evaluate a fine-tuned model, or score SQuAD predictions with the official rules.",
                        no_args_is_help=True)
 
 MODEL = typer.Option(None, "--model", help="Fine-tuned model directory (or a finetune OUT folder).")
-OUTPUT = typer.Option(None, "--output", "-o", help="Write predictions (and metrics.json) here.")
+OUTPUT = typer.Option(None, "--output", "-o", help="Folder for metrics.json (and the predictions, with --model).")
 EVAL_BATCH = typer.Option(128, "--batch-size", help="Evaluation batch size.")
 DEVICE = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars.")
@@ -24,10 +25,17 @@ def _cfg(batch_size: int, device: str, quiet: bool) -> TrainConfig:
     return TrainConfig(eval_batch_size=batch_size, device=device, progress=not quiet)
 
 
-def _need_model(model: Optional[Path]) -> Path:
+def _need_model(model: Optional[Path], output: Optional[Path]) -> Path:
     if model is None:
         raise BertctlError("--model FINETUNED_DIR is required")
+    _check_output(output)
     return model
+
+
+def _check_output(output: Optional[Path]) -> None:
+    """An -o folder that cannot be written fails before the evaluation, not after it."""
+    if output is not None:
+        check_writable(output, folder=True)
 
 
 @eval_app.command("squad")
@@ -51,21 +59,20 @@ def squad(
     max_answer_length: int = typer.Option(30, "--max-answer-length"),
 ) -> None:
     """Exact match and F1 (and HasAns/NoAns for v2.0) of predictions or of a fine-tuned model."""
-    import json
-    import sys
-
     from bertctl.tasks import squad as s
+    from bertctl.tasks.common import emit_metrics
 
     if predictions is not None:
         if model is not None:
             raise BertctlError("give either --predictions or --model, not both")
+        _check_output(output)
         result = s.score_files(data, predictions, version_2=version_2, na_prob_path=na_prob,
                                na_prob_thresh=na_prob_thresh, articles=articles)
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        emit_metrics(output, result)  # stdout, and OUT/metrics.json with -o
         return
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     dev = s.read_squad(data, articles=articles, version_2=version_2)
-    s.run_eval(dev, _need_model(model), _cfg(batch_size, device, quiet), scfg, threshold=null_threshold,
+    s.run_eval(dev, _need_model(model, output), _cfg(batch_size, device, quiet), scfg, threshold=null_threshold,
                output=output)
 
 
@@ -96,7 +103,7 @@ def glue(
         glue_data = g.load_data(task=task, data_dir=data_dir, dev=data, text_column=text_column,
                                 text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                                 skip_bad_rows=skip_bad_rows, need_train=False)
-    g.run_eval(glue_data, _need_model(model), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
+    g.run_eval(glue_data, _need_model(model, output), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
                output=output)
 
 
@@ -110,7 +117,7 @@ def ner(
     """Entity-level precision/recall/F1 (conlleval rules, per type too) of a fine-tuned tagger."""
     from bertctl.tasks import ner as n
 
-    n.run_eval(data, _need_model(model), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
+    n.run_eval(data, _need_model(model, output), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
                output=output)
 
 
@@ -124,7 +131,7 @@ def swag(
     """Accuracy of a fine-tuned multiple-choice model."""
     from bertctl.tasks import swag as w
 
-    w.run_eval(data, _need_model(model), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
+    w.run_eval(data, _need_model(model, output), _cfg(batch_size, device, quiet), max_seq_length=max_seq_length,
                output=output)
 
 

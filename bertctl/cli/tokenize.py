@@ -58,8 +58,10 @@ def encode(
     go beside it in OUT.token_type_ids.npy. Every line is encoded (an empty one gives [CLS] [SEP]);
     a line that is not UTF-8, or lacks the pair separator, stops with an error naming the line.
     """
+    from bertctl.io import check_writable
     from bertctl.tokenizer import encode_file
 
+    check_writable(output)
     tok = _tokenizer(vocab, model, cased)
     summary = encode_file(tok, input, output, pair_separator=pair_separator, max_length=max_length,
                           truncation=truncation, offsets=offsets, progress=True)
@@ -141,8 +143,12 @@ def train(
     are learnt by frequency merges with ## continuations, as Hugging Face's WordPieceTrainer does.
     Files that are not UTF-8 are read as ISO-8859-1.
     """
+    from bertctl.io import check_writable
     from bertctl.vocab import VocabConfig, train_vocab, write_vocab
 
+    check_writable(output)  # before the (long) training, not after
+    if save_dir is not None:
+        check_writable(save_dir, folder=True, what="--save-dir")
     config = VocabConfig(
         vocab_size=vocab_size, do_lower_case=not cased, strip_accents=False if no_strip_accents else None,
         min_frequency=min_frequency, limit_alphabet=limit_alphabet, reserved_unused=reserved_unused,

@@ -70,14 +70,13 @@ def batch_counts(batch: dict) -> tuple[float, float, float, float]:
 
 
 def plot_curves(metrics_path: str | Path, png_path: str | Path) -> Path | None:
-    """Draw loss / accuracy / lr from ``metrics.jsonl`` into a PNG; None if matplotlib is missing."""
-    try:
-        import matplotlib
+    """Draw loss / accuracy / lr from ``metrics.jsonl`` into a PNG; None when the log holds no step yet.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
+    matplotlib is a main dependency.  The figure is drawn on its own Agg canvas, without pyplot:
+    no display is needed, and no global backend is switched under the caller."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     train, evals = [], []
     for line in Path(metrics_path).read_text(encoding="utf-8").splitlines():
         try:
@@ -90,7 +89,9 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path) -> Path | None:
             evals.append(r)
     if not train and not evals:
         return None
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig = Figure(figsize=(15, 4))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
     steps = [r["step"] for r in train]
     axes[0].plot(steps, [r["loss"] for r in train], label="train loss")
     axes[0].plot(steps, [r["mlm_loss"] for r in train], label="train MLM loss", alpha=0.7)
@@ -117,5 +118,4 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path) -> Path | None:
 
     with atomic_path(png_path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
     return Path(png_path)
