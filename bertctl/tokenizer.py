@@ -25,10 +25,15 @@ its Unicode data differ from Python's ``unicodedata`` (older categories, so e.g.
 assigned since are kept as letters; newer case mappings), and only its own tables give identical
 results on every code point. Offsets follow its alignment rules, including the re-ordering of
 combining marks by NFD.
+
+``SentencePieceTokenizer`` puts a SentencePiece model (ALBERT's ``spiece.model``, or one trained by
+``bertctl tokenize train --algorithm unigram|bpe``) behind the same interface (``Tokenizer``);
+``load_tokenizer`` picks the class from what a file or directory holds.
 """
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import json
 import os
@@ -114,12 +119,187 @@ class Encoding:
         return len(self.input_ids)
 
 
-class BertTokenizer:
+class Tokenizer:
+    """What every bertctl tokenizer offers; the rest of bertctl uses only this interface.
+
+    A tokenizer has ``ids_to_tokens`` (tokens in id order), ``vocab`` (token -> id), the special ids
+    ``cls_token_id``, ``sep_token_id``, ``pad_token_id``, ``mask_token_id``, ``unk_token_id`` and
+    ``all_special_ids``, ``model_max_length`` and ``continues_word``; it implements
+    ``_encode_text`` (ids and offsets of one text), ``decode``, ``config`` and ``save_pretrained``.
+    Inputs are laid out as BERT's for every tokenizer: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``
+    with segment ids 0 and 1 (section 3). ``load_tokenizer`` picks the class from what a path holds.
+    """
+
+    kind = ""  # "wordpiece" | "sentencepiece": stored in data manifests and tokenizer configs
+
+    def _encode_text(self, text: str, with_offsets: bool) -> tuple[list[int], list[tuple[int, int]] | None]:
+        """ids (and character offsets into ``text``) of one text, without special tokens."""
+        raise NotImplementedError
+
+    @property
+    def continues_word(self) -> tuple[bool, ...]:
+        """Per id: True when the token continues the word of the token before it (whole-word masking)."""
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.ids_to_tokens)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+    # ------------------------------------------------------------------ public token API
+    def tokenize(self, text: str) -> list[str]:
+        """Tokens of ``text`` (no [CLS]/[SEP])."""
+        ids, _ = self._encode_text(text, False)
+        return self.convert_ids_to_tokens(ids)
+
+    def tokenize_with_offsets(self, text: str) -> tuple[list[str], list[tuple[int, int]]]:
+        """Tokens and their (start, end) character offsets into ``text``."""
+        ids, offsets = self._encode_text(text, True)
+        return self.convert_ids_to_tokens(ids), offsets
+
+    def tokenize_words(self, words: Sequence[str]) -> tuple[list[str], list[int]]:
+        """Tokens of pre-split words (e.g. CoNLL columns) and the word index of each token.
+
+        Each word is tokenised on its own, as Hugging Face does with ``is_split_into_words=True``:
+        WordPiece still runs the basic tokenizer on it (``U.S.`` gives four tokens), SentencePiece
+        gives each word its own ``▁`` start.
+        """
+        tokens: list[str] = []
+        word_index: list[int] = []
+        for k, word in enumerate(words):
+            ids, _ = self._encode_text(word, False)
+            tokens.extend(self.convert_ids_to_tokens(ids))
+            word_index.extend([k] * len(ids))
+        return tokens, word_index
+
+    def convert_tokens_to_ids(self, tokens: str | Iterable[str]):
+        if isinstance(tokens, str):
+            return self.vocab.get(tokens, self.unk_token_id)
+        return [self.vocab.get(t, self.unk_token_id) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Iterable[int]):
+        table = self.ids_to_tokens
+        if isinstance(ids, int):
+            ids = [ids]
+            single = True
+        else:
+            ids = list(ids)
+            single = False
+        if ids and (min(ids) < 0 or max(ids) >= len(table)):
+            bad = next(i for i in ids if not 0 <= i < len(table))
+            raise BertctlError(f"token id {bad} is outside the vocabulary (size {len(table)})")
+        tokens = [table[i] for i in ids]
+        return tokens[0] if single else tokens
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(
+        self,
+        text: str,
+        pair: str | None = None,
+        *,
+        max_length: int | None = None,
+        truncation: str | bool | None = "longest_first",
+        padding: bool | str = False,
+        return_offsets: bool = False,
+    ) -> Encoding:
+        """``[CLS] text [SEP]`` or ``[CLS] text [SEP] pair [SEP]`` with segment ids (BERT section 3).
+
+        ``max_length`` (tokens, specials included) applies only when given: ``truncation`` is
+        "longest_first" (drop from the longer sequence, as Hugging Face does), "only_first",
+        "only_second", or False/None (no truncation). ``padding``: False, True / "longest" (no-op for
+        one text, as in Hugging Face), "max_length" (pad to ``max_length``).
+        """
+        a, a_off = self._encode_text(text, return_offsets)
+        b, b_off = (None, None) if pair is None else self._encode_text(pair, return_offsets)
+        return self._build(a, a_off, b, b_off, max_length, truncation, padding, return_offsets)
+
+    def _build(self, a, a_off, b, b_off, max_length, truncation, padding, return_offsets) -> Encoding:
+        if max_length is not None and truncation not in (False, None, "do_not_truncate"):
+            if truncation is True:
+                truncation = "longest_first"
+            n_a, n_b = truncated_lengths(len(a), None if b is None else len(b), max_length, truncation)
+            a = a[:n_a]
+            a_off = a_off[:n_a] if a_off is not None else None
+            if b is not None:
+                b = b[:n_b]
+                b_off = b_off[:n_b] if b_off is not None else None
+        cls, sep = self.cls_token_id, self.sep_token_id
+        ids = [cls, *a, sep]
+        types = [0] * (len(a) + 2)
+        seq: list[int | None] = [None, *([0] * len(a)), None]
+        if b is not None:
+            ids += [*b, sep]
+            types += [1] * (len(b) + 1)
+            seq += [*([1] * len(b)), None]
+        offsets = None
+        if return_offsets:
+            offsets = [(0, 0), *a_off, (0, 0)]
+            if b is not None:
+                offsets += [*b_off, (0, 0)]
+        mask = [1] * len(ids)
+        if padding == "max_length" and max_length is not None and len(ids) < max_length:
+            n = max_length - len(ids)
+            ids += [self.pad_token_id] * n
+            types += [0] * n
+            mask += [0] * n
+            seq += [None] * n
+            if offsets is not None:
+                offsets += [(0, 0)] * n
+        return Encoding(ids, types, mask, offsets, seq)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        pairs: Sequence[str] | None = None,
+        *,
+        max_length: int | None = None,
+        truncation: str | bool | None = "longest_first",
+        padding: bool | str = "longest",
+    ) -> dict:
+        """Encode many texts (and pairs) into right-padded ``(B, S)`` int64 tensors.
+
+        Returns ``input_ids``, ``token_type_ids``, ``attention_mask``. ``padding="longest"`` pads
+        to the longest row, ``"max_length"`` to ``max_length``.
+        """
+        import numpy as np
+        import torch
+
+        if pairs is not None and len(pairs) != len(texts):
+            raise BertctlError(f"{len(texts)} texts but {len(pairs)} pairs")
+        encs = [
+            self._build(
+                self._encode_text(t, False)[0], None,
+                None if pairs is None else self._encode_text(pairs[k], False)[0], None,
+                max_length, truncation, False, False,
+            )
+            for k, t in enumerate(texts)
+        ]
+        width = max((len(e) for e in encs), default=0)
+        if padding == "max_length" and max_length is not None:
+            width = max(width, max_length)
+        # Scatter the concatenated rows into (B, S) arrays through the attention mask: one numpy
+        # operation per field instead of a tensor construction per row.
+        lengths = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
+        mask = np.arange(width)[None, :] < lengths[:, None]  # (B, S) bool
+        ids = np.full((len(encs), width), self.pad_token_id, dtype=np.int64)
+        ids[mask] = np.fromiter(itertools.chain.from_iterable(e.input_ids for e in encs), dtype=np.int64)
+        types = np.zeros((len(encs), width), dtype=np.int64)
+        types[mask] = np.fromiter(itertools.chain.from_iterable(e.token_type_ids for e in encs), dtype=np.int64)
+        ids, types, mask = (torch.from_numpy(x) for x in (ids, types, mask.astype(np.int64)))
+        return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+
+
+class BertTokenizer(Tokenizer):
     """BERT WordPiece tokenizer; ids and offsets equal Hugging Face's ``BertTokenizerFast``.
 
     ``vocab`` is the token list in id order (a ``vocab.txt``); it must contain the five special
     tokens. ``strip_accents=None`` follows ``do_lower_case``, as in BERT and Hugging Face.
     """
+
+    kind = "wordpiece"
 
     def __init__(
         self,
@@ -156,6 +336,7 @@ class BertTokenizer:
         self._char_cache: dict[str, tuple[str, str]] = {}
         self._basic_cache: dict[str, tuple[str, ...]] = {}
         self._special_words = frozenset(SPECIAL_TOKENS.values())
+        self._continues: tuple[bool, ...] | None = None
 
     def __getstate__(self) -> dict:
         # Caches are rebuilt on demand: a tokenizer sent to worker processes pickles small.
@@ -166,11 +347,11 @@ class BertTokenizer:
 
     # ------------------------------------------------------------------ construction / files
     @property
-    def vocab_size(self) -> int:
-        return len(self.ids_to_tokens)
-
-    def __len__(self) -> int:
-        return self.vocab_size
+    def continues_word(self) -> tuple[bool, ...]:
+        """``##`` pieces continue a word."""
+        if self._continues is None:
+            self._continues = tuple(t.startswith("##") for t in self.ids_to_tokens)
+        return self._continues
 
     @classmethod
     def from_vocab_file(cls, path: str | os.PathLike, do_lower_case: bool = True, **kw) -> "BertTokenizer":
@@ -211,11 +392,12 @@ class BertTokenizer:
             raise BertctlError(f"{vocab_path}: missing (a tokenizer directory needs vocab.txt or tokenizer.json)")
         return cls(read_vocab(vocab_path), **kw)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
+    def save_pretrained(self, directory: str | os.PathLike) -> list[str]:
         """Write ``vocab.txt``, ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``.
 
         The directory loads in ``transformers`` (``AutoTokenizer`` / ``BertTokenizerFast``) and in
         ``tokenizers`` with the same ids. Files are written atomically; other files are kept.
+        Returns the names of the files written.
         """
         from bertctl.io import atomic_open, write_json
 
@@ -229,6 +411,7 @@ class BertTokenizer:
             f.write("\n")
         write_json(directory / "tokenizer_config.json", self.config())
         write_json(directory / "special_tokens_map.json", dict(SPECIAL_TOKENS))
+        return ["vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 
     def tokenizer_json(self) -> dict:
         """The ``tokenizers`` serialisation of this tokenizer (BertNormalizer, BertPreTokenizer, WordPiece)."""
@@ -423,6 +606,11 @@ class BertTokenizer:
         self._word_cache[word] = result
         return result
 
+    def wordpiece(self, word: str) -> tuple[int, ...]:
+        """ids of one word of ``basic_tokenize`` (greedy longest-match-first, cached): the ids of a text
+        are those of its basic-tokenized words in order (build-data caches them per white-space word)."""
+        return self._wordpiece(word)[0]
+
     def _encode_text(self, text: str, with_offsets: bool) -> tuple[list[int], list[tuple[int, int]] | None]:
         """ids (and offsets into ``text``) of a text, without special tokens."""
         if not isinstance(text, str):
@@ -460,17 +648,6 @@ class BertTokenizer:
         self._chunk_cache[chunk] = hit
         return hit
 
-    # ------------------------------------------------------------------ public token API
-    def tokenize(self, text: str) -> list[str]:
-        """WordPiece tokens of ``text`` (no [CLS]/[SEP])."""
-        ids, _ = self._encode_text(text, False)
-        return self.convert_ids_to_tokens(ids)
-
-    def tokenize_with_offsets(self, text: str) -> tuple[list[str], list[tuple[int, int]]]:
-        """Tokens and their (start, end) character offsets into ``text``."""
-        ids, offsets = self._encode_text(text, True)
-        return self.convert_ids_to_tokens(ids), offsets
-
     def basic_tokenize(self, text: str, keep_special_tokens: bool = True) -> list[str]:
         """Words after the basic tokenizer (cleaned, lower-cased, split at white space, punctuation
         and CJK ideographs), before WordPiece; special tokens in the text are words of their own
@@ -503,136 +680,6 @@ class BertTokenizer:
                 words.append(m.group())
                 pos = m.end()
         return tuple(words)
-
-    def tokenize_words(self, words: Sequence[str]) -> tuple[list[str], list[int]]:
-        """Tokens of pre-split words (e.g. CoNLL columns) and the word index of each token.
-
-        Each word still goes through the basic tokenizer (``U.S.`` gives four tokens), as Hugging
-        Face does with ``is_split_into_words=True``.
-        """
-        tokens: list[str] = []
-        word_index: list[int] = []
-        for k, word in enumerate(words):
-            ids, _ = self._encode_text(word, False)
-            tokens.extend(self.convert_ids_to_tokens(ids))
-            word_index.extend([k] * len(ids))
-        return tokens, word_index
-
-    def convert_tokens_to_ids(self, tokens: str | Iterable[str]):
-        if isinstance(tokens, str):
-            return self.vocab.get(tokens, self.unk_token_id)
-        return [self.vocab.get(t, self.unk_token_id) for t in tokens]
-
-    def convert_ids_to_tokens(self, ids: int | Iterable[int]):
-        table = self.ids_to_tokens
-        if isinstance(ids, int):
-            ids = [ids]
-            single = True
-        else:
-            ids = list(ids)
-            single = False
-        if ids and (min(ids) < 0 or max(ids) >= len(table)):
-            bad = next(i for i in ids if not 0 <= i < len(table))
-            raise BertctlError(f"token id {bad} is outside the vocabulary (size {len(table)})")
-        tokens = [table[i] for i in ids]
-        return tokens[0] if single else tokens
-
-    # ------------------------------------------------------------------ encode / decode
-    def encode(
-        self,
-        text: str,
-        pair: str | None = None,
-        *,
-        max_length: int | None = None,
-        truncation: str | bool | None = "longest_first",
-        padding: bool | str = False,
-        return_offsets: bool = False,
-    ) -> Encoding:
-        """``[CLS] text [SEP]`` or ``[CLS] text [SEP] pair [SEP]`` with segment ids (BERT section 3).
-
-        ``max_length`` (tokens, specials included) applies only when given: ``truncation`` is
-        "longest_first" (drop from the longer sequence, as Hugging Face does), "only_first",
-        "only_second", or False/None (no truncation). ``padding``: False, True / "longest" (no-op for
-        one text, as in Hugging Face), "max_length" (pad to ``max_length``).
-        """
-        a, a_off = self._encode_text(text, return_offsets)
-        b, b_off = (None, None) if pair is None else self._encode_text(pair, return_offsets)
-        return self._build(a, a_off, b, b_off, max_length, truncation, padding, return_offsets)
-
-    def _build(self, a, a_off, b, b_off, max_length, truncation, padding, return_offsets) -> Encoding:
-        if max_length is not None and truncation not in (False, None, "do_not_truncate"):
-            if truncation is True:
-                truncation = "longest_first"
-            n_a, n_b = truncated_lengths(len(a), None if b is None else len(b), max_length, truncation)
-            a = a[:n_a]
-            a_off = a_off[:n_a] if a_off is not None else None
-            if b is not None:
-                b = b[:n_b]
-                b_off = b_off[:n_b] if b_off is not None else None
-        cls, sep = self.cls_token_id, self.sep_token_id
-        ids = [cls, *a, sep]
-        types = [0] * (len(a) + 2)
-        seq: list[int | None] = [None, *([0] * len(a)), None]
-        if b is not None:
-            ids += [*b, sep]
-            types += [1] * (len(b) + 1)
-            seq += [*([1] * len(b)), None]
-        offsets = None
-        if return_offsets:
-            offsets = [(0, 0), *a_off, (0, 0)]
-            if b is not None:
-                offsets += [*b_off, (0, 0)]
-        mask = [1] * len(ids)
-        if padding == "max_length" and max_length is not None and len(ids) < max_length:
-            n = max_length - len(ids)
-            ids += [self.pad_token_id] * n
-            types += [0] * n
-            mask += [0] * n
-            seq += [None] * n
-            if offsets is not None:
-                offsets += [(0, 0)] * n
-        return Encoding(ids, types, mask, offsets, seq)
-
-    def encode_batch(
-        self,
-        texts: Sequence[str],
-        pairs: Sequence[str] | None = None,
-        *,
-        max_length: int | None = None,
-        truncation: str | bool | None = "longest_first",
-        padding: bool | str = "longest",
-    ) -> dict:
-        """Encode many texts (and pairs) into right-padded ``(B, S)`` int64 tensors.
-
-        Returns ``input_ids``, ``token_type_ids``, ``attention_mask``. ``padding="longest"`` pads
-        to the longest row, ``"max_length"`` to ``max_length``.
-        """
-        import numpy as np
-        import torch
-
-        if pairs is not None and len(pairs) != len(texts):
-            raise BertctlError(f"{len(texts)} texts but {len(pairs)} pairs")
-        encs = [
-            self._build(
-                self._encode_text(t, False)[0], None,
-                None if pairs is None else self._encode_text(pairs[k], False)[0], None,
-                max_length, truncation, False, False,
-            )
-            for k, t in enumerate(texts)
-        ]
-        width = max((len(e) for e in encs), default=0)
-        if padding == "max_length" and max_length is not None:
-            width = max(width, max_length)
-        # Scatter the concatenated rows into (B, S) arrays through the attention mask: one numpy
-        # operation per field instead of a tensor construction per row.
-        lengths = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
-        mask = np.arange(width)[None, :] < lengths[:, None]  # (B, S) bool
-        ids = np.full((len(encs), width), self.pad_token_id, dtype=np.int64)
-        ids[mask] = np.fromiter(itertools.chain.from_iterable(e.input_ids for e in encs), dtype=np.int64)
-        types = np.zeros((len(encs), width), dtype=np.int64)
-        types[mask] = np.fromiter(itertools.chain.from_iterable(e.token_type_ids for e in encs), dtype=np.int64)
-        ids, types, mask = (torch.from_numpy(x) for x in (ids, types, mask.astype(np.int64)))
-        return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ids as Hugging Face decodes it: ``##`` pieces joined to the previous token,
@@ -801,6 +848,296 @@ def read_vocab(path: str | os.PathLike) -> list[str]:
     return tokens
 
 
+# ---------------------------------------------------------------------- SentencePiece
+SPM_MODEL_FILES = ("spiece.model", "sentencepiece.bpe.model")  # ALBERT/T5's name, XLM-R/CamemBERT's name
+SPM_WORD_START = "\u2581"  # "▁": SentencePiece's mark of a word start (the space before it)
+# Where each BERT special comes from in a SentencePiece vocabulary, first match wins, after a name
+# that tokenizer_config.json gives (ALBERT's layout is <pad> <unk> [CLS] [SEP] [MASK] = ids 0-4, which
+# is also what ``bertctl tokenize train --algorithm unigram|bpe`` writes). "pad"/"unk"/"bos"/"eos" stand
+# for the model's own pad, unknown, begin- and end-of-sentence pieces.
+SPM_SPECIAL_CANDIDATES = {
+    "cls_token": ("[CLS]", "<cls>", "bos"),
+    "sep_token": ("[SEP]", "<sep>", "eos"),
+    "pad_token": ("pad", "<pad>", "[PAD]"),
+    "mask_token": ("[MASK]", "<mask>"),
+    "unk_token": ("unk",),
+}
+
+
+def _sentencepiece():
+    try:
+        import sentencepiece
+    except ImportError:  # a declared dependency; only a broken install lacks it
+        raise BertctlError("the sentencepiece package is not installed (pip install sentencepiece)") from None
+    return sentencepiece
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (unigram or BPE) as a BERT tokenizer; ids equal ``sp.encode(text)``.
+
+    The model file's own normaliser (e.g. NFKC, case folding) is the whole normalisation: no text
+    processing happens before or after SentencePiece, so ids are exactly SentencePiece's. Ids are the
+    model's own (no fairseq offset). The five BERT specials are pieces of the model, found by
+    ``SPM_SPECIAL_CANDIDATES`` (or the names in tokenizer_config.json); a model lacking one is an
+    error. Character offsets come from SentencePiece's alignment to the original text, with the
+    white space a piece's ``▁`` stands for left out (as ``transformers``' trimmed offsets), so
+    ``text[start:end]`` is the text the piece came from. A piece without a leading ``▁`` continues
+    the word before it (whole-word masking).
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, model: bytes | str | os.PathLike, *, special_tokens: dict[str, str] | None = None,
+                 model_max_length: int = 512, filename: str | None = None):
+        if isinstance(model, (bytes, bytearray)):
+            source, proto = filename or "SentencePiece model", bytes(model)
+        else:
+            path = Path(model)
+            if not path.is_file():
+                raise BertctlError(f"{path}: SentencePiece model not found" if not path.exists()
+                                   else f"{path}: not a file (expected a SentencePiece .model)")
+            source, proto = str(path), path.read_bytes()
+            filename = filename or path.name
+        # Saved under its own name when it is one of the two conventional ones (transformers looks for those).
+        self.model_filename = filename if filename in SPM_MODEL_FILES else SPM_MODEL_FILES[0]
+        self.model_proto = proto
+        self.model_sha256 = hashlib.sha256(proto).hexdigest()
+        self._source = source
+        self._sp = self._load(proto, source)
+        sp = self._sp
+        self.ids_to_tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+        self.vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens)}
+        self.model_max_length = int(model_max_length)
+        self.special_tokens = self._special_tokens(special_tokens or {})
+        self.pad_token_id = self.vocab[self.special_tokens["pad_token"]]
+        self.unk_token_id = self.vocab[self.special_tokens["unk_token"]]
+        self.cls_token_id = self.vocab[self.special_tokens["cls_token"]]
+        self.sep_token_id = self.vocab[self.special_tokens["sep_token"]]
+        self.mask_token_id = self.vocab[self.special_tokens["mask_token"]]
+        self.all_special_ids = frozenset(self.vocab[t] for t in self.special_tokens.values())
+        self._spaces: dict[str, bool] = {}
+        self._continues = tuple(
+            not tok.startswith(SPM_WORD_START) and not sp.is_control(i) for i, tok in enumerate(self.ids_to_tokens))
+
+    @staticmethod
+    def _load(proto: bytes, source: str):
+        sp = _sentencepiece().SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(proto)
+        except (RuntimeError, OSError) as e:
+            raise BertctlError(f"{source}: not a SentencePiece model ({str(e).strip() or 'unreadable'})") from None
+        return sp
+
+    def __getstate__(self) -> dict:
+        # The processor is rebuilt from the model bytes (worker processes get a copy).
+        state = dict(self.__dict__)
+        state["_sp"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._sp = self._load(self.model_proto, self._source)
+
+    def _special_tokens(self, named: dict[str, str]) -> dict[str, str]:
+        sp = self._sp
+        own = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
+        found: dict[str, str] = {}
+        for role, candidates in SPM_SPECIAL_CANDIDATES.items():
+            name = named.get(role)
+            if name is not None:
+                if name not in self.vocab:
+                    raise BertctlError(f"{self._source}: {role} {name!r} (from tokenizer_config.json) is not a piece "
+                                       "of the SentencePiece model")
+                found[role] = name
+                continue
+            for c in candidates:
+                if c in own:
+                    if own[c] >= 0:
+                        found[role] = self.ids_to_tokens[own[c]]
+                        break
+                elif c in self.vocab:
+                    found[role] = c
+                    break
+            else:
+                looked = ", ".join(f"the model's {c} piece" if c in own else c for c in candidates)
+                raise BertctlError(
+                    f"{self._source}: the SentencePiece model has no {role.removesuffix('_token')} piece (looked for "
+                    f"{looked}); bertctl needs [CLS], [SEP], pad, [MASK] and unknown pieces inside the model "
+                    "(as ALBERT's spiece.model, or one from bertctl tokenize train --algorithm unigram)")
+        return found
+
+    @property
+    def continues_word(self) -> tuple[bool, ...]:
+        """Pieces without a leading ``▁`` (and not control symbols such as [CLS]) continue a word."""
+        return self._continues
+
+    @property
+    def model_type(self) -> str | None:
+        """"unigram", "bpe", "word" or "char" from the model's trainer spec; None without protobuf."""
+        try:
+            from sentencepiece import sentencepiece_model_pb2
+        except ImportError:
+            return None
+        m = sentencepiece_model_pb2.ModelProto()
+        m.ParseFromString(self.model_proto)
+        return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(m.trainer_spec.model_type).lower()
+
+    # ------------------------------------------------------------------ files
+    @classmethod
+    def from_model_file(cls, path: str | os.PathLike, **kw) -> "SentencePieceTokenizer":
+        return cls(path, **kw)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike) -> "SentencePieceTokenizer":
+        """A directory holding ``spiece.model`` or ``sentencepiece.bpe.model`` (the first found), with the
+        special-token names and ``model_max_length`` of its ``tokenizer_config.json`` when present."""
+        directory = Path(directory)
+        model = find_spm_model(directory)
+        if model is None:
+            raise BertctlError(f"{directory}: no {' or '.join(SPM_MODEL_FILES)} in this directory")
+        kw: dict = {}
+        config_path = directory / "tokenizer_config.json"
+        if config_path.is_file():
+            config = _read_json(config_path)
+            names = {}
+            for role in SPM_SPECIAL_CANDIDATES:
+                value = config.get(role)
+                if isinstance(value, dict):  # transformers' AddedToken form
+                    value = value.get("content")
+                if isinstance(value, str):
+                    names[role] = value
+            kw["special_tokens"] = names
+            max_len = config.get("model_max_length")
+            if isinstance(max_len, int) and 0 < max_len < 1_000_000:  # see BertTokenizer.from_pretrained
+                kw["model_max_length"] = max_len
+        return cls(model, **kw)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> list[str]:
+        """Copy the model file and write ``tokenizer_config.json`` and ``special_tokens_map.json``.
+
+        The config names the model file and says ``"tokenizer_type": "sentencepiece"``. For a unigram
+        model it also names ``AlbertTokenizer``, which ``transformers`` loads with the same ids except
+        that it rewrites ``````/``''`` to ``"`` (ALBERT's preprocessing); ``transformers`` has no class
+        for a BPE model without fairseq's id offset, so none is named then. Returns the file names.
+        """
+        from bertctl.io import atomic_open, write_json
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        with atomic_open(directory / self.model_filename, "wb") as f:
+            f.write(self.model_proto)
+        write_json(directory / "tokenizer_config.json", self.config())
+        write_json(directory / "special_tokens_map.json", dict(self.special_tokens))
+        return [self.model_filename, "tokenizer_config.json", "special_tokens_map.json"]
+
+    def config(self) -> dict:
+        """The ``tokenizer_config.json`` content (also what data manifests store)."""
+        config: dict = {"tokenizer_type": self.kind, "sentencepiece_model": self.model_filename,
+                        "sentencepiece_sha256": self.model_sha256, "model_max_length": self.model_max_length}
+        if self.model_type == "unigram":
+            # transformers' AlbertTokenizer is a unigram model; no lower-casing or accent stripping there:
+            # SentencePiece's own normaliser is the whole normalisation, as in bertctl.
+            config.update(tokenizer_class="AlbertTokenizer", do_lower_case=False, keep_accents=True,
+                          bos_token=self.special_tokens["cls_token"], eos_token=self.special_tokens["sep_token"])
+        config.update(self.special_tokens)
+        return config
+
+    # ------------------------------------------------------------------ tokenisation
+    def _encode_text(self, text: str, with_offsets: bool) -> tuple[list[int], list[tuple[int, int]] | None]:
+        if not isinstance(text, str):
+            raise BertctlError(f"expected text (str), got {type(text).__name__}")
+        if not with_offsets:
+            return self._sp.encode(text), None
+        pieces = _spm_proto(self._sp, text).pieces
+        ids = [p.id for p in pieces]
+        if text.isascii():
+            spans = [(p.begin, p.end) for p in pieces]
+        else:  # SentencePiece aligns in UTF-8 bytes: byte offset -> characters before it
+            ends = list(itertools.accumulate(len(c.encode("utf-8", "surrogatepass")) for c in text))
+            spans = [(bisect.bisect_right(ends, p.begin), bisect.bisect_right(ends, p.end)) for p in pieces]
+        offsets = []
+        for (a, b), p in zip(spans, pieces):
+            if p.piece.startswith(SPM_WORD_START):  # the white space "▁" stands for is not the piece's text
+                while a < b and self._is_space(text[a]):
+                    a += 1
+            offsets.append((a, b))
+        return ids, offsets
+
+    def _is_space(self, c: str) -> bool:
+        """Whether the model's normaliser turns ``c`` into a word boundary (cached per character)."""
+        hit = self._spaces.get(c)
+        if hit is None:
+            hit = self._spaces[c] = c.isspace() and self._sp.encode("a" + c + "a") == self._sp.encode("a a")
+        return hit
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """SentencePiece's decode (``▁`` becomes a space); kept specials appear as their pieces, space-separated."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        self.convert_ids_to_tokens(ids)  # range check
+        if skip_special_tokens:
+            return self._sp.decode([i for i in ids if i not in self.all_special_ids])
+        parts: list[str] = []
+        run: list[int] = []
+        for i in [*ids, None]:
+            if i is None or i in self.all_special_ids:
+                if run:
+                    parts.append(self._sp.decode(run))
+                    run = []
+                if i is not None:
+                    parts.append(self.ids_to_tokens[i])
+            else:
+                run.append(i)
+        return " ".join(parts)
+
+
+def _spm_proto(sp, text: str):
+    """SentencePiece's encoding with alignment (pieces with id, begin and end bytes)."""
+    try:
+        return sp.encode(text, out_type="proto")
+    except ValueError:  # sentencepiece 0.2.0 calls it immutable_proto
+        return sp.encode(text, out_type="immutable_proto")
+
+
+def find_spm_model(directory: str | os.PathLike) -> Path | None:
+    """The SentencePiece model file of a directory (``spiece.model``, then ``sentencepiece.bpe.model``)."""
+    for name in SPM_MODEL_FILES:
+        path = Path(directory) / name
+        if path.is_file():
+            return path
+    return None
+
+
+def load_tokenizer(path: str | os.PathLike, *, do_lower_case: bool = True) -> Tokenizer:
+    """The tokenizer a path holds; every command loads tokenizers through this.
+
+    - a ``.model`` file: a SentencePiece model;
+    - another file: a WordPiece ``vocab.txt`` (``do_lower_case`` says its casing);
+    - a directory with ``spiece.model`` or ``sentencepiece.bpe.model``: SentencePiece (the model file
+      wins over any ``vocab.txt`` or ``tokenizer.json`` beside it);
+    - a ``bertctl build-data`` folder without one (``manifest.json`` and ``vocab.txt``, no
+      ``tokenizer_config.json``): WordPiece with the casing the manifest stores;
+    - any other directory: WordPiece from ``tokenizer.json`` or ``vocab.txt`` (``BertTokenizer.from_pretrained``).
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.suffix == ".model":
+            return SentencePieceTokenizer.from_model_file(path)
+        return BertTokenizer.from_vocab_file(path, do_lower_case=do_lower_case)
+    if not path.is_dir():
+        raise BertctlError(f"{path}: no such file or directory")
+    if find_spm_model(path) is not None:
+        return SentencePieceTokenizer.from_pretrained(path)
+    manifest = path / "manifest.json"
+    if manifest.is_file() and (path / "vocab.txt").is_file() and not (path / "tokenizer_config.json").is_file():
+        info = _read_json(manifest).get("tokenizer") or {}
+        kw = {k: info[k] for k in ("strip_accents", "tokenize_chinese_chars") if k in info}
+        return BertTokenizer.from_vocab_file(path / "vocab.txt", do_lower_case=info.get("do_lower_case", True),
+                                             **_checked_kwargs(manifest, kw))
+    return BertTokenizer.from_pretrained(path)
+
+
 # ---------------------------------------------------------------------- files (the CLI's library side)
 def parse_separator(sep: str | None) -> str | None:
     """``TAB`` or a literal backslash-t mean a tab; anything else is taken as written."""
@@ -831,7 +1168,7 @@ def iter_lines(path: str | os.PathLike):
 
 
 def encode_file(
-    tokenizer: BertTokenizer,
+    tokenizer: Tokenizer,
     input_path: str | os.PathLike,
     output_path: str | os.PathLike,
     *,
@@ -918,7 +1255,7 @@ def encode_file(
     return {"lines": n_lines, "tokens": n_tokens, "truncated_lines": n_truncated, "outputs": outputs}
 
 
-def decode_file(tokenizer: BertTokenizer, path: str | os.PathLike, *, skip_special_tokens: bool = True) -> list[str]:
+def decode_file(tokenizer: Tokenizer, path: str | os.PathLike, *, skip_special_tokens: bool = True) -> list[str]:
     """Texts of the id rows of a ``.jsonl`` (``input_ids`` objects or plain id lists) or ``.npy`` file."""
     import numpy as np
 
@@ -950,7 +1287,7 @@ def decode_file(tokenizer: BertTokenizer, path: str | os.PathLike, *, skip_speci
     return texts
 
 
-def _decode_row(tokenizer: BertTokenizer, ids: list[int], skip: bool, path, number: int) -> str:
+def _decode_row(tokenizer: Tokenizer, ids: list[int], skip: bool, path, number: int) -> str:
     try:
         return tokenizer.decode(ids, skip_special_tokens=skip)
     except BertctlError as e:
