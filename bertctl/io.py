@@ -45,6 +45,8 @@ def _make_parents(folder: Path) -> list[Path]:
     created = []
     for p in [folder, *folder.parents]:
         if p.exists():
+            if not p.is_dir():  # mkdir would say "File exists", naming the file
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
             break
         created.append(p)
     folder.mkdir(parents=True, exist_ok=True)
@@ -62,6 +64,20 @@ def _naming(e: OSError, target: Path) -> OSError:
     if (e.filename is not None and e.filename2 is None) or e.errno is None:
         return e
     return type(e)(e.errno, e.strerror, str(target))
+
+
+def _as_if_made_under_umask(tree: Path) -> None:
+    """Give a finished temporary folder, and everything in it, the modes plain ``mkdir``/``open`` would
+    under the current umask: ``mkdtemp`` makes 0700, and writers like safetensors' ``save_file`` 0600."""
+    mask = current_umask()
+    os.chmod(tree, 0o777 & ~mask)
+    for folder, dirs, files in os.walk(tree):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(folder, name)
+            executable = os.stat(path).st_mode & 0o111
+            os.chmod(path, (0o777 if executable else 0o666) & ~mask)
 
 
 # What to do about the operating-system errors a user can fix, by errno.
@@ -167,7 +183,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
             yield tmp
-            os.chmod(tmp, 0o777 & ~current_umask())
+            _as_if_made_under_umask(tmp)
             old = target.parent / f".{target.name}.old"
             if old.exists():
                 shutil.rmtree(old)

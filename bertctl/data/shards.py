@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
-import os
 from pathlib import Path
 
 import numpy as np
@@ -92,7 +91,6 @@ def write_shard(path: Path, array: np.ndarray) -> dict:
     data = npy_bytes(array)
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; shards are data to share
     return {"file": path.name, "num_instances": int(len(array)), "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}
 
