@@ -42,19 +42,24 @@ def load_config(directory: str | Path, **overrides) -> BertConfig:
 
 
 def tokenizer_vocab_size(directory: str | Path) -> tuple[Path, int] | None:
-    """(file, token count) of the tokenizer that ``BertTokenizer.from_pretrained`` would load here:
-    ``tokenizer.json`` when present, else ``vocab.txt``; None when there is neither (or it is unreadable:
+    """(file, token count) of the tokenizer that ``load_tokenizer`` would load here: a SentencePiece
+    model, else ``tokenizer.json``, else ``vocab.txt``; None when there is none (or it is unreadable:
     loading the tokenizer reports that)."""
+    from bertctl.tokenizer import find_spm_model, load_tokenizer
+
     directory = Path(directory)
     tokenizer_json, vocab_txt = directory / "tokenizer.json", directory / "vocab.txt"
     try:
+        spm = find_spm_model(directory)
+        if spm is not None:
+            return spm, load_tokenizer(directory).vocab_size
         if tokenizer_json.is_file():
             vocab = json.loads(tokenizer_json.read_text(encoding="utf-8")).get("model", {}).get("vocab")
             return (tokenizer_json, len(vocab)) if isinstance(vocab, dict) else None
         if vocab_txt.is_file():
             with open(vocab_txt, "rb") as f:
                 return vocab_txt, sum(1 for _ in f)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, BertctlError):
         return None
     return None
 
