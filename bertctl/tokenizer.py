@@ -155,6 +155,10 @@ class Tokenizer:
         ids, _ = self._encode_text(text, False)
         return self.convert_ids_to_tokens(ids)
 
+    def ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no [CLS]/[SEP])."""
+        return self._encode_text(text, False)[0]
+
     def tokenize_with_offsets(self, text: str) -> tuple[list[str], list[tuple[int, int]]]:
         """Tokens and their (start, end) character offsets into ``text``."""
         ids, offsets = self._encode_text(text, True)

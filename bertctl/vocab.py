@@ -47,6 +47,7 @@ class VocabConfig:
     max_sentences: int | None = None  # stop after this many lines (after sampling)
     max_word_types: int = 2_000_000  # distinct words held in memory before the rarest are pruned
     seed: int = 0  # seed of the line sampling
+    character_coverage: float = 0.9995  # SentencePiece: share of characters kept; rarer ones are <unk>
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -252,6 +253,80 @@ def train_from_counts(counts: dict[str, int], config: VocabConfig, *, progress: 
                 elif pair != (a, b):
                     heapq.heappush(heap, (-c, symbols[pair[0]] + symbols[pair[1]][2:], pair[0], pair[1]))
     return head + symbols
+
+
+# ---------------------------------------------------------------------- SentencePiece models
+ALGORITHMS = ("wordpiece", "unigram", "bpe")
+# BERT's specials inside a trained SentencePiece model, in ALBERT's spiece.model layout: <pad> 0,
+# <unk> 1, then control symbols (never produced from text, like BERT's specials) [CLS] 2, [SEP] 3,
+# [MASK] 4, and [unused0..K-1]; no <s> or </s>. bertctl's SentencePieceTokenizer finds them by name.
+SPM_CONTROL_SYMBOLS = ("[CLS]", "[SEP]", "[MASK]")
+SPM_MAX_LINE_BYTES = 1 << 16  # the trainer skips longer lines (its default, 4,192 bytes, drops paragraphs)
+
+
+def train_sentencepiece(
+    files: Iterable[str | os.PathLike],
+    config: VocabConfig | None = None,
+    algorithm: str = "unigram",
+    *,
+    progress: bool = False,
+) -> bytes:
+    """Train a SentencePiece model with sentencepiece's own trainer; returns the ``.model`` file's bytes.
+
+    ``algorithm``: "unigram" (Kudo, 2018; ALBERT's) or "bpe" (Sennrich et al., 2016). Lines are read
+    and sampled as for WordPiece (``sample_bytes``, ``max_sentences``, ``seed``; non-UTF-8 lines as
+    ISO-8859-1). ``do_lower_case`` selects the ``nmt_nfkc_cf`` normalisation (NFKC and case folding)
+    inside the model, otherwise ``nmt_nfkc``: the model file then carries its casing, and encoding
+    needs no setting. ``vocab_size`` counts every piece, specials included. Options that shape
+    WordPiece only (strip_accents, tokenize_chinese_chars, min_frequency, limit_alphabet) do not apply.
+    """
+    import io
+
+    from bertctl.progress import track
+    from bertctl.tokenizer import _sentencepiece
+
+    config = config or VocabConfig()
+    if algorithm not in ("unigram", "bpe"):
+        raise BertctlError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    paths = collect_files(files)
+    total = sum(p.stat().st_size for p in paths)
+    rate = 1.0 if not config.sample_bytes or config.sample_bytes >= total else config.sample_bytes / total
+    rng = random.Random(config.seed)
+    lines = 0
+
+    def sentences() -> Iterator[str]:
+        nonlocal lines
+        with track("read lines", total, disable=not progress) as advance:
+            for path in paths:
+                for line, size in iter_text_lines(path):
+                    advance(size)
+                    if rate < 1.0 and rng.random() >= rate:
+                        continue
+                    line = line.strip()
+                    if not line:
+                        continue
+                    lines += 1
+                    yield line
+                    if config.max_sentences is not None and lines >= config.max_sentences:
+                        return
+
+    control = [*SPM_CONTROL_SYMBOLS, *(f"[unused{k}]" for k in range(config.reserved_unused))]
+    model = io.BytesIO()
+    try:
+        _sentencepiece().SentencePieceTrainer.train(
+            sentence_iterator=sentences(), model_writer=model, model_type=algorithm, vocab_size=config.vocab_size,
+            pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, control_symbols=control,
+            normalization_rule_name="nmt_nfkc_cf" if config.do_lower_case else "nmt_nfkc",
+            character_coverage=config.character_coverage,
+            max_sentence_length=SPM_MAX_LINE_BYTES, num_threads=max(1, min(16, os.cpu_count() or 1)),
+            minloglevel=2)
+    except RuntimeError as e:  # e.g. "Vocabulary size is too high (30522). Please set it to a value <= 8103."
+        message = str(e).strip().splitlines()[-1].split("] ", 1)[-1] if str(e).strip() else "failed"
+        raise BertctlError(f"sentencepiece trainer ({algorithm}, --vocab-size {config.vocab_size}, {lines} lines): "
+                           f"{message}") from None
+    if not lines:
+        raise BertctlError(f"no text found in {len(paths)} input file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''})")
+    return model.getvalue()
 
 
 def write_vocab(tokens: Sequence[str], path: str | os.PathLike) -> None:

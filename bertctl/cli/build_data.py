@@ -13,7 +13,10 @@ def register(app: typer.Typer) -> None:
     def build_data_command(
         inputs: List[Path] = typer.Argument(..., help="Input files or folders (folders are walked recursively)."),
         output: Path = typer.Option(..., "--output", "-o", help="Output folder: manifest.json, vocab.txt and shards."),
-        vocab: Path = typer.Option(..., "--vocab", help="WordPiece vocab.txt, or a tokenizer folder."),
+        vocab: Optional[Path] = typer.Option(None, "--vocab", show_default=False,
+                                             help="WordPiece vocab.txt, or a tokenizer folder (WordPiece or SentencePiece)."),
+        spm_model: Optional[Path] = typer.Option(None, "--spm-model", show_default=False,
+                                                 help="SentencePiece .model file (instead of --vocab)."),
         cased: bool = typer.Option(False, "--cased", help="Keep case and accents (cased vocabularies)."),
         fmt: str = typer.Option("lines", "--format",
                                 help="lines: one sentence per line, blank line between documents; "
@@ -29,7 +32,7 @@ def register(app: typer.Typer) -> None:
         short_seq_prob: float = typer.Option(0.1, "--short-seq-prob"),
         dupe_factor: Optional[int] = typer.Option(
             None, "--dupe-factor", help="Passes over the data with different masks/pairs. Default 10 (static), 1 (dynamic)."),
-        whole_word_mask: bool = typer.Option(False, "--whole-word-mask", help="Mask all pieces of a word together."),
+        whole_word_mask: bool = typer.Option(False, "--whole-word-mask", help="Mask all pieces of a word together (a word: a piece and its ## pieces; SentencePiece: from a ▁ piece)."),
         dynamic_masking: bool = typer.Option(False, "--dynamic-masking",
                                              help="Store unmasked instances; the loader draws new masks every epoch."),
         seed: int = typer.Option(12345, "--seed"),
@@ -49,12 +52,18 @@ def register(app: typer.Typer) -> None:
         from bertctl.data.build import build_data
         from bertctl.data.config import DataConfig
         from bertctl.errors import BertctlError
-        from bertctl.tokenizer import BertTokenizer
+        from bertctl.tokenizer import load_tokenizer
 
-        if vocab.is_dir():
-            tokenizer = BertTokenizer.from_pretrained(vocab)
-        elif vocab.is_file():
-            tokenizer = BertTokenizer.from_vocab_file(vocab, do_lower_case=not cased)
+        if (vocab is None) == (spm_model is None):
+            raise BertctlError("give exactly one of --vocab VOCAB.txt|DIR or --spm-model FILE.model")
+        if spm_model is not None:
+            if cased:
+                raise BertctlError("--cased applies to --vocab; a SentencePiece model does its own normalisation")
+            if not spm_model.is_file():
+                raise BertctlError(f"{spm_model}: --spm-model: no such file")
+            tokenizer = load_tokenizer(spm_model)
+        elif vocab.is_dir() or vocab.is_file():
+            tokenizer = load_tokenizer(vocab, do_lower_case=not cased)
         else:
             raise BertctlError(f"{vocab}: --vocab: no such file or folder")
         if unit_mb <= 0:

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         import numpy as np
 
         from bertctl.embed import EmbedConfig, embed_texts, load_encoder, read_texts, resolve_device, write_embeddings
-        from bertctl.tokenizer import BertTokenizer
+        from bertctl.tokenizer import load_tokenizer
 
         config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
                              max_length=max_length, dtype=dtype, device=device)
@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         check_writable(output)  # before the model runs, not after
         texts = [t for path in inputs for t in read_texts(path, field)]
         encoder = load_encoder(model, resolve_device(config.device))
-        tokenizer = BertTokenizer.from_pretrained(model)
+        tokenizer = load_tokenizer(model)
         array = embed_texts(encoder, tokenizer, texts, config)
         write_embeddings(array.astype(np.float32, copy=False), output)
         typer.echo(str(output))

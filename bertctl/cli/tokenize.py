@@ -10,26 +10,36 @@ from bertctl.errors import BertctlError
 
 tokenize_app = typer.Typer(
     name="tokenize",
-    help="BERT WordPiece tokenisation (ids equal Hugging Face's BertTokenizerFast) and vocabulary training.",
+    help="BERT WordPiece tokenisation (ids equal Hugging Face's BertTokenizerFast), SentencePiece models, "
+         "and vocabulary training.",
     no_args_is_help=True,
 )
 
 _VOCAB = typer.Option(None, "--vocab", help="vocab.txt (one token per line).", show_default=False)
-_MODEL = typer.Option(None, "--model", help="Model or tokenizer directory (vocab.txt or tokenizer.json; casing from it).",
-                      show_default=False)
+_MODEL = typer.Option(None, "--model", show_default=False,
+                      help="Model or tokenizer directory (spiece.model, sentencepiece.bpe.model, tokenizer.json "
+                           "or vocab.txt; casing from it).")
+_SPM = typer.Option(None, "--spm-model", help="SentencePiece .model file.", show_default=False)
 _CASED = typer.Option(False, "--cased", help="Keep case and accents (with --vocab; a --model directory says itself).")
 
 
-def _tokenizer(vocab: Path | None, model: Path | None, cased: bool):
-    from bertctl.tokenizer import BertTokenizer
+def _tokenizer(vocab: Path | None, model: Path | None, cased: bool, spm_model: Path | None = None):
+    from bertctl.tokenizer import BertTokenizer, load_tokenizer
 
-    if (vocab is None) == (model is None):
-        raise BertctlError("give exactly one of --vocab VOCAB.txt or --model DIR")
-    if model is not None:
-        if cased:
-            raise BertctlError("--cased applies to --vocab; a --model directory stores its own casing")
-        return BertTokenizer.from_pretrained(model)
-    return BertTokenizer.from_vocab_file(vocab, do_lower_case=not cased)
+    if sum(x is not None for x in (vocab, model, spm_model)) != 1:
+        raise BertctlError("give exactly one of --vocab VOCAB.txt, --spm-model FILE.model or --model DIR")
+    if vocab is not None:
+        return BertTokenizer.from_vocab_file(vocab, do_lower_case=not cased)
+    if cased:
+        raise BertctlError("--cased applies to --vocab; a --model directory or SentencePiece model stores its own casing")
+    if spm_model is not None:
+        if not spm_model.is_file():
+            raise BertctlError(f"{spm_model}: --spm-model: no such file")
+        return load_tokenizer(spm_model)
+    if not model.is_dir():
+        raise BertctlError(f"{model}: --model: no such directory")
+    return load_tokenizer(model)
+
 
 
 def register(app: typer.Typer) -> None:
@@ -43,6 +53,7 @@ def encode(
                                 show_default=False),
     vocab: Path = _VOCAB,
     model: Path = _MODEL,
+    spm_model: Path = _SPM,
     cased: bool = _CASED,
     pair_separator: str = typer.Option(None, "--pair-separator",
                                        help='Split each line into a text pair at the first SEP (TAB or "\\t" for a tab).'),
@@ -62,7 +73,7 @@ def encode(
     from bertctl.tokenizer import encode_file
 
     check_writable(output)
-    tok = _tokenizer(vocab, model, cased)
+    tok = _tokenizer(vocab, model, cased, spm_model)
     summary = encode_file(tok, input, output, pair_separator=pair_separator, max_length=max_length,
                           truncation=truncation, offsets=offsets, progress=True)
     typer.echo(json.dumps(summary))
@@ -74,6 +85,7 @@ def decode(
                                  show_default=False),
     vocab: Path = _VOCAB,
     model: Path = _MODEL,
+    spm_model: Path = _SPM,
     keep_special: bool = typer.Option(False, "--keep-special", help="Keep [CLS], [SEP], [PAD], ... in the text."),
     output: Path = typer.Option(None, "--output", "-o", help="Write the text here instead of stdout."),
 ) -> None:
@@ -81,7 +93,7 @@ def decode(
     from bertctl.io import atomic_open
     from bertctl.tokenizer import decode_file
 
-    tok = _tokenizer(vocab, model, False)
+    tok = _tokenizer(vocab, model, False, spm_model)
     lines = decode_file(tok, input, skip_special_tokens=not keep_special)
     if output is None:
         for line in lines:
@@ -99,6 +111,7 @@ def inspect(
     pair: str = typer.Option(None, "--pair", help="Second text of a pair."),
     vocab: Path = _VOCAB,
     model: Path = _MODEL,
+    spm_model: Path = _SPM,
     cased: bool = _CASED,
 ) -> None:
     """Show pieces, ids, segment ids and character offsets: a table on stderr, TSV on stdout."""
@@ -106,7 +119,7 @@ def inspect(
 
     from bertctl.progress import stderr
 
-    tok = _tokenizer(vocab, model, cased)
+    tok = _tokenizer(vocab, model, cased, spm_model)
     enc = tok.encode(text, pair, return_offsets=True)
     table = Table("#", "piece", "id", "segment", "start", "end", "source text")
     rows = []
@@ -123,7 +136,11 @@ def inspect(
 def train(
     inputs: list[Path] = typer.Argument(..., help="Text files or folders (searched recursively for *.txt).",
                                         show_default=False),
-    output: Path = typer.Option(..., "--output", "-o", help="VOCAB.txt to write.", show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", show_default=False,
+                                help="VOCAB.txt to write (wordpiece), or FILE.model (unigram, bpe)."),
+    algorithm: str = typer.Option("wordpiece", "--algorithm",
+                                  help="wordpiece (BERT's), or unigram / bpe: a SentencePiece model trained by "
+                                       "sentencepiece's trainer, with [CLS] [SEP] [MASK] <pad> <unk> inside."),
     vocab_size: int = typer.Option(30522, "--vocab-size", help="Tokens in the vocabulary, specials included.", min=8),
     cased: bool = typer.Option(False, "--cased", help="Keep case (default: lower-case, as bert-base-uncased)."),
     no_strip_accents: bool = typer.Option(False, "--no-strip-accents", help="Keep accents when lower-casing."),
@@ -134,17 +151,22 @@ def train(
                                      help="Read about this many bytes, sampling lines evenly over all inputs.", min=1),
     max_sentences: int = typer.Option(None, "--max-sentences", help="Stop after this many (sampled) lines.", min=1),
     seed: int = typer.Option(0, "--seed", help="Seed of the line sampling."),
+    character_coverage: float = typer.Option(0.9995, "--character-coverage", min=0.5, max=1.0,
+                                             help="unigram/bpe: share of characters covered; rarer ones are <unk>."),
     save_dir: Path = typer.Option(None, "--save-dir",
-                                  help="Also write a tokenizer directory (vocab.txt, tokenizer.json, tokenizer_config.json)."),
+                                  help="Also write a tokenizer directory (vocab.txt, tokenizer.json, tokenizer_config.json; "
+                                       "SentencePiece: spiece.model, tokenizer_config.json)."),
 ) -> None:
     """Learn a BERT WordPiece vocabulary: [PAD], \\[unused0..K-1], [UNK], [CLS], [SEP], [MASK], characters, pieces.
 
     Words come from BERT's basic tokenizer (same casing and accent options as encoding); pieces
     are learnt by frequency merges with ## continuations, as Hugging Face's WordPieceTrainer does.
-    Files that are not UTF-8 are read as ISO-8859-1.
+    Files that are not UTF-8 are read as ISO-8859-1. With --algorithm unigram or bpe, sentencepiece's
+    trainer learns a SentencePiece model instead (NFKC normalisation, case-folded unless --cased):
+    <pad> 0, <unk> 1, [CLS] 2, [SEP] 3, [MASK] 4, \\[unused0..K-1], then the pieces.
     """
     from bertctl.io import check_writable
-    from bertctl.vocab import VocabConfig, train_vocab, write_vocab
+    from bertctl.vocab import ALGORITHMS, VocabConfig, train_sentencepiece, train_vocab, write_vocab
 
     check_writable(output)  # before the (long) training, not after
     if save_dir is not None:
@@ -152,8 +174,31 @@ def train(
     config = VocabConfig(
         vocab_size=vocab_size, do_lower_case=not cased, strip_accents=False if no_strip_accents else None,
         min_frequency=min_frequency, limit_alphabet=limit_alphabet, reserved_unused=reserved_unused,
-        sample_bytes=sample_bytes, max_sentences=max_sentences, seed=seed,
+        sample_bytes=sample_bytes, max_sentences=max_sentences, seed=seed, character_coverage=character_coverage,
     )
+    if algorithm not in ALGORITHMS:
+        raise BertctlError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm != "wordpiece":
+        from bertctl.io import atomic_open
+        from bertctl.tokenizer import SentencePieceTokenizer
+
+        wordpiece_only = [flag for flag, given in (("--no-strip-accents", no_strip_accents),
+                                                   ("--min-frequency", min_frequency != 2),
+                                                   ("--limit-alphabet", limit_alphabet != 1000)) if given]
+        if wordpiece_only:
+            raise BertctlError(f"{', '.join(wordpiece_only)} applies to --algorithm wordpiece only")
+        if output.suffix != ".model":
+            raise BertctlError(f"--output {output}: a SentencePiece model file must end in .model")
+        model = train_sentencepiece(inputs, config, algorithm, progress=True)
+        tokenizer = SentencePieceTokenizer(model, filename=output.name)  # checks that the specials are in place
+        with atomic_open(output, "wb") as f:
+            f.write(model)
+        if save_dir is not None:
+            tokenizer.save_pretrained(save_dir)
+        typer.echo(json.dumps({"output": str(output), "algorithm": algorithm, "vocab_size": tokenizer.vocab_size}))
+        return
+    if character_coverage != 0.9995:
+        raise BertctlError("--character-coverage applies to --algorithm unigram or bpe only")
     tokens = train_vocab(inputs, config, progress=True)
     write_vocab(tokens, output)
     if save_dir is not None:

@@ -57,14 +57,10 @@ BUILD_DIR = ".build"
 
 
 def special_ids(tokenizer) -> SpecialIds:
-    """Special-token ids and the "##" continuation table; BertctlError if the vocabulary lacks one."""
-    vocab = tokenizer.vocab
-    missing = [t for t in SPECIAL_TOKENS if t not in vocab]
-    if missing:
-        raise BertctlError(f"vocabulary has no special token(s) {', '.join(missing)}: not a BERT WordPiece vocabulary")
-    tokens = list(tokenizer.ids_to_tokens)
-    return SpecialIds(cls=vocab["[CLS]"], sep=vocab["[SEP]"], mask=vocab["[MASK]"], vocab_size=len(tokens),
-                      continuation=tuple(t.startswith("##") for t in tokens))
+    """Special-token ids and the word-continuation table (``##`` pieces; SentencePiece pieces without ``▁``)."""
+    return SpecialIds(cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id, mask=tokenizer.mask_token_id,
+                      vocab_size=len(tokenizer.ids_to_tokens), continuation=tokenizer.continues_word)
+
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -74,8 +70,12 @@ def tokenizer_info(tokenizer) -> dict:
     for name in ("do_lower_case", "strip_accents", "tokenize_chinese_chars"):
         if hasattr(tokenizer, name):
             info[name] = getattr(tokenizer, name)
+    if tokenizer.kind == "sentencepiece":  # the model file is copied beside the shards
+        info.update(type=tokenizer.kind, sentencepiece_model=tokenizer.model_filename,
+                    sentencepiece_sha256=tokenizer.model_sha256)
     for name in SPECIAL_TOKENS:
-        info[name.strip("[]").lower() + "_token_id"] = tokenizer.vocab[name]
+        key = name.strip("[]").lower() + "_token_id"
+        info[key] = getattr(tokenizer, key)
     return info
 
 
@@ -251,7 +251,8 @@ class ChunkWorker:
         self.cfg = cfg
         self.output_dir = output_dir
         self.special = special_ids(tokenizer)
-        self.words = WordCache(tokenizer)
+        # WordCache is WordPiece's per-word fast path; SentencePiece encodes whole sentences in C++.
+        self.encode = WordCache(tokenizer).encode if tokenizer.kind == "wordpiece" else tokenizer.ids
         self.dtype = record_dtype(cfg.max_seq_length, cfg.max_predictions_per_seq, self.special.vocab_size,
                                   cfg.dynamic_masking)
 
@@ -262,7 +263,7 @@ class ChunkWorker:
         documents: list[list[list[int]]] = []
         for pieces, presplit in chunk.docs:
             sentences = pieces if presplit else [s for p in pieces for s in split_sentences(p)]
-            doc = [ids for ids in map(self.words.encode, sentences) if ids]
+            doc = [ids for ids in map(self.encode, sentences) if ids]
             if len(doc) < 2:
                 counts["short_documents"] += 1
                 continue
@@ -420,15 +421,13 @@ def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
 
 
 def _as_tokenizer(tokenizer):
-    """A tokenizer object, or one loaded from a vocab.txt path (uncased) or a tokenizer folder."""
+    """A tokenizer object, or one loaded from a vocab.txt path (uncased), a SentencePiece .model or a tokenizer folder."""
     if hasattr(tokenizer, "ids_to_tokens"):
         return tokenizer
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.tokenizer import load_tokenizer
 
-    path = Path(tokenizer)
-    if path.is_dir():
-        return BertTokenizer.from_pretrained(path)
-    return BertTokenizer.from_vocab_file(path)
+    return load_tokenizer(tokenizer)
+
 
 
 def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, tokenizer=None,
@@ -532,8 +531,10 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     }
     with atomic_open(output_dir / "vocab.txt", "w", encoding="utf-8", newline="\n") as f:
         f.writelines(t + "\n" for t in tokenizer.ids_to_tokens)
+    # A SentencePiece folder also holds the model file, so pretraining tokenises as the data was.
+    tokenizer_files = tokenizer.save_pretrained(output_dir) if tokenizer.kind == "sentencepiece" else []
     write_json(output_dir / "manifest.json", manifest)
-    for name in ("vocab.txt", "manifest.json"):  # temporary files are created 0600; these are data to share
+    for name in ("vocab.txt", "manifest.json", *tokenizer_files):  # temporary files are 0600; these are data to share
         os.chmod(output_dir / name, 0o644)
     shutil.rmtree(output_dir / BUILD_DIR, ignore_errors=True)
 

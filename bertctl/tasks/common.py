@@ -31,9 +31,9 @@ def model_dir_of(path: str | Path) -> Path:
 
 
 def load_tokenizer(model_dir: str | Path):
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.tokenizer import load_tokenizer
 
-    return BertTokenizer.from_pretrained(model_dir_of(model_dir))
+    return load_tokenizer(model_dir_of(model_dir))
 
 
 def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | None = None,

@@ -632,14 +632,12 @@ def _info(rec: dict) -> str:
 
 
 def _data_tokenizer(data_dir: Path, manifest: dict):
-    """The tokenizer the data was built with: the folder's vocab.txt and the manifest's settings."""
+    """The tokenizer the data was built with: its SentencePiece model, or vocab.txt with the manifest's settings."""
     if not (data_dir / "vocab.txt").is_file():
         return None
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.tokenizer import load_tokenizer
 
-    info = manifest.get("tokenizer", {})
-    kw = {k: info[k] for k in ("strip_accents", "tokenize_chinese_chars") if k in info}
-    return BertTokenizer.from_vocab_file(data_dir / "vocab.txt", do_lower_case=info.get("do_lower_case", True), **kw)
+    return load_tokenizer(data_dir)  # a build-data folder is a tokenizer directory
 
 
 def pretrain(cfg: TrainConfig, tokenizer=None) -> dict[str, Any]:
