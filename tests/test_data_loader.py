@@ -11,7 +11,7 @@ import torch
 
 from bertctl.data.build import build_data
 from bertctl.data.config import DataConfig
-from bertctl.data.loader import PretrainingData
+from bertctl.data.dataset import PretrainingData
 from bertctl.errors import BertctlError
 from bertctl.tokenizer import BertTokenizer
 
@@ -47,14 +47,19 @@ def test_open_and_contract(built, minilm_vocab, tokenizer):
     assert all(t.dtype == torch.int64 for t in batch.values())
     S = batch["input_ids"].shape[1]
     lengths = batch["attention_mask"].sum(1)
-    assert S % 8 == 0 and S - 8 < lengths.max() <= S  # trimmed to the longest, rounded up to 8
+    assert S == 128  # full width: the batch loader trims
     assert (batch["attention_mask"] == (torch.arange(S) < lengths[:, None])).all()
     assert batch["masked_positions"].shape == batch["masked_lm_labels"].shape == (G, 20)
     unused = batch["masked_positions"] == 0
     assert (batch["masked_lm_labels"][unused] == -100).all() and (batch["masked_lm_labels"][~unused] >= 0).all()
     assert set(batch["next_sentence_label"].tolist()) <= {0, 1}
-    full = next(ds.batches(G, seed=0, trim=False))
-    assert full["input_ids"].shape == (G, 128) and torch.equal(full["input_ids"][:, :S], batch["input_ids"])
+    from bertctl.train.loader import trim
+
+    trimmed = trim(batch, 8)
+    T = trimmed["input_ids"].shape[1]
+    assert T % 8 == 0 and T - 8 < lengths.max() <= T  # trimmed to the longest, rounded up to 8
+    assert torch.equal(trimmed["input_ids"], batch["input_ids"][:, :T])
+    assert torch.equal(trimmed["masked_positions"], batch["masked_positions"])
 
 
 def test_wrong_vocabulary_or_split(built, tokenizer):
@@ -91,8 +96,8 @@ def test_corrupted_shard_is_detected(built, tmp_path):
 def test_ranks_together_see_one_process(built):
     ds = PretrainingData(built / "static")
     G, W = 32, 4
-    single = list(ds.batches(G, seed=3, epoch=1, trim=False))
-    per_rank = [list(ds.batches(G, seed=3, epoch=1, rank=r, world_size=W, trim=False)) for r in range(W)]
+    single = list(ds.batches(G, seed=3, epoch=1))
+    per_rank = [list(ds.batches(G, seed=3, epoch=1, rank=r, world_size=W)) for r in range(W)]
     assert all(len(p) == len(single) == ds.steps_per_epoch(G) for p in per_rank)
     for k, batch in enumerate(single):
         for key, value in batch.items():
@@ -104,21 +109,21 @@ def test_ranks_together_see_one_process(built):
 def test_epoch_order_and_seek(built):
     ds = PretrainingData(built / "static")
     G = 64
-    first = [b["input_ids"] for b in ds.batches(G, seed=5, trim=False)]
-    again = [b["input_ids"] for b in ds.batches(G, seed=5, trim=False)]
-    other = [b["input_ids"] for b in ds.batches(G, seed=5, epoch=1, trim=False)]
+    first = [b["input_ids"] for b in ds.batches(G, seed=5)]
+    again = [b["input_ids"] for b in ds.batches(G, seed=5)]
+    other = [b["input_ids"] for b in ds.batches(G, seed=5, epoch=1)]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(first[0], other[0])
     # one epoch is a permutation: every instance once (rows compared as bytes)
     rows = {r.numpy().tobytes() for b in first for r in b}
-    everything = {r.numpy().tobytes() for b in ds.batches(ds.num_instances, seed=0, trim=False) for r in b["input_ids"]}
+    everything = {r.numpy().tobytes() for b in ds.batches(ds.num_instances, seed=0) for r in b["input_ids"]}
     assert len(rows) == ds.steps_per_epoch(G) * G and rows <= everything and len(everything) == ds.num_instances
 
     reads = []
     original = ds.records
     ds.records = lambda idx: reads.append(len(idx)) or original(idx)
     k = ds.steps_per_epoch(G) - 2
-    sought = list(ds.batches(G, seed=5, start_step=k, trim=False))
+    sought = list(ds.batches(G, seed=5, start_step=k))
     assert len(sought) == 2 and reads == [G, G]  # no replay of the k batches before
     assert torch.equal(sought[0]["input_ids"], first[k])
 
@@ -129,7 +134,7 @@ def test_dynamic_masking(built, tokenizer):
                           for s in ds.manifest["splits"]["train"]["shards"]])
     assert "masked_positions" not in raw.dtype.names  # stored unmasked
     idx = np.arange(0, 600)
-    e0, e0b, e1 = (ds.collate(idx, seed=9, epoch=e, trim=False) for e in (0, 0, 1))
+    e0, e0b, e1 = (ds.collate(idx, seed=9, epoch=e) for e in (0, 0, 1))
     assert all(torch.equal(e0[k], e0b[k]) for k in e0)  # deterministic from (seed, epoch, index)
     assert (e0["masked_positions"] != e1["masked_positions"]).any(1).float().mean() > 0.95  # new masks every epoch
     assert not torch.equal(ds.collate(idx, seed=10, epoch=0)["masked_positions"], e0["masked_positions"])
@@ -166,7 +171,7 @@ def test_dynamic_whole_word_masking(tmp_path, shared_data, tokenizer):
     idx = np.arange(ds.num_instances)
     raw = ds.records(idx)
     cont = np.array([t.startswith("##") for t in tokenizer.ids_to_tokens])
-    e0, e1 = ds.collate(idx, seed=1, epoch=0, trim=False), ds.collate(idx, seed=1, epoch=1, trim=False)
+    e0, e1 = ds.collate(idx, seed=1, epoch=0), ds.collate(idx, seed=1, epoch=1)
     assert not torch.equal(e0["masked_positions"], e1["masked_positions"])
     multi_piece = 0
     for r in range(len(idx)):

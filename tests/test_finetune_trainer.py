@@ -1,4 +1,4 @@
-"""The fine-tuning loop: batching, dynamic padding, exact resume, the lr schedule."""
+"""Fine-tuning on the one engine: batching, dynamic padding, accumulation, processes, exact resume, the schedule."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,53 +6,115 @@ import pytest
 import torch
 
 from bertctl.tasks import trainer as T
+from bertctl.train import loader as L
+from bertctl.train import state
 from test_finetune_support import make_tiny_model_dir
 
 
 def test_epoch_batches_cover_everything_once_and_group_lengths():
     lengths = np.random.default_rng(0).integers(5, 120, size=1000)
     for group in (False, True):
-        batches = T.epoch_batches(lengths, 32, seed=3, epoch=1, group_by_length=group)
+        batches = L.epoch_batches(lengths, 32, seed=3, epoch=1, group_by_length=group)
         flat = np.concatenate(batches)
         assert sorted(flat) == list(range(1000))
-        assert batches[0].tolist() == T.epoch_batches(lengths, 32, 3, 1, group)[0].tolist()  # pure in (seed, epoch)
-    assert T.epoch_batches(lengths, 32, 3, 1, True)[0].tolist() != T.epoch_batches(lengths, 32, 3, 2, True)[0].tolist()
+        assert batches[0].tolist() == L.epoch_batches(lengths, 32, 3, 1, group)[0].tolist()  # pure in (seed, epoch)
+    assert L.epoch_batches(lengths, 32, 3, 1, True)[0].tolist() != L.epoch_batches(lengths, 32, 3, 2, True)[0].tolist()
     # Grouping cuts padding: tokens in padded batches vs the random order.
     def padded(bs):
         return sum(len(b) * lengths[b].max() for b in bs)
-    assert padded(T.epoch_batches(lengths, 32, 3, 1, True)) < 0.7 * padded(T.epoch_batches(lengths, 32, 3, 1, False))
+    assert padded(L.epoch_batches(lengths, 32, 3, 1, True)) < 0.7 * padded(L.epoch_batches(lengths, 32, 3, 1, False))
 
 
 def test_collate_pads_to_multiple_of_8_with_masks():
     feats = [{"input_ids": np.array([101, 5, 102]), "token_type_ids": np.array([0, 0, 0]), "labels": 1},
              {"input_ids": np.array([101, 5, 6, 7, 8, 9, 10, 11, 12, 102]), "token_type_ids": np.zeros(10), "labels": 0}]
-    b = T.collate(feats)
+    b = L.collate(feats)
     assert b["input_ids"].shape == (2, 16)
     assert b["attention_mask"].sum(1).tolist() == [3, 10]
     assert b["input_ids"][0, 3:].eq(0).all() and b["labels"].tolist() == [1, 0]
     tok = [{"input_ids": np.array([1, 2]), "token_type_ids": np.zeros(2), "labels": np.array([-100, 3])}]
-    assert T.collate(tok)["labels"].tolist() == [[-100, 3] + [-100] * 6]
+    assert L.collate(tok)["labels"].tolist() == [[-100, 3] + [-100] * 6]
 
 
-def _setup(tmp_path):
+def test_a_last_batch_smaller_than_the_world_joins_the_one_before():
+    lengths = np.ones(65)
+    assert [len(b) for b in L.epoch_batches(lengths, 32, 0, 0, world_size=1)] == [32, 32, 1]
+    assert [len(b) for b in L.epoch_batches(lengths, 32, 0, 0, world_size=2)] == [32, 33]
+    assert L.steps_per_epoch(65, 32, 1) == 3 and L.steps_per_epoch(65, 32, 2) == 2
+
+
+def _setup(tmp_path, dropout: float | None = None, tokens: bool = False):
     from bertctl.checkpoint import load_pretrained
-    from bertctl.model import BertForSequenceClassification
+    from bertctl.model import BertForSequenceClassification, BertForTokenClassification
 
     d = make_tiny_model_dir(tmp_path / "tiny")
     rng = np.random.default_rng(0)
     feats = [{"input_ids": np.concatenate([[101], rng.integers(1000, 2000, n), [102]]),
               "token_type_ids": np.zeros(n + 2, dtype=np.int8), "labels": int(i % 2)}
              for i, n in enumerate(rng.integers(3, 30, 40))]
+    if tokens:  # per-token labels, some ignored: the loss is normalised by labelled tokens
+        for f in feats:
+            n = len(f["input_ids"])
+            f["labels"] = np.where(rng.random(n) < 0.3, -100, rng.integers(0, 3, n))
+    over = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    cls = BertForTokenClassification if tokens else BertForSequenceClassification
 
     def build():  # the seed fixes the fresh head's initialisation
         torch.manual_seed(0)
-        return load_pretrained(BertForSequenceClassification, d, fresh_heads=True)
+        return load_pretrained(cls, d, fresh_heads=True, num_labels=3 if tokens else 2, **over)
     return build, feats
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["sequence", "token"])
+def test_accumulation_gives_the_large_batch_result(tmp_path, tokens):
+    """Batch 16 in micro-batches of 4 (and of 5: uneven) = batch 16 at once: same loss, same weights."""
+    build, feats = _setup(tmp_path, dropout=0.0, tokens=tokens)
+    base = dict(epochs=2, lr=1e-3, batch_size=16, device="cpu", progress=False)
+    whole = T.fine_tune(build(), feats, T.TrainConfig(**base))
+    for micro in (4, 5):
+        acc = T.fine_tune(build(), feats, T.TrainConfig(**base, micro_batch_size=micro))
+        for (k, a), b in zip(whole.model.state_dict().items(), acc.model.state_dict().values()):
+            # the same sums in another order: float32 rounding only
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=k)
+    # Against a plain reference loop: mean loss over the batch, one optimizer step per batch.
+    ref = build()
+    from bertctl.train.optim import build_optimizer, build_scheduler
+
+    opt = build_optimizer(ref, "adamw", lr=1e-3, weight_decay=0.01, eps=1e-6, fused=False)
+    steps = 2 * L.steps_per_epoch(len(feats), 16)
+    sched = build_scheduler(opt, int(np.ceil(0.1 * steps)), steps)
+    lengths = np.asarray([L.feature_length(f) for f in feats])
+    for epoch in range(2):
+        for idx in L.epoch_batches(lengths, 16, 42, epoch):
+            out = ref(**L.collate([feats[i] for i in idx]))
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    for (k, a), b in zip(whole.model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_the_seed_reaches_data_order_dropout_and_head(tmp_path):
+    build, feats = _setup(tmp_path, dropout=0.1)
+    runs = [T.fine_tune(build(), feats, T.TrainConfig(epochs=1, lr=1e-3, batch_size=8, device="cpu", progress=False,
+                                                      seed=seed)) for seed in (42, 42, 43)]
+    w = [r.model.classifier.weight for r in runs]
+    assert torch.equal(w[0], w[1]) and not torch.allclose(w[0], w[2])
+    # Same head and data order, other dropout: the step seed is drawn from the run seed.
+    build2, _ = _setup(tmp_path / "b", dropout=0.1)
+    a = L.epoch_batches(np.arange(40), 8, 42, 0)
+    b = L.epoch_batches(np.arange(40), 8, 43, 0)
+    assert [x.tolist() for x in a] != [x.tolist() for x in b]
+    from bertctl.train.engine import step_seed
+
+    assert step_seed(42, 0, 0) != step_seed(43, 0, 0)
 
 
 def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_steps=3)
+    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=3)
     calls = []
 
     def evaluate(model):
@@ -69,14 +131,15 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
 
     with pytest.raises(Crash):
         T.fine_tune(build(), feats, cfg, evaluate=crash, main_metric="score", output_dir=tmp_path / "b")
-    state = torch.load(tmp_path / "b" / "checkpoint" / "last.pt", weights_only=False)
-    assert state["position"] == {"epoch": 0, "step": 3, "global_step": 3}
+    latest = state.latest_checkpoint(tmp_path / "b")
+    assert latest.step == 3 and state.load_checkpoint(latest.path)["history"] == []
     calls.clear()
     resumed = T.fine_tune(build(), feats, cfg, evaluate=evaluate, main_metric="score", output_dir=tmp_path / "b",
                           resume=True)
     for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
     assert [h["epoch"] for h in resumed.history] == [1, 2]
+    assert state.latest_checkpoint(tmp_path / "b") is None  # a complete run leaves no checkpoint behind
 
 
 def test_select_best_restores_the_best_epoch(tmp_path):
@@ -96,13 +159,13 @@ def test_select_best_restores_the_best_epoch(tmp_path):
 
 def test_warmup_and_linear_decay_schedule(tmp_path):
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, log_steps=1)
+    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, log_every=1)
     from bertctl.progress import MetricsLog
     import json
 
     with MetricsLog(tmp_path / "log.jsonl") as log:
         T.fine_tune(build(), feats, cfg, log=log)
-    lrs = [json.loads(l)["lr"] for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines()) if r["event"] == "train"]
     total, warmup = 10, 1  # 40 rows / 8 = 5 steps x 2 epochs; 10% warm-up
     # lr after step s (LambdaLR has stepped s times): warm-up to the peak, then linear to 0.
     want = [1e-3 * (s / warmup if s < warmup else (total - s) / (total - warmup)) for s in range(1, total + 1)]
@@ -112,13 +175,14 @@ def test_warmup_and_linear_decay_schedule(tmp_path):
 @pytest.mark.cuda
 def test_bf16_fine_tuning_on_gpu_learns(tmp_path):
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=12, lr=1e-3, batch_size=8, device="cuda", progress=False, log_steps=5)
+    cfg = T.TrainConfig(epochs=12, lr=1e-3, batch_size=8, device="cuda", progress=False, log_every=5)
     from bertctl.progress import MetricsLog
     import json
 
     with MetricsLog(tmp_path / "log.jsonl") as log:
         result = T.fine_tune(build(), feats, cfg, log=log)
-    losses = [json.loads(l)["loss"] for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in map(json.loads, (tmp_path / "log.jsonl").read_text().splitlines())
+              if r["event"] == "train"]
     assert all(np.isfinite(losses)) and np.mean(losses[-2:]) < losses[0] - 0.02, losses
     assert next(result.model.parameters()).dtype == torch.float32  # bf16 autocast, fp32 master weights
     out = T.predict(result.model, feats, device=torch.device("cuda"))

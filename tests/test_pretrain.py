@@ -262,14 +262,40 @@ def test_phase_two_continues_from_phase_one(trained, data_dir, tmp_path):
     assert st2["optimizer"]["param_groups"][0]["initial_lr"] == 1e-3
 
 
-def test_init_from_hf_directory_with_fresh_heads(minilm_dir, data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def minilm_data_dir(shared_data, minilm_dir, tmp_path_factory) -> Path:
+    """Shards built with MiniLM's own vocabulary (continued pretraining needs the model's vocabulary)."""
+    from bertctl.data import DataConfig, build_data
+    from bertctl.tokenizer import BertTokenizer
+
+    from conftest import PRETRAIN_FILES
+
+    files = [str(shared_data / "corpus" / "inaugural" / f"{n}.txt") for n in PRETRAIN_FILES[:3]]
+    out = tmp_path_factory.mktemp("minilm-data") / "data"
+    build_data(files, out, BertTokenizer.from_pretrained(minilm_dir),
+               DataConfig(format="text", max_seq_length=64, dupe_factor=1, seed=3), progress=False)
+    return out
+
+
+def test_init_from_a_model_with_another_vocabulary_is_refused(minilm_dir, data_dir, tmp_path):
+    """Data built with a 690-token vocabulary cannot train MiniLM (30,522): one line naming the fix."""
+    from bertctl.errors import BertctlError
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    with pytest.raises(BertctlError, match=r"690-token vocabulary, not the 30522-token .*build-data --vocab"):
+        pretrain(TrainConfig(output=str(tmp_path / "x"), data=str(data_dir), init_from=str(minilm_dir),
+                             batch_size=8, max_steps=1, device="cpu", show_progress=False))
+    assert not (tmp_path / "x" / "model").exists()
+
+
+def test_init_from_hf_directory_with_fresh_heads(minilm_dir, minilm_data_dir, tmp_path):
     """MiniLM has no MLM/NSP heads: they start fresh, the encoder starts from MiniLM's weights."""
     from bertctl import checkpoint
     from bertctl.model import BertModel
     from bertctl.train.pretrain import TrainConfig, pretrain
 
     out = tmp_path / "cont"
-    s = pretrain(TrainConfig(output=str(out), data=str(data_dir), init_from=str(minilm_dir), batch_size=8,
+    s = pretrain(TrainConfig(output=str(out), data=str(minilm_data_dir), init_from=str(minilm_dir), batch_size=8,
                              lr=1e-12, max_steps=1, device="cpu", eval_at_start=False, eval_batches=1,
                              show_progress=False, save_minutes=1000))
     assert s["steps"] == 1

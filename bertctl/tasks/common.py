@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
-        overrides.update(kernels=cfg.kernels, attn_implementation=cfg.attention)
+        overrides.update(kernels=cfg.kernels, attn_implementation=cfg.attn)
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     return load_pretrained(model_cls, model_dir_of(model_dir), fresh_heads=True, **overrides)
@@ -89,6 +89,15 @@ class SweepOutcome:
     lr: float
     sweep: list[dict]  # one {"lr", "dev": metrics} per learning rate
 
+    @property
+    def is_main(self) -> bool:
+        return is_main_process()
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the outputs (rank 0 under torchrun; the only process otherwise)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
 
 def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: TrainConfig, *,
                      evaluate: Callable[[torch.nn.Module], dict], main_metric: str, output: Path,
@@ -96,7 +105,8 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
     """Fine-tune once, or once per lr of the paper's grid, keeping the best on dev (``main_metric``).
 
     With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
-    and ``result.json`` there, so ``resume`` skips it.
+    and ``result.json`` there, so ``resume`` skips it. Under torchrun every process trains; only
+    ``SweepOutcome.is_main`` writes outputs.
     """
     lrs = lr_sweep_values(lr_sweep, cfg.lr)
     user_build = build_model
@@ -106,7 +116,7 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
         return user_build()
     if len(lrs) == 1:
         result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
-                           output_dir=output, resume=resume and (output / "checkpoint" / "last.pt").exists(), log=log)
+                           output_dir=output, resume=resume and _has_checkpoint(output), log=log)
         return SweepOutcome(result, cfg.lr, [{"lr": cfg.lr, "dev": result.best}])
     from bertctl.checkpoint import load_state, save_pretrained
 
@@ -124,11 +134,11 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
             stderr.print(f"lr sweep: lr {lr:g}")
             result = fine_tune(build_model(), train_features, with_lr(cfg, lr), evaluate=evaluate,
                                main_metric=main_metric, output_dir=run_dir,
-                               resume=resume and (run_dir / "checkpoint" / "last.pt").exists(), log=log)
-            save_pretrained(result.model, run_dir / MODEL_SUBDIR)
+                               resume=resume and _has_checkpoint(run_dir), log=log)
             record = {"lr": lr, "dev": result.best, "examples_per_second": result.examples_per_second}
-            write_json(done, record)
-            shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+            if is_main_process():
+                save_pretrained(result.model, run_dir / MODEL_SUBDIR)
+                write_json(done, record)
         sweep.append(record)
         score = record["dev"][main_metric]
         if best is None or score > best[0]:
@@ -145,6 +155,12 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
         best_result = TrainResult(model, [record["dev"]], record["dev"])
     stderr.print(f"lr sweep: best lr {lr:g} ({main_metric} {best[0]:.4f})")
     return SweepOutcome(best_result, lr, sweep)
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from bertctl.train import state
+
+    return state.latest_checkpoint(run_dir) is not None
 
 
 def emit_metrics(output: Path | None, metrics: dict) -> None:

@@ -283,7 +283,7 @@ def featurize(examples: Sequence[Example], tokenizer, task: GlueTask, max_seq_le
 
 
 def _predictions(model, features, cfg: TrainConfig, regression: bool, progress: bool) -> np.ndarray:
-    out = predict(model, features, outputs=("logits",), batch_size=cfg.eval_batch_size, bf16=cfg.bf16,
+    out = predict(model, features, outputs=("logits",), batch_size=cfg.eval_batch_size, precision=cfg.precision,
                   progress=progress, description="evaluate")
     logits = np.stack([o[0] for o in out])
     return logits[:, 0] if regression else logits.argmax(-1)
@@ -421,12 +421,14 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
     with MetricsLog(output / "metrics.jsonl") as log:
         outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+            return {}
         model = outcome.result.model
         metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.progress)
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         for name, path, examples in data.devs:
             write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
-        result = {"task": data.task.name, **metrics, "lr": outcome.lr, "epochs": cfg.epochs,
+        result = {"task": data.task.name, **metrics, "lr": outcome.lr, "epochs": outcome.result.epochs,
                   "batch_size": cfg.batch_size, "seed": cfg.seed, "train_examples": len(train_features),
                   "train_examples_per_second": outcome.result.examples_per_second, "device": device_info()}
         if len(outcome.sweep) > 1:

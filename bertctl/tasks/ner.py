@@ -147,7 +147,7 @@ def write_predictions(path: Path, data: NerData, predicted: list[list[str]]) -> 
 def _predict_tags(model, data: NerData, tokenizer, id2label, tcfg: TrainConfig, max_seq_length: int,
                   progress: bool, feats: NerFeatures | None = None) -> tuple[list[list[str]], NerFeatures]:
     feats = feats or featurize(data, tokenizer, None, max_seq_length)
-    logits = predict(model, feats.features, outputs=("logits",), batch_size=tcfg.eval_batch_size, bf16=tcfg.bf16,
+    logits = predict(model, feats.features, outputs=("logits",), batch_size=tcfg.eval_batch_size, precision=tcfg.precision,
                      per_token=True, progress=progress, description=f"predict {Path(data.path).name}")
     return decode(feats.features, [o[0] for o in logits], id2label), feats
 
@@ -204,6 +204,8 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
         outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
                                           main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
                                           resume=resume, log=log)
+        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+            return {}
         model = outcome.result.model
         result = {"task": "ner", "labels": labels}
         for name, d, feats in (("valid", valid, valid_feats), ("test", test, None)):
@@ -215,7 +217,7 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
             if feats.truncated_words:
                 result[f"{name}_truncated_words"] = feats.truncated_words
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
-        result.update(lr=outcome.lr, epochs=tcfg.epochs, best_epoch=(outcome.result.best or {}).get("epoch"),
+        result.update(lr=outcome.lr, epochs=outcome.result.epochs, best_epoch=(outcome.result.best or {}).get("epoch"),
                       batch_size=tcfg.batch_size, seed=tcfg.seed, train_sentences=len(train.sentences),
                       train_examples_per_second=outcome.result.examples_per_second, device=device_info())
         if train_feats.truncated_words:

@@ -359,7 +359,7 @@ def write_predictions(output: Path, preds: dict[str, Prediction], version_2: boo
 
 def _logits(model, features, tcfg: TrainConfig, progress: bool):
     out = predict(model, features, outputs=("start_logits", "end_logits"), batch_size=tcfg.eval_batch_size,
-                  bf16=tcfg.bf16, per_token=True, progress=progress, description="predict")
+                  precision=tcfg.precision, per_token=True, progress=progress, description="predict")
     return [(o[0], o[1]) for o in out]
 
 
@@ -399,6 +399,8 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
     with MetricsLog(output / "metrics.jsonl") as log:
         outcome = common.train_with_sweep(build, train_features, tcfg, evaluate=evaluate, main_metric=main,
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+            return {}
         model = outcome.result.model
         preds = decode(dev, dev_features, _logits(model, dev_features, tcfg, tcfg.progress), dev_contexts, scfg)
         metrics, threshold = score_predictions(dev, preds, scfg.version_2)
@@ -407,7 +409,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         write_predictions(output, preds, scfg.version_2, threshold or 0.0, write_nbest)
         result = {"task": "squad-v2.0" if scfg.version_2 else "squad-v1.1", **metrics, "lr": outcome.lr,
-                  "epochs": tcfg.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
+                  "epochs": outcome.result.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
                   "train_questions": len(train.examples), "train_features": len(train_features),
                   "dev_questions": len(dev.examples), "train_examples_per_second": outcome.result.examples_per_second,
                   **_report(train), "device": device_info()}

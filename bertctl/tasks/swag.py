@@ -105,7 +105,7 @@ def featurize(examples: Sequence[SwagExample], tokenizer, max_seq_length: int = 
 
 def _choices(model, feats, tcfg: TrainConfig, progress: bool) -> np.ndarray:
     out = predict(model, feats, outputs=("logits",), batch_size=max(1, tcfg.eval_batch_size // NUM_CHOICES),
-                  bf16=tcfg.bf16, progress=progress, description="evaluate")
+                  precision=tcfg.precision, progress=progress, description="evaluate")
     return np.stack([o[0] for o in out])  # (N, 4)
 
 
@@ -142,12 +142,14 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
     with MetricsLog(output / "metrics.jsonl") as log:
         outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+            return {}
         model = outcome.result.model
         logits = _choices(model, dev_feats, tcfg, tcfg.progress)
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         write_predictions(output / "predictions_dev.tsv", dev, logits)
         result = {"task": "swag", "accuracy": accuracy(logits.argmax(-1), gold), "lr": outcome.lr,
-                  "epochs": tcfg.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
+                  "epochs": outcome.result.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
                   "train_examples": len(train), "dev_examples": len(dev),
                   "train_examples_per_second": outcome.result.examples_per_second, "device": device_info()}
         if len(outcome.sweep) > 1:

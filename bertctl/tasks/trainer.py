@@ -1,27 +1,25 @@
-"""The fine-tuning loop shared by every task (paper §4, Appendix A.3).
+"""Fine-tuning on the one training engine (paper §4, Appendix A.3).
 
 Recipe: AdamW (no decay on biases and LayerNorm, ``bertctl.train.optim``), linear warm-up over
 the first 10% of steps then linear decay to 0, batch 32, 3 epochs, lr 5e-5, dropout 0.1; the
 paper's lr sweep over {5e-5, 4e-5, 3e-5, 2e-5} picks the best on dev.
 
-Speed, without changing the maths:
-- dynamic padding: each batch is padded to its own longest row (rounded up to 8), not to
-  max_seq_length, and ``group_by_length`` draws batches of similar length (random mega-batches
-  of 50 batches sorted by length, Hugging Face's ``LengthGroupedSampler`` scheme);
-- bf16 autocast on GPU, fused AdamW, SDPA attention, pinned host memory and async copies;
-- no host sync per step: the running loss stays on the device until a log line is due.
-
-Features are dicts of numpy arrays / ints (see ``collate``); the task modules build them.
-Checkpoints (``OUT/checkpoint/last.pt``) hold model, optimizer, scheduler, RNG states and the
-position (epoch, step), so ``resume=True`` continues exactly where the last save stopped:
-batch order in an epoch is a pure function of (seed, epoch).
+A task is a model with a fresh head, featurised examples (dicts of numpy arrays, see
+``bertctl.train.loader.collate``) and an ``evaluate(model)`` callback; ``fine_tune`` runs them on
+``bertctl.train.engine.Engine``, which brings DDP under ``torchrun``, accumulation from
+``micro_batch_size``, bf16/fp16/fp32, compile, exact resume and the metrics log. Batches are
+random (Hugging Face Trainer's order) and padded to their own longest row; ``group_by_length``
+(Hugging Face's ``LengthGroupedSampler`` scheme) trades a little randomness for less padding.
+Evaluation runs at every epoch end on the main process; a checkpoint is written there too
+(``OUT/checkpoints/step-N``), so ``resume=True`` continues exactly: batch order is a pure
+function of (seed, epoch), dropout of (seed, step, rank).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +27,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from bertctl.errors import BertctlError
-from bertctl.io import atomic_path
+from bertctl.errors import BertctlError, Stopped
 from bertctl.progress import MetricsLog, stderr, track
-
-IGNORE_INDEX = -100
-PAD_MULTIPLE = 8  # pad lengths to a multiple of 8: tensor-core friendly, few distinct shapes
+from bertctl.train import distributed, state
+from bertctl.train.engine import IGNORE_INDEX, Engine, EngineConfig, autocast, resolve_precision, to_device, warmup_steps
+from bertctl.train.loader import Prefetcher, collate, feature_length, steps_per_epoch, task_batches
 
 
 @dataclass
@@ -44,23 +42,24 @@ class TrainConfig:
 
     epochs: float = 3.0
     lr: float = 5e-5
-    batch_size: int = 32
+    batch_size: int = 32                  # global: examples per optimizer step
+    micro_batch_size: int | None = None   # per process per forward; gradients accumulate to batch_size
     eval_batch_size: int = 128
-    warmup_ratio: float = 0.1
+    warmup_fraction: float = 0.1
     weight_decay: float = 0.01
     adam_eps: float = 1e-6
     max_grad_norm: float = 1.0
     seed: int = 42
-    device: str = "auto"  # "auto" = cuda if available
-    bf16: bool = True  # autocast to bfloat16 on GPU (ignored on CPU)
-    group_by_length: bool = True
+    device: str = "auto"                  # "auto" = cuda if available
+    precision: str = "auto"               # auto = bf16 autocast on GPU, fp32 on CPU; fp16 with loss scaling
+    group_by_length: bool = False
     compile: bool = False
-    kernels: str = "auto"  # model ops: "auto" (compiled kernels where built), "fused" or "torch"
-    attention: str = "sdpa"  # attention backend: "sdpa" or "explicit"
-    max_steps: int | None = None  # stop early (tests, smoke runs)
-    save_steps: int = 0  # also checkpoint every N optimizer steps (0 = only at epoch ends)
-    log_steps: int = 50
-    select_best: bool = False  # keep the epoch with the best dev score (NER: chosen on valid)
+    kernels: str = "auto"                 # model ops: "auto" (compiled kernels where built), "fused" or "torch"
+    attn: str = "sdpa"                    # attention backend: "sdpa" or "explicit"
+    max_steps: int | None = None          # stop early (tests, smoke runs)
+    save_every: int = 0                   # also checkpoint every N optimizer steps (0 = only at epoch ends)
+    log_every: int = 50
+    select_best: bool = False             # keep the epoch with the best dev score (NER: chosen on valid)
     progress: bool = True
 
 
@@ -71,6 +70,8 @@ class TrainResult:
     best: dict | None = None  # the evaluation record of the returned weights
     train_examples: int = 0
     train_seconds: float = 0.0  # training steps only (no evaluation, no featurisation)
+    steps: int = 0
+    epochs: float = 0.0  # epochs actually trained (a --max-steps run stops early)
 
     @property
     def examples_per_second(self) -> float:
@@ -85,88 +86,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def autocast(device: torch.device, bf16: bool):
-    """bf16 autocast on GPU; a no-op context elsewhere (CPU bf16 is slower than fp32 there)."""
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda")
-
-
-# ------------------------------------------------------------------------------------ batching
-
-
-def feature_length(feature: dict) -> int:
-    ids = feature["input_ids"]
-    return int(ids.shape[-1])
-
-
-def _round_up(n: int, multiple: int = PAD_MULTIPLE) -> int:
-    return ((n + multiple - 1) // multiple) * multiple
-
-
-def collate(features: Sequence[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Stack features into padded int64 tensors (pinned when CUDA is present).
-
-    ``input_ids`` / ``token_type_ids`` are (S,) or (C, S) arrays (C choices); ``attention_mask``
-    is derived from their lengths. ``labels`` may be a scalar (class / float score) or an (S,)
-    array (token labels, padded with -100); ``start_positions`` / ``end_positions`` are ints.
-    Keys starting with ``_`` are bookkeeping and stay out of the batch.
-    """
-    first = features[0]
-    length = _round_up(max(feature_length(f) for f in features))
-    lead = first["input_ids"].shape[:-1]  # () or (C,)
-    B = len(features)
-    ids = np.full((B, *lead, length), pad_id, dtype=np.int64)
-    types = np.zeros((B, *lead, length), dtype=np.int64)
-    mask = np.zeros((B, *lead, length), dtype=np.int64)
-    for i, f in enumerate(features):
-        n = f["input_ids"].shape[-1]
-        ids[i, ..., :n] = f["input_ids"]
-        types[i, ..., :n] = f["token_type_ids"]
-        if "lengths" in f:  # multiple choice: each choice has its own length
-            for c, m in enumerate(f["lengths"]):
-                mask[i, c, :m] = 1
-        else:
-            mask[i, :n] = 1
-    batch = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
-    for key in ("labels", "start_positions", "end_positions"):
-        if key not in first:
-            continue
-        value = first[key]
-        if isinstance(value, np.ndarray) and value.ndim == 1:
-            arr = np.full((B, length), IGNORE_INDEX, dtype=np.int64)
-            for i, f in enumerate(features):
-                arr[i, : len(f[key])] = f[key]
-            batch[key] = arr
-        else:
-            dtype = np.float32 if isinstance(value, (float, np.floating)) else np.int64
-            batch[key] = np.asarray([f[key] for f in features], dtype=dtype)
-    out = {k: torch.from_numpy(v) for k, v in batch.items()}
-    if torch.cuda.is_available():
-        out = {k: v.pin_memory() for k, v in out.items()}
-    return out
-
-
-def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, group_by_length: bool) -> list[np.ndarray]:
-    """The batches (index arrays) of one epoch: a pure function of (seed, epoch), so resume can seek.
-
-    With ``group_by_length``, a random permutation is cut into mega-batches of 50 batches, each
-    sorted by length (longest first) and cut into batches, and the batch order is shuffled again,
-    so padding is small while every epoch still sees a fresh random order.
-    """
-    rng = np.random.default_rng([seed, epoch])
-    perm = rng.permutation(len(lengths))
-    if group_by_length:
-        mega = batch_size * 50
-        chunks = [perm[i : i + mega] for i in range(0, len(perm), mega)]
-        perm = np.concatenate([c[np.argsort(-lengths[c], kind="stable")] for c in chunks])
-    batches = [perm[i : i + batch_size] for i in range(0, len(perm), batch_size)]
-    if group_by_length:
-        order = rng.permutation(len(batches))
-        batches = [batches[i] for i in order]
-    return batches
-
-
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _dist(cfg: TrainConfig) -> distributed.Dist:
+    """This process's place: under torchrun one rank per GPU; otherwise the configured device."""
+    device = resolve_device(cfg.device)
+    dist = distributed.setup(device.type)
+    if not dist.enabled and device.type == "cuda" and device.index is not None:
+        dist.device = device
+        torch.cuda.set_device(device)
+    return dist
 
 
 # ------------------------------------------------------------------------------------ prediction
@@ -174,12 +101,13 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequence[str] = ("logits",),
-            batch_size: int = 128, device: torch.device | None = None, bf16: bool = True,
+            batch_size: int = 128, device: torch.device | None = None, precision: str = "auto",
             per_token: bool = False, progress: bool = False, description: str = "predict") -> list[list[np.ndarray]]:
     """Run ``model`` over ``features`` (sorted by length for little padding) and return, per
     feature, the float32 numpy arrays of the named output fields; with ``per_token`` the arrays
     are cut back to the feature's own length (token classification, QA logits)."""
     device = device or next(model.parameters()).device
+    precision = resolve_precision(precision, device)
     was_training = model.training
     model.eval()
     order = np.argsort([-feature_length(f) for f in features], kind="stable")
@@ -203,7 +131,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
             batch = to_device(collate([features[i] for i in idx]), device)
             for key in ("labels", "start_positions", "end_positions"):
                 batch.pop(key, None)
-            with autocast(device, bf16):
+            with autocast(precision, device):
                 out = model(**batch)
             pending.append((idx, [getattr(out, name) for name in outputs]))
             if len(pending) >= 32:
@@ -217,39 +145,34 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
 # ------------------------------------------------------------------------------------ training
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class TaskObjective:
+    """A task head's loss as a sum over the micro-batch, normalised by the global batch's examples
+    (labelled tokens for per-token labels), so accumulation and N processes give the one-batch loss."""
+
+    loss_terms = ("loss",)
+    stat_names = ()
+
+    def sums(self, model, mb):
+        out = model(**mb)
+        if hasattr(out, "start_logits"):  # span QA: mean of the start and end cross-entropies
+            S = out.start_logits.shape[1]
+            start = F.cross_entropy(out.start_logits.float(), mb["start_positions"].clamp(0, S), ignore_index=S,
+                                    reduction="sum")
+            end = F.cross_entropy(out.end_logits.float(), mb["end_positions"].clamp(0, S), ignore_index=S,
+                                  reduction="sum")
+            return {"loss": (start + end) / 2}
+        logits, labels = out.logits.float(), mb["labels"]
+        if labels.dtype.is_floating_point:  # regression
+            return {"loss": F.mse_loss(logits.squeeze(-1), labels.float(), reduction="sum")}
+        return {"loss": F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                        reduction="sum")}
+
+    def record(self, sums, counts):
+        return {"loss": sums["loss"] / max(counts["loss"], 1.0)}
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _save_checkpoint(path: Path, model, optimizer, scheduler, position: dict, history: list, best) -> None:
-    state = {
-        "model": {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()},
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "position": position,
-        "history": history,
-        "best": best,
-        "rng": _rng_state(),
-    }
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-
-
-def _unwrap(model):
-    return getattr(model, "_orig_mod", model)
-
-
-def total_steps(num_features: int, cfg: TrainConfig) -> int:
-    per_epoch = math.ceil(num_features / cfg.batch_size)
+def total_steps(num_features: int, cfg: TrainConfig, world_size: int = 1) -> int:
+    per_epoch = steps_per_epoch(num_features, cfg.batch_size, world_size)
     steps = math.ceil(per_epoch * cfg.epochs)
     return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
@@ -258,121 +181,97 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
               evaluate: Callable[[torch.nn.Module], dict] | None = None, main_metric: str | None = None,
               output_dir: str | Path | None = None, resume: bool = False,
               log: MetricsLog | None = None) -> TrainResult:
-    """Fine-tune ``model`` on ``train_features``; evaluate after every epoch.
+    """Fine-tune ``model`` on ``train_features``; evaluate after every epoch (on the main process).
 
     ``evaluate(model)`` returns a metrics dict; ``main_metric`` names the key that picks the best
-    epoch when ``cfg.select_best``. Checkpoints go to ``output_dir/checkpoint/last.pt``.
-    Returns the model (best epoch's weights when ``select_best``, else the last), the history
-    of evaluations and the training throughput.
+    epoch when ``cfg.select_best``. Checkpoints go to ``output_dir/checkpoints/`` (epoch ends,
+    every ``save_every`` steps, and on SIGINT/SIGTERM, after which ``Stopped`` ends the process
+    with exit 0); they are removed once the run completes. Returns the model (best epoch's
+    weights when ``select_best``, else the last), the evaluation history and the throughput.
     """
     if not train_features:
         raise BertctlError("no training examples")
-    from bertctl.train.optim import build_optimizer, build_scheduler
-
-    device = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    model.to(device)
-    optimizer = build_optimizer(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    steps = total_steps(len(train_features), cfg)
-    warmup = int(cfg.warmup_ratio * steps)
-    scheduler = build_scheduler(optimizer, warmup, steps, "linear")
-    lengths = np.asarray([feature_length(f) for f in train_features])
-    per_epoch = math.ceil(len(train_features) / cfg.batch_size)
-    n_epochs = math.ceil(steps / per_epoch)
-    log = log or MetricsLog(None)
-
-    ckpt = Path(output_dir) / "checkpoint" / "last.pt" if output_dir else None
+    dist = _dist(cfg)
+    W = dist.world_size
+    if cfg.batch_size < W:
+        raise BertctlError(f"--batch-size {cfg.batch_size} is smaller than the {W} processes")
+    per_epoch = steps_per_epoch(len(train_features), cfg.batch_size, W)
+    steps = total_steps(len(train_features), cfg, W)
+    run_dir = Path(output_dir) if output_dir is not None else None
+    log = log if (log is not None and dist.is_main) else MetricsLog(None)
+    ecfg = EngineConfig(batch_size=cfg.batch_size, max_steps=steps, micro_batch_size=cfg.micro_batch_size,
+                        lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
+                        warmup_steps=warmup_steps(steps, None, cfg.warmup_fraction), max_grad_norm=cfg.max_grad_norm,
+                        seed=cfg.seed, precision=cfg.precision, compile=cfg.compile, compile_dynamic=True,
+                        log_every=max(1, cfg.log_every), save_every=cfg.save_every or None, keep=1,
+                        show_progress=cfg.progress and dist.is_main, description="finetune")
+    engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)
+    model = engine.model
     history: list[dict] = []
     best: dict | None = None
-    best_state = None
-    epoch, start_step, global_step = 0, 0, 0
+    best_state: dict | None = None
     if resume:
-        if ckpt is None or not ckpt.exists():
-            raise BertctlError(f"--resume: no checkpoint at {ckpt}")
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        _unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        epoch, start_step, global_step = (state["position"][k] for k in ("epoch", "step", "global_step"))
-        history, best = state["history"], state["best"]
-        if cfg.select_best and best is not None and (Path(output_dir) / "checkpoint" / "best.pt").exists():
-            best_state = torch.load(Path(output_dir) / "checkpoint" / "best.pt", map_location="cpu")
-        stderr.print(f"resuming at epoch {epoch + 1}, step {global_step}/{steps}")
+        latest = state.latest_checkpoint(run_dir) if run_dir else None
+        if latest is None:
+            raise BertctlError(f"--resume: no checkpoint in {run_dir}/{state.CHECKPOINT_DIR}")
+        blob = state.load_checkpoint(latest.path)
+        engine.restore(blob)
+        history, best, best_state = blob["history"], blob["best"], blob.get("best_model")
+        if dist.is_main:
+            stderr.print(f"resuming at step {engine.step}/{steps} (epoch {engine.step // per_epoch + 1})")
 
-    run_model = torch.compile(model, dynamic=True) if cfg.compile else model
-    model.train()
-    train_seconds = 0.0
-    examples = 0
+    def checkpoint(reason: str) -> None:
+        if run_dir is None:
+            return
+        extra = {"history": history, "best": best, "configs": {"training": dataclasses.asdict(cfg)}}
+        if cfg.select_best and best_state is not None:
+            extra["best_model"] = best_state
+        engine.save(extra, {"epoch": engine.step / per_epoch}, reason)
 
-    def save(position):
-        if ckpt is not None:
-            _save_checkpoint(ckpt, model, optimizer, scheduler, position, history, best)
-
-    while epoch < n_epochs and global_step < steps:
-        batches = epoch_batches(lengths, cfg.batch_size, cfg.seed, epoch, cfg.group_by_length)
-        running = torch.zeros((), device=device)
-        running_n = 0
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with track(f"epoch {epoch + 1}/{n_epochs}", len(batches), disable=not cfg.progress) as advance:
-            advance(start_step)
-            for step in range(start_step, len(batches)):
-                if global_step >= steps:
-                    break
-                idx = batches[step]
-                batch = to_device(collate([train_features[i] for i in idx]), device)
-                with autocast(device, cfg.bf16):
-                    out = run_model(**batch)
-                loss = out.loss
-                loss.backward()
-                if cfg.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                running += loss.detach()
-                running_n += 1
-                global_step += 1
-                examples += len(idx)
-                if global_step % cfg.log_steps == 0 or step == len(batches) - 1:
-                    mean_loss = (running / running_n).item()  # the one host sync, every log_steps
-                    running.zero_()
-                    running_n = 0
-                    lr = scheduler.get_last_lr()[0]
-                    log.log(event="train", epoch=epoch + 1, step=global_step, loss=mean_loss, lr=lr)
-                    advance(1, info=f"loss {mean_loss:.4f} lr {lr:.2e}")
-                else:
-                    advance(1)
-                if cfg.save_steps and global_step % cfg.save_steps == 0 and step + 1 < len(batches):
-                    save({"epoch": epoch, "step": step + 1, "global_step": global_step})
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        train_seconds += time.perf_counter() - t0
-        start_step = 0
-        epoch += 1
+    def after_step(step: int) -> None:
+        nonlocal best, best_state
+        if step % per_epoch and step != steps:
+            return
+        metrics = None
         if evaluate is not None:
-            metrics = evaluate(model)
-            record = {"epoch": epoch, "step": global_step, **metrics}
+            metrics = evaluate(model) if dist.is_main else None
+            metrics = distributed.broadcast_from_main(metrics, dist)
+            record = {"epoch": round(step / per_epoch, 4), "step": step, **metrics}
             history.append(record)
             log.log(event="eval", **record)
-            stderr.print(f"epoch {epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                                                         if isinstance(v, float)))
+            if dist.is_main:
+                stderr.print(f"epoch {record['epoch']:g}: " + ", ".join(
+                    f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
             if main_metric is not None and (best is None or metrics[main_metric] > best[main_metric]):
                 best = record
                 if cfg.select_best:
-                    best_state = {k: v.detach().cpu().clone() for k, v in _unwrap(model).state_dict().items()}
-                    if ckpt is not None:
-                        with atomic_path(ckpt.parent / "best.pt") as tmp:
-                            torch.save(best_state, tmp)
-        save({"epoch": epoch, "step": 0, "global_step": global_step})
+                    best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        if step < steps:
+            checkpoint("epoch")
 
+    pin = engine.device.type == "cuda"
+    batches = Prefetcher(task_batches(train_features, cfg.batch_size, seed=cfg.seed, start_step=engine.step,
+                                      steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
+                                      rank=dist.rank, world_size=W, micro_batch_size=cfg.micro_batch_size),
+                         lambda sb: sb, pin=pin)
+    try:
+        result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")
+    finally:
+        batches.close()
+    if result.stopped is not None:
+        checkpoint("interrupted")
+        if dist.is_main:
+            stderr.print(f"stopped ({result.stopped}) at step {engine.step}/{steps}: checkpoint in "
+                         f"{run_dir}/{state.CHECKPOINT_DIR}; continue with --resume")
+        raise Stopped()
+    if run_dir is not None and dist.is_main:  # complete: the task writes model/; nothing left to resume
+        shutil.rmtree(run_dir / state.CHECKPOINT_DIR, ignore_errors=True)
     if cfg.select_best and best_state is not None:
-        _unwrap(model).load_state_dict(best_state)
+        model.load_state_dict(best_state)
     elif history:
         best = history[-1]
-    return TrainResult(_unwrap(model), history, best, examples, train_seconds)
+    return TrainResult(model, history, best, result.sequences, result.train_seconds, engine.step,
+                       round(engine.step / per_epoch, 4))
 
 
 def lr_sweep_values(lr_sweep: bool, lr: float) -> list[float]:
@@ -390,8 +289,5 @@ def device_info() -> dict:
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
     info["host_cpus"] = os.cpu_count()
+    info["world_size"] = int(os.environ.get("WORLD_SIZE", "1"))
     return info
-
-
-def clone_state(model: torch.nn.Module) -> dict:
-    return copy.deepcopy({k: v.detach().cpu() for k, v in model.state_dict().items()})

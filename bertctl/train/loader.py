@@ -1,80 +1,71 @@
-"""A prefetching loader: a background thread cuts, trims and pins batches ahead of the GPU.
+"""The one batch loader: every training job's batches, cut into micro-batches, trimmed and pinned ahead.
 
-The thread runs the data set's deterministic iterator (so the batches and their
-order do not depend on timing), splits each rank batch into micro-batches for
-gradient accumulation, trims each micro-batch to its longest sequence, counts
-the work in it (tokens, masked predictions, for throughput and FLOPs), and pins
-it.  The training thread then copies with ``non_blocking=True``, which overlaps
-the host-to-device copy with the previous step's kernels.
+Two sources feed it, one path out:
+
+- pretraining: ``PretrainingData.batches`` (memory-mapped shards, full ``max_seq_length`` width) or
+  ``bucketed_batches`` (length-bucketed order);
+- fine-tuning: ``task_batches`` over a task's featurised examples (dicts of numpy arrays), in an
+  epoch order drawn from (seed, epoch).
+
+``Prefetcher`` runs the deterministic source in a background thread (so batches and their order do
+not depend on timing), splits this rank's batch into micro-batches for gradient accumulation, trims
+each to its longest sequence (rounded up to a multiple of 8: tensor-core shapes), counts the work
+and each loss term's normaliser (``bertctl.train.engine.StepBatch``), and pins the tensors; the
+training thread then copies with ``non_blocking=True``, overlapping the copy with the last step.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from bertctl.train.metrics import batch_counts
+from bertctl.train.engine import IGNORE_INDEX, StepBatch
 
-KEYS = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels", "next_sentence_label")
-
-
-@dataclass
-class StepBatch:
-    """One optimizer step's data for this rank: micro-batches plus counts (host numbers)."""
-
-    micro: list[dict[str, torch.Tensor]]
-    tokens: float          # real tokens
-    attn_pairs: float      # Σ length²
-    masked: float          # masked predictions with a label
-    sequences: int
-    padded_tokens: float   # B·S actually computed (with the padding left after trimming)
+PAD_MULTIPLE = 8
+SEQUENCE_KEYS = ("input_ids", "token_type_ids", "attention_mask")
 
 
-def trim(batch: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
-    """Cut the sequence dim to the longest sequence, rounded up to ``multiple`` (tensor-core shapes)."""
-    s = batch["input_ids"].shape[1]
-    longest = int(batch["attention_mask"].sum(dim=1).max())
-    keep = min(s, max(multiple, -(-longest // multiple) * multiple))
+def round_up(n: int, multiple: int = PAD_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def trim(batch: dict[str, torch.Tensor], multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
+    """Cut the sequence (last) dim to the longest sequence, rounded up to ``multiple``.
+
+    Per-token labels (same shape as ``input_ids``) are cut with it; everything else is kept.
+    """
+    ids = batch["input_ids"]
+    s = ids.shape[-1]
+    longest = int(batch["attention_mask"].sum(dim=-1).max())
+    keep = min(s, max(multiple, round_up(longest, multiple)))
     if keep == s:
         return batch
     out = dict(batch)
-    for k in ("input_ids", "token_type_ids", "attention_mask"):
-        out[k] = batch[k][:, :keep].contiguous()
+    for k, v in batch.items():
+        if k in SEQUENCE_KEYS or (k == "labels" and v.shape == ids.shape):
+            out[k] = v[..., :keep].contiguous()
     return out
 
 
-def split(batch: dict[str, torch.Tensor], micro_batch_size: int, multiple: int) -> StepBatch:
-    b = batch["input_ids"].shape[0]
-    micro = []
-    for start in range(0, b, micro_batch_size):
-        mb = {k: batch[k][start:start + micro_batch_size] for k in KEYS}
-        micro.append(trim(mb, multiple) if multiple else mb)
-    tokens, pairs, masked, seqs = batch_counts(batch)
-    padded = float(sum(m["input_ids"].numel() for m in micro))
-    return StepBatch(micro, tokens, pairs, masked, int(seqs), padded)
-
-
 class Prefetcher:
-    """Iterate ``StepBatch``es produced ``depth`` steps ahead by a daemon thread."""
+    """Iterate the ``StepBatch``es that ``make_step(batch)`` cuts, ``depth`` steps ahead in a daemon thread."""
 
-    def __init__(self, batches: Iterable[dict], micro_batch_size: int, *, multiple: int = 8,
-                 pin: bool = False, depth: int = 4):
+    def __init__(self, batches: Iterable, make_step: Callable[[object], StepBatch], *, pin: bool = False,
+                 depth: int = 4):
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._work, args=(iter(batches), micro_batch_size, multiple, pin), daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(iter(batches), make_step, pin), daemon=True)
         self._thread.start()
 
-    def _work(self, it: Iterator[dict], micro: int, multiple: int, pin: bool) -> None:
+    def _work(self, it: Iterator, make_step: Callable, pin: bool) -> None:
         try:
             for batch in it:
                 if self._stop.is_set():
                     return
-                sb = split(batch, micro, multiple)
+                sb = make_step(batch)
                 if pin:
                     sb.micro = [{k: v.pin_memory() for k, v in m.items()} for m in sb.micro]
                 while not self._stop.is_set():
@@ -108,11 +99,28 @@ class Prefetcher:
         self._thread.join(timeout=5)
 
 
+# --------------------------------------------------------------------------- pretraining
+
+
+def pretraining_step(batch: dict[str, torch.Tensor], micro_batch_size: int, multiple: int = PAD_MULTIPLE) -> StepBatch:
+    """A rank batch of ``PretrainingData`` -> micro-batches and counts (``mlm`` = masked predictions,
+    ``nsp`` = sequences: the two loss terms' normalisers)."""
+    b = batch["input_ids"].shape[0]
+    micro = [trim({k: v[start:start + micro_batch_size] for k, v in batch.items()}, multiple)
+             for start in range(0, b, micro_batch_size)]
+    lengths = batch["attention_mask"].sum(dim=1).double()
+    masked = float((batch["masked_lm_labels"] != IGNORE_INDEX).sum())
+    counts = {"mlm": masked, "nsp": float(b), "sequences": float(b), "tokens": float(lengths.sum()),
+              "attn_pairs": float((lengths * lengths).sum()),
+              "padded_tokens": float(sum(m["input_ids"].numel() for m in micro))}
+    return StepBatch(micro, counts)
+
+
 def bucketed_batches(data, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0,
                      rank: int = 0, world_size: int = 1, window: int = 64) -> Iterator[dict[str, torch.Tensor]]:
-    """One epoch in length-bucketed order: less padding when lengths vary.
+    """One epoch of ``PretrainingData`` in length-bucketed order: less padding when lengths vary.
 
-    The epoch's permutation (the loader's, from (seed, epoch)) is cut into windows of
+    The epoch's permutation (the data set's, from (seed, epoch)) is cut into windows of
     ``window`` global batches; inside a window the instances are sorted by length and cut
     into global batches, whose order is then shuffled from (seed, epoch, window start).
     Every instance is still seen once an epoch; rank r takes the r-th slice of each global
@@ -128,8 +136,122 @@ def bucketed_batches(data, global_batch_size: int, *, seed: int, epoch: int = 0,
         ordered = idx[np.argsort(lengths, kind="stable")].reshape(w1 - w0, global_batch_size)
         ordered = ordered[np.random.default_rng([seed, epoch, w0, 7]).permutation(w1 - w0)]
         for k in range(max(w0, start_step), w1):
-            yield data.collate(ordered[k - w0][rank * b:(rank + 1) * b], seed=seed, epoch=epoch, trim=True)
+            yield data.collate(ordered[k - w0][rank * b:(rank + 1) * b], seed=seed, epoch=epoch)
 
 
-def to_device(micro: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+# --------------------------------------------------------------------------- fine-tuning
+
+
+def feature_length(feature: dict) -> int:
+    return int(feature["input_ids"].shape[-1])
+
+
+def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
+    """Stack task features into padded int64 tensors (padded to the longest, rounded up to ``multiple``).
+
+    ``input_ids`` / ``token_type_ids`` are (S,) or (C, S) arrays (C choices); ``attention_mask``
+    is derived from their lengths (``lengths`` per choice for multiple choice). ``labels`` may be a
+    scalar (class / float score) or an (S,) array (token labels, padded with -100);
+    ``start_positions`` / ``end_positions`` are ints. Keys starting with ``_`` stay out.
+    """
+    first = features[0]
+    length = round_up(max(feature_length(f) for f in features), multiple)
+    lead = first["input_ids"].shape[:-1]  # () or (C,)
+    B = len(features)
+    ids = np.full((B, *lead, length), pad_id, dtype=np.int64)
+    types = np.zeros((B, *lead, length), dtype=np.int64)
+    mask = np.zeros((B, *lead, length), dtype=np.int64)
+    for i, f in enumerate(features):
+        n = f["input_ids"].shape[-1]
+        ids[i, ..., :n] = f["input_ids"]
+        types[i, ..., :n] = f["token_type_ids"]
+        if "lengths" in f:  # multiple choice: each choice has its own length
+            for c, m in enumerate(f["lengths"]):
+                mask[i, c, :m] = 1
+        else:
+            mask[i, :n] = 1
+    batch = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+    for key in ("labels", "start_positions", "end_positions"):
+        if key not in first:
+            continue
+        value = first[key]
+        if isinstance(value, np.ndarray) and value.ndim == 1:
+            arr = np.full((B, length), IGNORE_INDEX, dtype=np.int64)
+            for i, f in enumerate(features):
+                arr[i, : len(f[key])] = f[key]
+            batch[key] = arr
+        else:
+            dtype = np.float32 if isinstance(value, (float, np.floating)) else np.int64
+            batch[key] = np.asarray([f[key] for f in features], dtype=dtype)
+    return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+
+def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, group_by_length: bool = False,
+                  world_size: int = 1) -> list[np.ndarray]:
+    """The global batches (index arrays) of one epoch: a pure function of (seed, epoch), so resume can seek.
+
+    Plain: a random permutation cut into batches (the last may be smaller), as Hugging Face's
+    Trainer does by default. ``group_by_length``: Hugging Face's ``LengthGroupedSampler`` scheme,
+    the permutation cut into mega-batches of 50 batches, each sorted by length (longest first) and
+    cut into batches, and the batch order shuffled again: less padding, batches of similar length.
+    A last batch with fewer examples than processes joins the one before it (every rank needs one).
+    """
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(len(lengths))
+    if group_by_length:
+        mega = batch_size * 50
+        chunks = [perm[i: i + mega] for i in range(0, len(perm), mega)]
+        perm = np.concatenate([c[np.argsort(-lengths[c], kind="stable")] for c in chunks])
+    batches = [perm[i: i + batch_size] for i in range(0, len(perm), batch_size)]
+    if len(batches) > 1 and len(batches[-1]) < world_size:
+        batches[-2:] = [np.concatenate(batches[-2:])]
+    if group_by_length:
+        order = rng.permutation(len(batches))
+        batches = [batches[i] for i in order]
+    return batches
+
+
+def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_size: int, micro_batch_size: int | None,
+              pad_id: int = 0) -> StepBatch:
+    """One global batch ``idx`` of task features -> this rank's micro-batches and counts.
+
+    Rank r takes the r-th of ``world_size`` near-equal contiguous slices. The loss term ``loss`` is
+    normalised by examples, or by labelled tokens for per-token labels (NER), over the global batch.
+    """
+    mine = np.array_split(idx, world_size)[rank]
+    micro_size = micro_batch_size or len(mine)
+    micro, counts = [], {"loss": 0.0, "sequences": float(len(mine)), "tokens": 0.0, "attn_pairs": 0.0,
+                         "padded_tokens": 0.0}
+    for start in range(0, len(mine), micro_size):
+        mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id)
+        lengths = mb["attention_mask"].sum(dim=-1).double()
+        labels = mb.get("labels")
+        if labels is not None and labels.shape == mb["input_ids"].shape:
+            counts["loss"] += float((labels != IGNORE_INDEX).sum())
+        else:
+            counts["loss"] += float(mb["input_ids"].shape[0])
+        counts["tokens"] += float(lengths.sum())
+        counts["attn_pairs"] += float((lengths * lengths).sum())
+        counts["padded_tokens"] += float(mb["input_ids"].numel())
+        micro.append(mb)
+    return StepBatch(micro, counts)
+
+
+def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_step: int, steps_per_epoch: int,
+                 group_by_length: bool, rank: int = 0, world_size: int = 1,
+                 micro_batch_size: int | None = None) -> Iterator[StepBatch]:
+    """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying)."""
+    lengths = np.asarray([feature_length(f) for f in features])
+    epoch, k = divmod(start_step, steps_per_epoch)
+    while True:
+        for idx in epoch_batches(lengths, batch_size, seed, epoch, group_by_length, world_size)[k:]:
+            yield task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size)
+        epoch, k = epoch + 1, 0
+
+
+def steps_per_epoch(num_examples: int, batch_size: int, world_size: int = 1) -> int:
+    """Optimizer steps in one epoch of ``epoch_batches`` (it merges a last batch smaller than the world)."""
+    steps = -(-num_examples // batch_size)
+    if steps > 1 and num_examples - (steps - 1) * batch_size < world_size:
+        steps -= 1
+    return steps

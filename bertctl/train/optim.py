@@ -182,12 +182,35 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, kind: str = "linea
     raise BertctlError(f"unknown lr schedule {kind!r}: choose linear, cosine or constant")
 
 
+class Schedule:
+    """The lr multiplier of ``lr_factor``, re-plannable: ``replan(step, total)`` keeps the current
+    multiplier at ``step`` and decays it linearly to 0 at the new ``total`` (a time-boxed run whose
+    step time drifted still ends its schedule at 0)."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, kind: str = "linear"):
+        self.warmup, self.total, self.kind = warmup_steps, total_steps, kind
+        self.anchor: tuple[int, float] | None = None  # (step, multiplier) where a re-plan took over
+
+    def __call__(self, step: int) -> float:
+        if self.anchor is not None and step >= self.anchor[0]:
+            a_step, a_factor = self.anchor
+            return a_factor * max(0.0, self.total - step) / max(1, self.total - a_step)
+        return lr_factor(step, self.warmup, self.total, self.kind)
+
+    def replan(self, step: int, total_steps: int) -> None:
+        if step >= self.warmup:
+            self.anchor = (step, self(step))
+        self.total = total_steps
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
                     kind: str = "linear") -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps``, then linear decay to 0 at ``total_steps`` (or cosine / constant)."""
+    """Linear warm-up over ``warmup_steps``, then linear decay to 0 at ``total_steps`` (or cosine / constant).
+
+    The multiplier is a ``Schedule`` (``scheduler.lr_lambdas[0]``); LambdaLR's state_dict saves its fields.
+    """
     if kind not in ("linear", "cosine", "constant"):
         raise BertctlError(f"unknown lr schedule {kind!r}: choose linear, cosine or constant")
     if warmup_steps < 0 or total_steps < 0:
         raise BertctlError(f"warmup_steps ({warmup_steps}) and total_steps ({total_steps}) must be >= 0")
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, kind))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule(warmup_steps, total_steps, kind))

@@ -1,33 +1,25 @@
 """BERT pretraining: masked LM + next-sentence prediction (paper §3.1, §A.2), one CPU to many GPUs.
 
-``pretrain(TrainConfig(...))`` is the whole job: build or load the model, resume
-from the run's newest checkpoint if asked, train with gradient accumulation to the
-global batch size, checkpoint atomically, evaluate on held-out data, and export a
-Hugging Face directory.  Under ``torchrun`` it runs DistributedDataParallel, one
-process per GPU (NCCL) or CPU process (gloo).
+``pretrain(TrainConfig(...))`` is the whole job: build or load the model, resume from the
+run's newest checkpoint if asked, train on the one engine (``bertctl.train.engine``: DDP under
+``torchrun``, accumulation to the global batch, precision, checkpoints, logging), evaluate on
+held-out data (and say so when the run has collapsed), and export a Hugging Face directory.
 
-Exactness (the "never lose work" contract):
-- every step reseeds torch from (seed, step, rank), so dropout after a resume is
-  the dropout the uninterrupted run drew;
-- the data loader seeks to (epoch, step) and never replays a batch;
-- model, optimizer, scheduler, loss scaler and every rank's RNG states are saved.
-On CPU a killed and resumed run therefore ends bit-identical to an uninterrupted one.
+Exactness (the "never lose work" contract): the engine reseeds torch every step from
+(seed, step, rank) and saves every rank's RNG states; the data loader seeks to (epoch, step)
+and never replays a batch. On CPU a killed and resumed run ends bit-identical to an
+uninterrupted one.
 
-Loss normalisation: the MLM loss is Σ token cross-entropy / (masked tokens in the
-*global* batch, all ranks and micro-batches), NSP Σ / (global batch size).  Each
-micro-batch contributes its sums scaled by world_size / count (DDP averages
-gradients over ranks), so N processes × k micro-batches give one process's
-loss and gradient on the same global batch.
+Loss normalisation: the MLM loss is Σ token cross-entropy / (masked tokens in the *global*
+batch, all ranks and micro-batches), NSP Σ / (global batch size), so N processes × k
+micro-batches give one process's loss and gradient on the same global batch.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
-import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,13 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from bertctl.errors import BertctlError
-from bertctl.progress import MetricsLog, progress, stderr
+from bertctl.progress import MetricsLog, stderr
 from bertctl.train import distributed, state
-from bertctl.train.loader import Prefetcher, StepBatch, bucketed_batches, to_device
-from bertctl.train.metrics import peak_flops, plot_curves, train_flops, train_flops_6nt
-from bertctl.train.optim import build_optimizer, build_scheduler
-
-IGNORE_INDEX = -100
+from bertctl.train.engine import (IGNORE_INDEX, Engine, EngineConfig, autocast, resolve_precision, to_device,
+                                  warmup_steps)
+from bertctl.train.loader import Prefetcher, bucketed_batches, pretraining_step, trim
+from bertctl.train.metrics import plot_curves, train_flops_6nt
+from bertctl.train.optim import build_scheduler
 
 
 @dataclass
@@ -62,6 +54,7 @@ class TrainConfig:
     # Schedule.
     max_steps: int | None = None          # None: one epoch of the data
     minutes: float | None = None          # time box: stop (checkpoint + export) after this long
+    fit_to_minutes: bool = False          # re-plan max_steps from the measured step time (built-in job)
     batch_size: int = 256                 # global, sequences per optimizer step
     micro_batch_size: int | None = None   # per process per forward; None = batch_size // world_size
     optimizer: str = "adamw"
@@ -71,7 +64,7 @@ class TrainConfig:
     eps: float = 1e-6
     schedule: str = "linear"
     warmup_steps: int | None = None
-    warmup_fraction: float = 0.01         # paper: 10,000 of 1,000,000 steps
+    warmup_fraction: float = 0.06         # the paper: 10,000 of 1,000,000 steps; short runs need more
     max_grad_norm: float = 1.0
     seed: int = 0
     # Speed.
@@ -103,15 +96,10 @@ class TrainConfig:
 # --------------------------------------------------------------------------- helpers
 
 
-def _precision(cfg: TrainConfig, device: torch.device) -> str:
-    p = cfg.precision
-    if p == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if p not in ("bf16", "fp16", "fp32"):
-        raise BertctlError(f"--precision must be bf16, fp16 or fp32, not {p!r}")
-    if p == "fp16" and device.type != "cuda":
-        raise BertctlError("--precision fp16 needs a GPU (use fp32 or bf16 on CPU)")
-    return p
+#: Default peak learning rate and warm-up of each ``--model-size`` preset (AdamW, post-LN BERT).
+#: A post-LN BERT collapses (MLM accuracy pinned at the majority token, NSP at the class prior)
+#: when the lr is too high for its warm-up; these stay below that edge at batch 256 and 2048.
+PRESET_LR = {"tiny": 1e-3, "mini": 1e-3, "small": 5e-4, "medium": 3e-4, "base": 1e-4, "large": 5e-5}
 
 
 def _manifest_id(manifest: dict) -> str:
@@ -119,12 +107,6 @@ def _manifest_id(manifest: dict) -> str:
         return str(manifest["id"])
     blob = json.dumps(manifest, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _step_seed(seed: int, step: int, rank: int) -> int:
-    """A distinct, reproducible torch seed for (run seed, optimizer step, rank)."""
-    h = hashlib.blake2b(f"{seed}/{step}/{rank}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -151,41 +133,58 @@ def pretraining_sums(model, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {"mlm_sum": mlm_sum, "nsp_sum": nsp_sum, "mlm_correct": mlm_correct, "nsp_correct": nsp_correct}
 
 
+class PretrainingObjective:
+    """Masked LM + next-sentence prediction (§3.1): two loss terms, normalised by masked tokens and sequences."""
+
+    loss_terms = ("mlm", "nsp")
+    stat_names = ("mlm_correct", "nsp_correct")
+
+    def sums(self, model, mb):
+        s = pretraining_sums(model, mb)
+        return {"mlm": s["mlm_sum"], "nsp": s["nsp_sum"], "mlm_correct": s["mlm_correct"],
+                "nsp_correct": s["nsp_correct"]}
+
+    def record(self, sums, counts):
+        masked, seqs = max(counts["mlm"], 1.0), max(counts["nsp"], 1.0)
+        mlm_loss, nsp_loss = sums["mlm"] / masked, sums["nsp"] / seqs
+        return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
+                "mlm_acc": sums["mlm_correct"] / masked, "nsp_acc": sums["nsp_correct"] / seqs}
+
+    info = staticmethod(lambda rec: _info(rec))
+
+
+def collapse_warning(ev: dict, step: int, warmup: int, lr: float) -> str | None:
+    """A held-out evaluation after warm-up that shows a collapsed run, as one sentence with the fix.
+
+    Collapse: MLM accuracy no better than always guessing the most frequent masked token (the
+    model predicts the unigram distribution), or the MLM loss at the masked tokens' unigram entropy.
+    """
+    if step <= warmup or not ev:
+        return None
+    stuck_acc = ev["mlm_acc"] <= ev["mlm_majority_baseline"] + 0.005
+    stuck_loss = ev.get("mlm_unigram_entropy") is not None and ev["mlm_loss"] >= ev["mlm_unigram_entropy"] - 0.05
+    if not (stuck_acc or stuck_loss):
+        return None
+    return (f"collapse: after warm-up (step {step}) held-out MLM accuracy is {ev['mlm_acc']:.3f} against the "
+            f"majority-token baseline {ev['mlm_majority_baseline']:.3f} (loss {ev['mlm_loss']:.2f}): the model "
+            f"predicts token frequencies only. Likely cause: --lr {lr:g} too high for its warm-up ({warmup} steps) "
+            f"in a post-LN BERT. Restart with a lower --lr (e.g. {lr / 4:g}) or a longer --warmup-fraction.")
+
+
 # --------------------------------------------------------------------------- the run
 
 
-class _Stop:
-    """SIGINT/SIGTERM: finish the step, checkpoint, exit cleanly (a second SIGINT aborts)."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
 class Trainer:
+    """A pretraining run: data, model and evaluation around the one training engine."""
+
     def __init__(self, cfg: TrainConfig, dist: distributed.Dist, tokenizer=None):
         self.cfg, self.dist = cfg, dist
         self.device = dist.device
         self.out = Path(cfg.output)
-        self.precision = _precision(cfg, self.device)
+        self.precision = resolve_precision(cfg.precision, self.device)
         self.tokenizer = tokenizer
         self.log = MetricsLog(self.out / "metrics.jsonl" if dist.is_main else None)
-        self._last_save_time = time.monotonic()
+        self.collapsed = False
 
     # ----------------------------------------------------------------- setup
 
@@ -194,7 +193,7 @@ class Trainer:
             stderr.print(msg)
 
     def _load_data(self):
-        from bertctl.data.loader import PretrainingData
+        from bertctl.data import PretrainingData
 
         if not self.cfg.data:
             raise BertctlError("no --data directory given (build one with `bertctl build-data`)")
@@ -208,17 +207,19 @@ class Trainer:
         else:
             self.eval_data = None
         G, W = self.cfg.batch_size, self.dist.world_size
+        if G < 1:
+            raise BertctlError(f"--batch-size must be at least 1, not {G}")
         if G % W:
             raise BertctlError(f"--batch-size {G} is not divisible by the {W} processes")
         per_rank = G // W
         self.micro = self.cfg.micro_batch_size or per_rank
-        if per_rank % self.micro:
-            raise BertctlError(f"per-process batch {per_rank} (= {G} / {W}) is not a multiple of "
-                               f"--micro-batch-size {self.micro}")
+        if self.micro < 1 or per_rank % self.micro:
+            raise BertctlError(f"per-process batch {per_rank} (= --batch-size {G} / {W} processes) is not a multiple "
+                               f"of --micro-batch-size {self.micro}")
         self.steps_per_epoch = self.data.steps_per_epoch(G)
         if self.steps_per_epoch < 1:
-            raise BertctlError(f"{self.cfg.data}: {self.data.num_instances} instances are fewer than one "
-                               f"global batch of {G}")
+            raise BertctlError(f"{self.cfg.data}: its {self.data.num_instances} instances are fewer than one "
+                               f"--batch-size of {G}: lower --batch-size or build more data")
         self.max_steps = self.cfg.max_steps or self.steps_per_epoch
         if self.tokenizer is None:
             self.tokenizer = _data_tokenizer(Path(self.cfg.data), self.data.manifest)
@@ -240,6 +241,28 @@ class Trainer:
             return BertConfig.from_json_file(self.cfg.model_config, **over), None
         return BertConfig.preset(self.cfg.model_size, vocab_size=self.data.vocab_size, **over), None
 
+    def _check_vocabulary(self, mconf, hf_dir: Path | None) -> None:
+        """The data's token ids must mean the same tokens to the model.
+
+        A pretrained model's vocab.txt must be the data's vocabulary; any model needs at least the
+        data's vocabulary size (a larger embedding, e.g. padded to a multiple of 64, is fine).
+        """
+        build = f"rebuild the data with the model's vocabulary (bertctl build-data --vocab {hf_dir or 'MODEL'}/vocab.txt)"
+        what = self.cfg.init_from or self.cfg.model_config or "the checkpoint"
+        if hf_dir is not None and (hf_dir / "vocab.txt").is_file():
+            from bertctl.data.shards import vocab_sha256
+
+            with open(hf_dir / "vocab.txt", encoding="utf-8") as f:
+                tokens = [line.rstrip("\r\n") for line in f]
+            want = self.data.manifest.get("tokenizer", {}).get("vocab_sha256")
+            if want and vocab_sha256(tokens) != want:
+                raise BertctlError(f"{self.cfg.data}: data built with a {self.data.vocab_size}-token vocabulary, "
+                                   f"not the {len(tokens)}-token {hf_dir / 'vocab.txt'} of --init-from (model "
+                                   f"vocab_size {mconf.vocab_size}): {build}")
+        if mconf.vocab_size < self.data.vocab_size:
+            raise BertctlError(f"{self.cfg.data}: data built with a {self.data.vocab_size}-token vocabulary, but "
+                               f"{what} has vocab_size {mconf.vocab_size}: {build}")
+
     def _build(self) -> None:
         from bertctl import checkpoint
         from bertctl.model import BertForPreTraining
@@ -259,9 +282,7 @@ class Trainer:
             if prev is not None:
                 init_state = state.load_checkpoint(prev.path)
         mconf, hf_dir = self._model_config(init_state)
-        if mconf.vocab_size < self.data.vocab_size:
-            raise BertctlError(f"model vocab_size {mconf.vocab_size} is smaller than the data's vocabulary "
-                               f"({self.data.vocab_size})")
+        self._check_vocabulary(mconf, hf_dir)
         if self.data.max_seq_length > mconf.max_position_embeddings:
             raise BertctlError(f"data max_seq_length {self.data.max_seq_length} exceeds the model's "
                                f"max_position_embeddings {mconf.max_position_embeddings}")
@@ -273,30 +294,30 @@ class Trainer:
                                                **cfg.model_overrides)
         else:
             model = BertForPreTraining(mconf)
-        if init_state is not None:
+        if init_state is not None and resume_from is None:
             model.load_state_dict(init_state["model"])
-        self.model = model.to(self.device)
         self.model_config = model.config
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         betas=tuple(cfg.betas), eps=cfg.eps,
-                                         fused=True if self.device.type == "cuda" else None)
-        self.step = 0
+        self.warmup = warmup_steps(self.max_steps, cfg.warmup_steps, cfg.warmup_fraction)
+        ecfg = EngineConfig(batch_size=cfg.batch_size, max_steps=self.max_steps, micro_batch_size=self.micro,
+                            optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas),
+                            eps=cfg.eps, schedule=cfg.schedule, warmup_steps=self.warmup,
+                            max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, precision=cfg.precision,
+                            compile=cfg.compile, log_every=max(1, cfg.log_every), save_every=cfg.save_every,
+                            save_minutes=cfg.save_minutes, keep=cfg.keep, minutes=cfg.minutes,
+                            fit_to_minutes=cfg.fit_to_minutes, show_progress=cfg.show_progress,
+                            description="pretrain")
+        n_params = sum(p.numel() for p in model.parameters())
+        self.n_params = n_params
+        self.engine = Engine(ecfg, model, PretrainingObjective(), dist=self.dist, run_dir=self.out, log=self.log,
+                             flops=lambda c: train_flops_6nt(self.model_config, n_params, c["tokens"], c["attn_pairs"]))
+        self.model = self.engine.model
         if resume_from is None and init_state is not None and cfg.keep_optimizer:
-            self.optimizer.load_state_dict(init_state["optimizer"])
-            for g in self.optimizer.param_groups:  # the new phase's hyper-parameters, the old moments
+            self.engine.optimizer.load_state_dict(init_state["optimizer"])
+            for g in self.engine.optimizer.param_groups:  # the new phase's hyper-parameters, the old moments
                 g["lr"] = g["initial_lr"] = cfg.lr
                 g["weight_decay"] = cfg.weight_decay if g["weight_decay"] else 0.0
-        warmup = cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_fraction * self.max_steps)
-        self.warmup = warmup
-        self.scheduler = build_scheduler(self.optimizer, warmup, self.max_steps, cfg.schedule)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+            self.engine.scheduler = build_scheduler(self.engine.optimizer, self.warmup, self.max_steps, cfg.schedule)
         if resume_from is not None:
-            # Optimizer after the scheduler's construction (which rewrites the groups' lr), then its state.
-            self.optimizer.load_state_dict(init_state["optimizer"])
-            self.scheduler.load_state_dict(init_state["scheduler"])
-            self.step = int(init_state["step"])
-            if init_state.get("scaler"):
-                self.scaler.load_state_dict(init_state["scaler"])
             saved = init_state["configs"]
             if saved.get("data_manifest_id") != _manifest_id(self.data.manifest):
                 raise BertctlError(f"{resume_from.path}: checkpoint was trained on other data "
@@ -304,20 +325,14 @@ class Trainer:
             if saved["training"]["batch_size"] != cfg.batch_size:
                 raise BertctlError(f"{resume_from.path}: checkpoint used --batch-size "
                                    f"{saved['training']['batch_size']}, not {cfg.batch_size}")
-            rngs = init_state.get("rng") or []
-            if self.dist.rank < len(rngs):
-                state.restore_rng(rngs[self.dist.rank])
-            self._say(f"resumed from {resume_from.path} at step {self.step}")
+            self.engine.restore(init_state)
+            self.max_steps = self.engine.cfg.max_steps
+            self._say(f"resumed from {resume_from.path} at step {self.engine.step}")
         self.resumed_from = str(resume_from.path) if resume_from else None
 
-        step_model = self.model
-        if self.dist.enabled:
-            step_model = distributed.wrap_ddp(self.model, self.device)
-        self.ddp = step_model if self.dist.enabled else None
-        if cfg.compile:
-            step_model = torch.compile(step_model)
-        self.step_model = step_model
-        self.n_params = sum(p.numel() for p in self.model.parameters())
+    @property
+    def step(self) -> int:
+        return self.engine.step
 
     # ----------------------------------------------------------------- data
 
@@ -330,55 +345,8 @@ class Trainer:
             if self.cfg.bucket_lengths:
                 yield from bucketed_batches(self.data, self.cfg.batch_size, **kw)
             else:
-                yield from self.data.batches(self.cfg.batch_size, trim=True, **kw)
+                yield from self.data.batches(self.cfg.batch_size, **kw)
             epoch, k = epoch + 1, 0
-
-    def _autocast(self):
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
-
-    # ----------------------------------------------------------------- one step
-
-    def _train_step(self, sb: StepBatch, stats: torch.Tensor) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches; returns the step's loss (device scalar).
-
-        ``stats`` (device, fp32): running mlm_sum, nsp_sum, mlm_correct, nsp_correct of the log window.
-        Nothing here waits for the GPU: the normalisers are host numbers (one process) or an
-        asynchronous all-reduce (several).
-        """
-        W = self.dist.world_size
-        micro = [to_device(m, self.device) for m in sb.micro]
-        if self.dist.enabled:
-            # Global normalisers: masked tokens and sequences over all ranks and micro-batches.
-            counts = torch.tensor([sb.masked, float(sb.sequences)], dtype=torch.float32).to(self.device)
-            distributed.all_reduce_sum(counts, self.dist)
-            mlm_scale = W / counts[0].clamp(min=1.0)
-            nsp_scale = W / counts[1].clamp(min=1.0)
-        else:
-            mlm_scale, nsp_scale = 1.0 / max(sb.masked, 1.0), 1.0 / max(sb.sequences, 1)
-        step_loss = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
-            with sync:
-                with self._autocast():
-                    s = pretraining_sums(self.step_model, mb)
-                loss = s["mlm_sum"] * mlm_scale + s["nsp_sum"] * nsp_scale
-                self.scaler.scale(loss).backward()
-            with torch.no_grad():
-                step_loss += loss.detach() / W
-                stats += torch.stack([s["mlm_sum"].detach(), s["nsp_sum"].detach(), s["mlm_correct"].float(),
-                                      s["nsp_correct"].float()])
-        if self.cfg.max_grad_norm and self.cfg.optimizer != "lamb":  # LAMB normalises by the global norm itself
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return step_loss
 
     # ----------------------------------------------------------------- eval
 
@@ -396,11 +364,10 @@ class Trainer:
         self.model.eval()
         sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         label_hist = None
-        it = self.eval_data.batches(G, seed=self.cfg.seed, epoch=0, start_step=0, rank=self.dist.rank,
-                                    world_size=W, trim=True)
+        it = self.eval_data.batches(G, seed=self.cfg.seed, epoch=0, start_step=0, rank=self.dist.rank, world_size=W)
         for _, batch in zip(range(n), it):
-            mb = to_device(batch, self.device)
-            with self._autocast():
+            mb = to_device(trim(batch), self.device)
+            with autocast(self.precision, self.device):
                 s = pretraining_sums(self.model, mb)
             labels = mb["masked_lm_labels"]
             valid = labels[labels != IGNORE_INDEX]
@@ -416,41 +383,41 @@ class Trainer:
             distributed.all_reduce_sum(label_hist, self.dist)
         mlm_sum, nsp_sum, mlm_ok, nsp_ok, n_masked, n_seq = sums.tolist()
         mlm_loss = mlm_sum / max(n_masked, 1)
+        p = label_hist / label_hist.sum().clamp(min=1)
+        entropy = float(-(p[p > 0] * p[p > 0].log()).sum())
         return {
             "mlm_loss": mlm_loss, "nsp_loss": nsp_sum / max(n_seq, 1),
             "mlm_acc": mlm_ok / max(n_masked, 1), "nsp_acc": nsp_ok / max(n_seq, 1),
             "perplexity": math.exp(min(mlm_loss, 80.0)),
-            # Always guessing the most frequent masked token: the floor MLM accuracy must clear.
-            "mlm_majority_baseline": float(label_hist.max() / max(n_masked, 1)) if label_hist is not None else 0.0,
+            # Always guessing the most frequent masked token: the floor MLM accuracy must clear;
+            # the masked tokens' unigram entropy: the loss of predicting token frequencies only.
+            "mlm_majority_baseline": float(label_hist.max() / max(n_masked, 1)),
+            "mlm_unigram_entropy": entropy,
             "masked_tokens": int(n_masked), "sequences": int(n_seq),
         }
+
+    def _evaluate_and_log(self, step: int) -> dict | None:
+        ev = self.evaluate()
+        if ev is None:
+            return None
+        warning = collapse_warning(ev, step, self.warmup, self.cfg.lr)
+        if warning:
+            ev["collapsed"] = True
+            if not self.collapsed:
+                self._say(f"[bold red]{warning}")
+                self.log.log(event="warning", step=step, kind="collapse", message=warning)
+            self.collapsed = True
+        self.log.log(event="eval", step=step, **ev)
+        return ev
 
     # ----------------------------------------------------------------- checkpoint / export
 
     def save(self, reason: str) -> Path | None:
-        rngs = distributed.gather_to_main(state.capture_rng(), self.dist)
-        path = None
-        if self.dist.is_main:
-            epoch, k = divmod(self.step, self.steps_per_epoch)
-            blob = {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "step": self.step,
-                "rng": rngs,
-                "data": {"epoch": epoch, "step_in_epoch": k, "global_step": self.step,
-                         "sequences_seen": self.step * self.cfg.batch_size},
-                "configs": self._configs(),
-            }
-            meta = {k: v for k, v in blob.items() if k in ("step", "data", "configs")}
-            meta["reason"] = reason
-            meta["world_size"] = self.dist.world_size
-            path = state.save_checkpoint(self.out, self.step, blob, meta, keep=self.cfg.keep)
-            self.log.log(event="checkpoint", step=self.step, path=str(path), reason=reason)
-        distributed.barrier(self.dist)
-        self._last_save_time = time.monotonic()
-        return path
+        epoch, k = divmod(self.step, self.steps_per_epoch)
+        extra = {"data": {"epoch": epoch, "step_in_epoch": k, "global_step": self.step,
+                          "sequences_seen": self.step * self.cfg.batch_size},
+                 "configs": self._configs()}
+        return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"]}, reason)
 
     def _configs(self) -> dict:
         return {"model": self.model_config.to_dict(), "data_manifest_id": _manifest_id(self.data.manifest),
@@ -475,84 +442,33 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log.log(event="config", step=self.step, configs=self._configs(), world_size=self.dist.world_size,
                          precision=self.precision, parameters=self.n_params, device=str(self.device))
-        peak = peak_flops(self.device)
         eval_start = None
         if cfg.eval_at_start and self.step == 0:
-            eval_start = self.evaluate()
-            if eval_start is not None:
-                self.log.log(event="eval", step=0, **eval_start)
+            eval_start = self._evaluate_and_log(0)
         multiple = 64 if cfg.compile else 8  # fewer distinct shapes when compiling
-        loader = Prefetcher(self._batches(self.step), self.micro, multiple=multiple,
+        loader = Prefetcher(self._batches(self.step), lambda b: pretraining_step(b, self.micro, multiple),
                             pin=self.device.type == "cuda")
-        stats = torch.zeros(4, device=self.device)      # mlm_sum, nsp_sum, mlm_ok, nsp_ok (this window)
-        bad = torch.zeros((), dtype=torch.int32, device=self.device)
-        window = {"t": time.perf_counter(), "seq": 0, "tok": 0.0, "flops": 0.0, "useful": 0.0, "steps": 0,
-                  "masked": 0.0}
         t_start = time.monotonic()
-        last_train: dict = {}
-        stop_reason = None
         start_step = self.step
-        sync_every = 1 if not self.dist.enabled else max(1, cfg.log_every)
-        bar = progress(disable=not (self.dist.is_main and cfg.show_progress))
+
+        def after_step(step: int) -> None:
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < self.engine.cfg.max_steps:
+                self._evaluate_and_log(step)
+
+        def checkpoint(reason: str) -> None:
+            self.save(reason)
+            self._curves()
+
         try:
-            with _Stop() as stop, bar:
-                task = bar.add_task("pretrain", total=self.max_steps, completed=self.step, info="")
-                while self.step < self.max_steps:
-                    sb = next(loader)
-                    torch.manual_seed(_step_seed(cfg.seed, self.step, self.dist.rank))
-                    loss = self._train_step(sb, stats)
-                    bad += (~torch.isfinite(loss)).int()
-                    self.step += 1
-                    window["steps"] += 1
-                    # This rank's work (host numbers); summed over ranks when the window is logged.
-                    window["masked"] += sb.masked
-                    window["seq"] += sb.sequences
-                    window["tok"] += sb.tokens
-                    window["flops"] += train_flops_6nt(self.model_config, self.n_params, sb.tokens, sb.attn_pairs)
-                    window["useful"] += train_flops(self.model_config, sb.tokens, sb.attn_pairs, sb.masked,
-                                                    sb.sequences)
-                    bar.update(task, completed=self.step)
-                    # Decisions every rank must agree on (stop, save) are taken at sync points.
-                    want_stop = stop.requested is not None or (
-                        cfg.minutes is not None and time.monotonic() - t_start >= cfg.minutes * 60)
-                    want_save = cfg.save_minutes is not None and (
-                        time.monotonic() - self._last_save_time >= cfg.save_minutes * 60)
-                    log_now = self.step % cfg.log_every == 0 or self.step == self.max_steps
-                    if not self.dist.enabled:
-                        pass  # one process decides alone, no collective and no host sync
-                    elif self.step % sync_every == 0 or self.step == self.max_steps:
-                        flags = torch.tensor([float(want_stop), float(want_save)], device=self.device)
-                        distributed.all_reduce_sum(flags, self.dist)
-                        want_stop, want_save = bool(flags[0] > 0), bool(flags[1] > 0)
-                    else:
-                        want_stop = want_save = False
-                    if log_now or want_stop:
-                        last_train = self._log_window(stats, bad, window, peak)
-                        bar.update(task, info=_info(last_train))
-                    paused = time.perf_counter()  # evaluation and checkpoints do not count as training time
-                    if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.max_steps:
-                        ev = self.evaluate()
-                        if ev is not None:
-                            self.log.log(event="eval", step=self.step, **ev)
-                    if want_stop:
-                        stop_reason = stop.requested or "time limit"
-                        break
-                    if (cfg.save_every and self.step % cfg.save_every == 0) or want_save:
-                        self._check_finite(bad)
-                        self.save("periodic")
-                        self._curves()
-                    window["t"] += time.perf_counter() - paused
+            result = self.engine.run(loader, after_step=after_step, checkpoint=checkpoint)
         finally:
             loader.close()
-        self._check_finite(bad)
-        if window["steps"] > 0 or not last_train:
-            last_train = self._log_window(stats, bad, window, peak) or last_train
+        self.max_steps = self.engine.cfg.max_steps
+        stop_reason = result.stopped
         ckpt = self.save("interrupted" if stop_reason and stop_reason != "time limit" else "final")
         eval_end = None
         if stop_reason is None or stop_reason == "time limit":
-            eval_end = self.evaluate()
-            if eval_end is not None:
-                self.log.log(event="eval", step=self.step, **eval_end)
+            eval_end = self._evaluate_and_log(self.step)
         model_dir = self.export() if stop_reason is None or stop_reason == "time limit" else None
         png = self._curves()
         elapsed = time.monotonic() - t_start
@@ -562,54 +478,12 @@ class Trainer:
             "checkpoint": str(ckpt) if ckpt else None, "model": str(model_dir) if model_dir else None,
             "curves": str(png) if png else None, "metrics": str(self.out / "metrics.jsonl"),
             "seconds": round(elapsed, 2), "world_size": self.dist.world_size, "precision": self.precision,
-            "parameters": self.n_params, "train": last_train, "eval_start": eval_start, "eval_end": eval_end,
+            "parameters": self.n_params, "train": result.last_record, "eval_start": eval_start, "eval_end": eval_end,
+            "final_lr": self.engine.scheduler.get_last_lr()[0], "collapsed": self.collapsed,
         }
         self.log.log(event="end", **{k: v for k, v in summary.items() if k not in ("train",)})
         self.log.close()
         return summary
-
-    def _check_finite(self, bad: torch.Tensor) -> None:
-        if self.precision == "fp16":
-            return  # GradScaler skips non-finite steps and lowers the scale
-        n_bad = torch.zeros(1, device=self.device) + bad
-        distributed.all_reduce_sum(n_bad, self.dist)
-        if n_bad.item() > 0:
-            last = state.latest_checkpoint(self.out)
-            where = f"; the last good checkpoint is {last.path}" if last else ""
-            raise BertctlError(f"non-finite loss by step {self.step}: stopped without saving{where} "
-                               f"(lower --lr, or use --precision fp16 with loss scaling)")
-
-    def _log_window(self, stats: torch.Tensor, bad: torch.Tensor, window: dict, peak: float | None) -> dict:
-        host = torch.tensor([window["masked"], window["seq"], window["tok"], window["flops"], window["useful"]],
-                            dtype=torch.float64)
-        if self.dist.enabled:  # ranks hold different numbers of masked tokens and real tokens
-            s = torch.cat([stats.double(), host.to(self.device)])
-            distributed.all_reduce_sum(s, self.dist)
-        else:
-            s = torch.cat([stats.double().cpu(), host])
-        # The one host sync per log window.
-        mlm_sum, nsp_sum, mlm_ok, nsp_ok, n_masked, n_seq, n_tok, flops, useful = s.tolist()
-        stats.zero_()
-        if n_seq == 0:
-            return {}
-        now = time.perf_counter()
-        dt = max(now - window["t"], 1e-9)
-        mlm_loss, nsp_loss = mlm_sum / max(n_masked, 1), nsp_sum / n_seq
-        rec = {
-            "step": self.step, "loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
-            "mlm_acc": mlm_ok / max(n_masked, 1), "nsp_acc": nsp_ok / n_seq,
-            "lr": self.scheduler.get_last_lr()[0],
-            "seq_per_s": n_seq / dt, "tokens_per_s": n_tok / dt,
-            "tflops": flops / dt / 1e12,
-        }
-        if peak:  # 6·N·T convention; useful = MLM projection at masked positions only
-            rec["mfu"] = flops / dt / peak / self.dist.world_size
-            rec["mfu_useful"] = useful / dt / peak / self.dist.world_size
-        if self.scaler.is_enabled():
-            rec["loss_scale"] = self.scaler.get_scale()
-        window.update(t=now, seq=0, tok=0.0, flops=0.0, useful=0.0, steps=0, masked=0.0)
-        self.log.log(event="train", **rec)
-        return rec
 
     def _curves(self) -> Path | None:
         if not self.dist.is_main or not (self.out / "metrics.jsonl").is_file():

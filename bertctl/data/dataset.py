@@ -158,8 +158,9 @@ class PretrainingData:
         return perm
 
     def batches(self, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0, rank: int = 0,
-                world_size: int = 1, trim: bool = True) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches of one epoch from ``start_step`` on (see the module docstring); tensors are CPU int64."""
+                world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches of one epoch from ``start_step`` on (see the module docstring); tensors are CPU int64,
+        ``max_seq_length`` wide (the batch loader, ``bertctl.train.loader``, trims the padding)."""
         if global_batch_size < 1 or global_batch_size % world_size:
             raise BertctlError(f"global batch size {global_batch_size} must be a positive multiple of "
                                f"world size {world_size}")
@@ -173,19 +174,21 @@ class PretrainingData:
         b = global_batch_size // world_size
         for k in range(start_step, steps):
             idx = perm[k * global_batch_size + rank * b : k * global_batch_size + (rank + 1) * b]
-            yield self.collate(idx, seed=seed, epoch=epoch, trim=trim)
+            yield self.collate(idx, seed=seed, epoch=epoch)
 
     def _special_ids(self) -> SpecialIds:
         if self._special is None:
+            from bertctl.tokenizer import load_tokenizer  # the data folder holds the tokenizer it was built with
+
             tokens = _vocab_tokens(self.dir / "vocab.txt")
             if vocab_sha256(tokens) != self.manifest["tokenizer"]["vocab_sha256"]:
                 raise BertctlError(f"{self.dir / 'vocab.txt'}: does not match the manifest's vocabulary hash")
             tok = self.manifest["tokenizer"]
             self._special = SpecialIds(cls=tok["cls_token_id"], sep=tok["sep_token_id"], mask=tok["mask_token_id"],
-                                       vocab_size=len(tokens), continuation=tuple(t.startswith("##") for t in tokens))
+                                       vocab_size=len(tokens), continuation=load_tokenizer(self.dir).continues_word)
         return self._special
 
-    def collate(self, indices: np.ndarray, *, seed: int = 0, epoch: int = 0, trim: bool = True) -> dict[str, torch.Tensor]:
+    def collate(self, indices: np.ndarray, *, seed: int = 0, epoch: int = 0) -> dict[str, torch.Tensor]:
         """One batch from global instance indices (masks drawn from (seed, epoch, index) when dynamic)."""
         rec = self.records(indices)
         lengths = rec["length"].astype(np.int64)
@@ -216,8 +219,6 @@ class PretrainingData:
         attention_mask = (np.arange(S)[None, :] < lengths[:, None]).astype(np.int64)
         if self.pad_token_id != 0:
             input_ids[attention_mask == 0] = self.pad_token_id
-        if trim:
-            S = min(S, -(-int(lengths.max()) // 8) * 8)
         return {
             "input_ids": torch.from_numpy(np.ascontiguousarray(input_ids[:, :S])),
             "token_type_ids": torch.from_numpy(np.ascontiguousarray(rec["token_type_ids"][:, :S].astype(np.int64))),

@@ -1,0 +1,116 @@
+"""The training flags that ``pretrain`` and ``finetune`` share: one name, one meaning, one check.
+
+Each flag is a ``typer.Option`` constant declared once here; the commands take them as defaults.
+Earlier spellings (``finetune --attention``, ``--no-bf16``, ``--quiet``, ``--save-steps``,
+``--log-steps``, ``--warmup``) are accepted as hidden aliases for one release and map onto the
+new names in ``merge_aliases``. Numbers are checked by flag name: 0 and negatives are refused
+where the help does not give them a meaning.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from bertctl.errors import BertctlError
+
+ATTN = typer.Option("sdpa", "--attn", help="Attention: sdpa (PyTorch's fused attention) or explicit.")
+PRECISION = typer.Option("auto", "--precision", help="auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp16 (with "
+                                                     "loss scaling) or fp32.")
+NO_PROGRESS = typer.Option(False, "--no-progress", help="No progress bar (metrics are still logged).")
+KERNELS = typer.Option("auto", "--kernels", help="Model ops: auto (compiled kernels where built), fused or torch.")
+COMPILE = typer.Option(False, "--compile", help="torch.compile the model.")
+DEVICE = typer.Option("auto", "--device", help="auto (cuda when available), cpu, cuda or cuda:N; under torchrun "
+                                               "each process takes its own GPU.")
+MICRO_BATCH = typer.Option(None, "--micro-batch-size", help="Examples per process per forward; gradients "
+                                                            "accumulate to --batch-size.", show_default="--batch-size "
+                                                                                                        "/ processes")
+MAX_GRAD_NORM = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping (0 = off).")
+RESUME = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output.")
+DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dropout.",
+                       show_default="the checkpoint's, 0.1 for BERT")
+
+# Hidden spellings of earlier releases (finetune): accepted, not shown.
+OLD_ATTENTION = typer.Option(None, "--attention", hidden=True)
+OLD_NO_BF16 = typer.Option(False, "--no-bf16", hidden=True)
+OLD_QUIET = typer.Option(False, "--quiet", "-q", hidden=True)
+OLD_SAVE_STEPS = typer.Option(None, "--save-steps", hidden=True)
+OLD_LOG_STEPS = typer.Option(None, "--log-steps", hidden=True)
+OLD_WARMUP = typer.Option(None, "--warmup", hidden=True)
+
+
+def merge_aliases(values: dict, *, attention: Optional[str] = None, no_bf16: bool = False, quiet: bool = False,
+                  save_steps: Optional[int] = None, log_steps: Optional[int] = None,
+                  warmup: Optional[float] = None) -> dict:
+    """Fold the hidden old spellings into the new flags' values (an old flag given wins over a default)."""
+    out = dict(values)
+    if attention is not None:
+        out["attn"] = attention
+    if no_bf16:
+        out["precision"] = "fp32"
+    if quiet:
+        out["no_progress"] = True
+    if save_steps is not None:
+        out["save_every"] = save_steps
+    if log_steps is not None:
+        out["log_every"] = log_steps
+    if warmup is not None:
+        out["warmup_fraction"] = warmup
+    return out
+
+
+def positive(flag: str, value, *, allow_none: bool = True):
+    """``value`` > 0 (``None`` allowed where it means "not given"); else one line naming the flag."""
+    if value is None:
+        if allow_none:
+            return None
+        raise BertctlError(f"{flag} is required")
+    if value <= 0:
+        raise BertctlError(f"{flag} must be greater than 0, not {value:g}")
+    return value
+
+
+def non_negative(flag: str, value):
+    if value is not None and value < 0:
+        raise BertctlError(f"{flag} must be 0 or more, not {value:g}")
+    return value
+
+
+def fraction(flag: str, value: float, *, upper: float = 1.0):
+    if not 0 <= value < upper:
+        raise BertctlError(f"{flag} must be in [0, {upper:g}), not {value:g}")
+    return value
+
+
+def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise BertctlError(f"{flag} must be one of {', '.join(allowed)}, not {value!r}")
+    return value
+
+
+def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps=None, epochs=None,
+                   warmup_fraction=None, weight_decay=None, max_grad_norm=None, save_every=None, log_every=None,
+                   precision=None, attn=None, kernels=None, dropout=None, eval_batch_size=None) -> None:
+    """The shared training flags, checked by name (``None`` = not given, the default applies)."""
+    positive("--batch-size", batch_size)
+    positive("--micro-batch-size", micro_batch_size)
+    if batch_size is not None and micro_batch_size is not None and micro_batch_size > batch_size:
+        raise BertctlError(f"--micro-batch-size {micro_batch_size} is larger than --batch-size {batch_size}")
+    positive("--eval-batch-size", eval_batch_size)
+    positive("--lr", lr)
+    positive("--max-steps", max_steps)
+    positive("--epochs", epochs)
+    if warmup_fraction is not None:
+        fraction("--warmup-fraction", warmup_fraction)
+    non_negative("--weight-decay", weight_decay)
+    non_negative("--max-grad-norm", max_grad_norm)
+    non_negative("--save-every", save_every)
+    positive("--log-every", log_every)
+    if dropout is not None:
+        fraction("--dropout", dropout)
+    if precision is not None:
+        choice("--precision", precision, ("auto", "bf16", "fp16", "fp32"))
+    if attn is not None:
+        choice("--attn", attn, ("sdpa", "explicit"))
+    if kernels is not None:
+        choice("--kernels", kernels, ("auto", "fused", "torch"))

@@ -1,0 +1,492 @@
+"""The one training engine: pretraining and every fine-tuning task run through ``Engine.run``.
+
+A job plugs in three things and the engine owns everything else:
+
+- a model (any ``nn.Module``; the engine moves it to the device, wraps it in DDP under ``torchrun``
+  and ``torch.compile``s it when asked);
+- an ``Objective``: the summed losses of one micro-batch, keyed by the name of their normaliser
+  (``{"mlm": Σ token CE, "nsp": Σ sequence CE}`` for pretraining, ``{"loss": Σ CE}`` for a task),
+  plus counters for the log (correct predictions), and how a log window turns into a record;
+- an iterator of ``StepBatch``es: one optimizer step's micro-batches for this rank, with this
+  rank's count of each normaliser (masked tokens, sequences, labelled tokens).
+
+What the engine does for every job, in one place:
+
+- precision: bf16 autocast (GPU default), fp16 autocast with dynamic loss scaling, or fp32;
+- gradient accumulation: ``StepBatch.micro`` holds ``batch_size / (world_size · micro_batch_size)``
+  micro-batches; each loss term is its sum divided by its count over the *global* batch (all ranks,
+  all micro-batches), so N processes × k micro-batches compute exactly the one-process, one-batch
+  loss and gradient (DDP averages gradients over ranks, hence the factor ``world_size``);
+- AdamW or LAMB, warm-up then linear/cosine/constant decay, gradient clipping;
+- exact resume: every step reseeds torch from (seed, step, rank), so the dropout masks after a
+  resume are the ones the uninterrupted run drew; a checkpoint holds model, optimizer, scheduler,
+  loss scaler, step, every rank's RNG states and whatever the job adds (data position, history);
+- one checkpoint format (``bertctl.train.state``: ``OUT/checkpoints/step-N/``, written atomically);
+- one metrics writer (``MetricsLog``, JSON lines) and one progress bar; no host sync per step
+  (running sums stay on the device until a log line is due);
+- SIGINT/SIGTERM: the first says at once what will happen and finishes the step, then the job
+  checkpoints and exits cleanly; a second SIGINT aborts within a second (previous checkpoint intact).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+
+from bertctl.errors import BertctlError
+from bertctl.progress import MetricsLog, progress, stderr
+from bertctl.train import distributed, state
+from bertctl.train.optim import build_optimizer, build_scheduler
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class EngineConfig:
+    """The training concerns every job shares (the job's own config holds the rest)."""
+
+    batch_size: int                       # global: sequences (examples) per optimizer step
+    max_steps: int
+    micro_batch_size: int | None = None   # per process per forward; None = batch_size // world_size
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    schedule: str = "linear"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU
+    compile: bool = False
+    compile_dynamic: bool | None = None   # torch.compile(dynamic=...): True for varied task shapes
+    log_every: int = 10
+    save_every: int | None = None         # steps
+    save_minutes: float | None = None
+    keep: int = 3
+    minutes: float | None = None          # time box
+    fit_to_minutes: bool = False          # re-plan max_steps from the measured step time to end the schedule in time
+    show_progress: bool = True
+    description: str = "train"
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's data for this rank: micro-batches (CPU tensors) plus host counts.
+
+    ``counts`` holds this rank's normaliser of every loss term (e.g. ``{"mlm": masked tokens,
+    "nsp": sequences}``) and the work done, for throughput: ``sequences``, ``tokens`` (real tokens),
+    ``attn_pairs`` (Σ length²) and ``padded_tokens`` (B·S computed).
+    """
+
+    micro: list[dict[str, torch.Tensor]]
+    counts: dict[str, float]
+
+    @property
+    def sequences(self) -> int:
+        return int(self.counts.get("sequences", 0))
+
+
+class Objective(Protocol):
+    loss_terms: tuple[str, ...]  # normaliser names; each is a key of ``sums`` and of StepBatch.counts
+    stat_names: tuple[str, ...]  # extra counters summed over a log window (e.g. correct predictions)
+
+    def sums(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward one micro-batch: {term: summed loss (fp32 scalar)} and {stat: count}."""
+
+    def record(self, sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
+        """A log record from a window's summed terms/stats and counts (ranks already summed)."""
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise BertctlError(f"--precision must be auto, bf16, fp16 or fp32, not {precision!r}")
+    if precision == "fp16" and device.type != "cuda":
+        raise BertctlError("--precision fp16 needs a GPU (use fp32 or bf16 on CPU)")
+    return precision
+
+
+def autocast(precision: str, device: torch.device):
+    """The autocast context of a resolved precision (fp32: none)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A distinct, reproducible torch seed for (run seed, optimizer step, rank)."""
+    h = hashlib.blake2b(f"{seed}/{step}/{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def to_device(micro: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in micro.items()}
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class StopSignal:
+    """SIGINT/SIGTERM: finish the step, checkpoint, exit 0; a second SIGINT aborts at once.
+
+    The handlers run in the main thread only between Python bytecodes, which on a CPU can be
+    minutes into a step; so the C-level handler also writes to a wake-up socket that a watcher
+    thread reads at once: it prints what will happen and, on the second SIGINT, ends the process
+    (exit 130). Checkpoints are written under a temporary name, so the previous one stays intact.
+    """
+
+    def __init__(self, what_next: Callable[[], str]):
+        self.requested: str | None = None
+        self._what_next = what_next
+        self._old: dict = {}
+        self._old_fd = -1
+        self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self._watcher: threading.Thread | None = None
+        self._closed = False
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        read, write = socket.socketpair()
+        read.setblocking(True)
+        write.setblocking(False)
+        self._sockets = (read, write)
+        self._old_fd = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+        return self
+
+    def _handle(self, signum, frame):  # main thread; the watcher has already reacted
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+
+    def _watch(self) -> None:
+        read = self._sockets[0]
+        interrupts = 0
+        while True:
+            try:
+                data = read.recv(64)
+            except OSError:
+                return
+            if not data or self._closed:
+                return
+            for signum in data:
+                if signum not in (signal.SIGINT, signal.SIGTERM):
+                    continue
+                name = signal.Signals(signum).name
+                if self.requested is None:
+                    self.requested = name
+                interrupts += signum == signal.SIGINT
+                if interrupts >= 2:
+                    sys.stderr.write("\nsecond interrupt: aborting now; the last complete checkpoint is kept\n")
+                    sys.stderr.flush()
+                    os._exit(130)
+                sys.stderr.write(f"\n{name}: {self._what_next()} (Ctrl-C again to abort at once)\n")
+                sys.stderr.flush()
+
+    def __exit__(self, *exc):
+        self._closed = True
+        if self._sockets is not None:
+            signal.set_wakeup_fd(self._old_fd)
+            self._sockets[1].close()
+            self._sockets[0].close()
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class RunResult:
+    steps: int
+    start_step: int
+    stopped: str | None            # None (finished), "time limit", or the signal's name
+    train_seconds: float           # training steps only (evaluation and checkpoints excluded)
+    sequences: int                 # sequences (examples) trained on, all ranks
+    last_record: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Build optimizer, scheduler, scaler and the DDP/compiled step model around ``model``."""
+
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, objective: Objective, *,
+                 dist: distributed.Dist, run_dir: str | Path | None = None, log: MetricsLog | None = None,
+                 flops: Callable[[dict], float] | None = None):
+        self.cfg, self.objective, self.dist = cfg, objective, dist
+        self.device = dist.device
+        self.run_dir = Path(run_dir) if run_dir is not None else None  # where checkpoints go
+        self.precision = resolve_precision(cfg.precision, self.device)
+        self.log = log or MetricsLog(None)
+        self.flops = flops  # counts -> training FLOPs of a step (for TFLOP/s and MFU), optional
+        self.model = model.to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                         betas=tuple(cfg.betas), eps=cfg.eps,
+                                         fused=True if self.device.type == "cuda" else None)
+        self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.schedule)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+        self.step = 0
+        step_model = self.model
+        self.ddp = None
+        if dist.enabled:
+            step_model = self.ddp = distributed.wrap_ddp(self.model, self.device)
+        if cfg.compile:
+            step_model = torch.compile(step_model, dynamic=cfg.compile_dynamic)
+        self.step_model = step_model
+        self._last_save = time.monotonic()
+
+    def autocast(self):
+        return autocast(self.precision, self.device)
+
+    # ----------------------------------------------------------------- one step
+
+    def train_step(self, sb: StepBatch, stats: torch.Tensor) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches; returns the step's loss (device scalar).
+
+        ``stats`` (device, fp32) accumulates the objective's loss terms then its stats, in order.
+        Nothing here waits for the GPU: the normalisers are host numbers (one process) or an
+        asynchronous all-reduce (several).
+        """
+        terms = self.objective.loss_terms
+        W = self.dist.world_size
+        micro = [to_device(m, self.device) for m in sb.micro]
+        if self.dist.enabled:
+            counts = torch.tensor([sb.counts[t] for t in terms], dtype=torch.float32).to(self.device)
+            distributed.all_reduce_sum(counts, self.dist)
+            scales = [W / c for c in counts.clamp(min=1.0).unbind()]
+        else:
+            scales = [1.0 / max(sb.counts[t], 1.0) for t in terms]
+        step_loss = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
+            with sync:
+                with self.autocast():
+                    s = self.objective.sums(self.step_model, mb)
+                loss = sum(s[t] * scale for t, scale in zip(terms, scales))
+                self.scaler.scale(loss).backward()
+            with torch.no_grad():
+                step_loss += loss.detach() / W
+                stats += torch.stack([s[k].detach().float() for k in (*terms, *self.objective.stat_names)])
+        if self.cfg.max_grad_norm and self.cfg.optimizer != "lamb":  # LAMB normalises by the global norm itself
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return step_loss
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def save(self, extra: dict, meta: dict | None = None, reason: str = "periodic") -> Path | None:
+        """Checkpoint model, optimizer, scheduler, scaler, step, every rank's RNG and ``extra``."""
+        rngs = distributed.gather_to_main(state.capture_rng(), self.dist)
+        path = None
+        if self.dist.is_main:
+            blob = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                    "step": self.step, "rng": rngs, **extra}
+            info = {"step": self.step, "reason": reason, "world_size": self.dist.world_size, **(meta or {})}
+            path = state.save_checkpoint(self.run_dir, self.step, blob, info, keep=self.cfg.keep)
+            self.log.log(event="checkpoint", step=self.step, path=str(path), reason=reason)
+        distributed.barrier(self.dist)
+        self._last_save = time.monotonic()
+        return path
+
+    def restore(self, blob: dict) -> None:
+        """Continue from a checkpoint blob (``state.load_checkpoint``)."""
+        self.model.load_state_dict(blob["model"])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        if blob.get("scaler"):
+            self.scaler.load_state_dict(blob["scaler"])
+        self.step = int(blob["step"])
+        if self.cfg.fit_to_minutes:  # a re-planned run continues with its plan
+            self.cfg.max_steps = self.scheduler.lr_lambdas[0].total
+        rngs = blob.get("rng") or []
+        if self.dist.rank < len(rngs):
+            state.restore_rng(rngs[self.dist.rank])
+
+    # ----------------------------------------------------------------- the loop
+
+    def run(self, batches: Iterator[StepBatch], *, after_step: Callable[[int], None] | None = None,
+            checkpoint: Callable[[str], Any] | None = None, on_interrupt: str = "then saving") -> RunResult:
+        """Train from ``self.step`` to ``cfg.max_steps`` (or a stop request / the time box).
+
+        ``after_step(step)`` runs after every step (evaluation when due; its time is not training
+        time); ``checkpoint(reason)`` saves (periodic saves and on a stop request). Returns how the
+        run ended; the caller does the final save, evaluation and export.
+        """
+        cfg = self.cfg
+        n_stats = len(self.objective.loss_terms) + len(self.objective.stat_names)
+        stats = torch.zeros(n_stats, device=self.device)
+        bad = torch.zeros((), dtype=torch.int32, device=self.device)
+        window = _Window()
+        t_start = time.monotonic()
+        start_step = self.step
+        train_seconds = 0.0
+        sequences = 0
+        record: dict = {}
+        stop_reason = None
+        sync_every = max(1, cfg.log_every) if self.dist.enabled else 1
+        bar = progress(disable=not (self.dist.is_main and cfg.show_progress))
+        what_next = lambda: f"finishing step {self.step + 1}, {on_interrupt}"  # noqa: E731
+        with StopSignal(what_next) as stop, bar:
+            task = bar.add_task(cfg.description, total=cfg.max_steps, completed=self.step, info="")
+            t_window = time.perf_counter()
+            while self.step < cfg.max_steps:
+                try:
+                    sb = next(batches)
+                except StopIteration:
+                    break
+                torch.manual_seed(step_seed(cfg.seed, self.step, self.dist.rank))
+                loss = self.train_step(sb, stats)
+                bad += (~torch.isfinite(loss)).int()
+                self.step += 1
+                sequences += sb.sequences
+                window.add(sb.counts, self.flops(sb.counts) if self.flops else 0.0)
+                bar.update(task, completed=self.step)
+                want_stop = stop.requested is not None or (
+                    cfg.minutes is not None and time.monotonic() - t_start >= cfg.minutes * 60)
+                want_save = cfg.save_minutes is not None and time.monotonic() - self._last_save >= cfg.save_minutes * 60
+                if not self.dist.enabled:
+                    pass  # one process decides alone: no collective, no host sync
+                elif self.step % sync_every == 0 or self.step == cfg.max_steps:
+                    flags = torch.tensor([float(want_stop), float(want_save)], device=self.device)
+                    distributed.all_reduce_sum(flags, self.dist)
+                    want_stop, want_save = bool(flags[0] > 0), bool(flags[1] > 0)
+                else:
+                    want_stop = want_save = False
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or want_stop:
+                    now = time.perf_counter()
+                    train_seconds += now - t_window
+                    rec = self._log_window(stats, window, now - t_window)
+                    t_window = now
+                    if rec:
+                        record = rec
+                        if cfg.fit_to_minutes and cfg.minutes is not None:
+                            self._replan(rec, time.monotonic() - t_start, task, bar)
+                        bar.update(task, info=self.objective.info(rec) if hasattr(self.objective, "info")
+                                   else f"loss {rec['loss']:.4f} lr {rec['lr']:.2e}")
+                paused = time.perf_counter()
+                if after_step is not None:
+                    after_step(self.step)
+                if want_stop:
+                    stop_reason = stop.requested or "time limit"
+                    break
+                if checkpoint is not None and ((cfg.save_every and self.step % cfg.save_every == 0) or want_save) \
+                        and self.step < cfg.max_steps:
+                    self.check_finite(bad)
+                    checkpoint("periodic")
+                t_window += time.perf_counter() - paused  # evaluation and checkpoints are not training time
+        if window.steps:
+            now = time.perf_counter()
+            train_seconds += now - t_window
+            record = self._log_window(stats, window, now - t_window) or record
+        self.bad = bad
+        self.check_finite()
+        total = torch.tensor([float(sequences)], dtype=torch.float64, device=self.device)
+        distributed.all_reduce_sum(total, self.dist)
+        return RunResult(self.step, start_step, stop_reason, train_seconds, int(total.item()), record)
+
+    def _replan(self, rec: dict, elapsed: float, task, bar) -> None:
+        """Fit the remaining steps to the time left at the recent step rate (10% slack for evaluations).
+
+        The lr keeps its current value and decays linearly to 0 at the new last step, so a run whose
+        steps got slower (a busy machine) still completes its schedule instead of stopping mid-decay.
+        """
+        rate = rec["seq_per_s"] / max(1.0, self.cfg.batch_size)  # steps per second, this window
+        left = self.cfg.minutes * 60 - elapsed
+        total = self.step + max(1, int(0.9 * left * rate))
+        if abs(total - self.cfg.max_steps) <= 0.1 * max(1, self.cfg.max_steps - self.step):
+            return
+        self.scheduler.lr_lambdas[0].replan(self.step, total)
+        self.log.log(event="replan", step=self.step, max_steps=total, previous=self.cfg.max_steps,
+                     steps_per_s=rate)
+        self.cfg.max_steps = total
+        bar.update(task, total=total)
+
+    def check_finite(self, bad: torch.Tensor | None = None) -> None:
+        """Stop with a clear message if any step's loss was not finite (fp16: the scaler skips those)."""
+        if self.precision == "fp16":
+            return
+        n_bad = torch.zeros(1, device=self.device) + (self.bad if bad is None else bad)
+        distributed.all_reduce_sum(n_bad, self.dist)
+        if n_bad.item() > 0:
+            last = state.latest_checkpoint(self.run_dir) if self.run_dir else None
+            where = f"; the last good checkpoint is {last.path}" if last else ""
+            raise BertctlError(f"non-finite loss by step {self.step}: stopped without saving{where} "
+                               f"(lower --lr, or use --precision fp16 with loss scaling)")
+
+    def _log_window(self, stats: torch.Tensor, window: "_Window", seconds: float) -> dict:
+        keys = list(window.counts)
+        host = torch.tensor([window.counts[k] for k in keys] + [window.flops], dtype=torch.float64)
+        if self.dist.enabled:  # ranks hold different counts
+            s = torch.cat([stats.double(), host.to(self.device)])
+            distributed.all_reduce_sum(s, self.dist)
+        else:
+            s = torch.cat([stats.double().cpu(), host])
+        values = s.tolist()  # the one host sync per log window
+        stats.zero_()
+        names = (*self.objective.loss_terms, *self.objective.stat_names)
+        sums = dict(zip(names, values[: len(names)]))
+        counts = dict(zip(keys, values[len(names):len(names) + len(keys)]))
+        flops = values[-1]
+        window.reset()
+        if not counts.get("sequences"):
+            return {}
+        dt = max(seconds, 1e-9)
+        rec = {"step": self.step, **self.objective.record(sums, counts), "lr": self.scheduler.get_last_lr()[0],
+               "seq_per_s": counts["sequences"] / dt, "tokens_per_s": counts.get("tokens", 0.0) / dt}
+        if self.flops:
+            from bertctl.train.metrics import peak_flops
+
+            rec["tflops"] = flops / dt / 1e12
+            peak = peak_flops(self.device)
+            if peak:
+                rec["mfu"] = flops / dt / peak / self.dist.world_size
+        if self.scaler.is_enabled():
+            rec["loss_scale"] = self.scaler.get_scale()
+        self.log.log(event="train", **rec)
+        return rec
+
+
+class _Window:
+    """Host-side counts of the steps since the last log line (this rank's)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: dict[str, float] = {}
+        self.flops = 0.0
+        self.steps = 0
+
+    def add(self, counts: dict[str, float], flops: float) -> None:
+        for k, v in counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + float(v)
+        self.flops += flops
+        self.steps += 1
+
+
+def warmup_steps(max_steps: int, warmup_steps: int | None, warmup_fraction: float) -> int:
+    """Explicit warm-up steps, else the fraction of the run (rounded up, as Hugging Face does)."""
+    if warmup_steps is not None:
+        return warmup_steps
+    return math.ceil(warmup_fraction * max_steps)
