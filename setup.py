@@ -86,6 +86,8 @@ setup(
         "numpy>=1.24",
         "safetensors>=0.4",
         "sentencepiece>=0.2",
+        "zstandard>=0.19",  # build-data and tokenize train read .zst inputs
+        "pyarrow>=12",  # build-data and tokenize train read parquet and Arrow IPC (datasets cache) inputs
         "matplotlib>=3.5",  # curves.png of every pretraining run
     ],
     extras_require={

@@ -13,10 +13,15 @@ Vocabulary layout (the bert-base layout): ``[PAD]``, ``[unused0]`` .. ``[unused{
 characters), then the merged pieces in the order they were learnt. With K = 0 the five special
 tokens are ids 0-4.
 
+Inputs are read as ``build-data`` reads them (:mod:`bertctl.data.documents`): text files (``*.txt``
+in folders), compressed or not (gzip, bzip2, xz, zstd), or stdin (``-``); ``format`` also takes the
+documents of ``jsonl``, ``wikiextractor``, ``parquet`` and ``arrow`` inputs, paragraph by paragraph.
+
 Memory stays bounded: files are streamed line by line; ``sample_bytes`` keeps a seeded random
-sample of lines (each line with probability ``sample_bytes / total input bytes``), ``max_sentences``
-stops after that many lines, and the word counter is pruned of its rarest words whenever it holds
-more than ``max_word_types`` distinct words.
+sample of lines (each line with probability ``sample_bytes / total input bytes``; inputs whose size
+the file system does not tell, compressed or columnar ones, are measured by one reading pass first),
+``max_sentences`` stops after that many lines, and the word counter is pruned of its rarest words
+whenever it holds more than ``max_word_types`` distinct words.
 """
 from __future__ import annotations
 
@@ -47,63 +52,69 @@ class VocabConfig:
     max_sentences: int | None = None  # stop after this many lines (after sampling)
     max_word_types: int = 2_000_000  # distinct words held in memory before the rarest are pruned
     seed: int = 0  # seed of the line sampling
+    format: str = "text"  # input format (bertctl.data.documents.FORMATS); text: every line of the files
+    text_field: str = "text"  # jsonl, parquet, arrow: the field holding the text
+    pattern: str = "*.txt"  # file-name pattern inside input folders (compressed names match too)
     character_coverage: float = 0.9995  # SentencePiece: share of characters kept; rarer ones are <unk>
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def collect_files(inputs: Iterable[str | os.PathLike]) -> list[Path]:
-    """Files named directly, plus every ``*.txt`` under folders (sorted, so runs are reproducible)."""
-    files: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*.txt") if p.is_file())
-            if not found:
-                raise BertctlError(f"{path}: folder has no .txt files")
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise BertctlError(f"{path}: no such file or folder")
-    if not files:
-        raise BertctlError("no input files given")
-    return files
+def collect_files(inputs: Iterable[str | os.PathLike], config: VocabConfig | None = None) -> list[Path]:
+    """Files named directly (``-``: stdin), plus the files under folders that match ``config.pattern``
+    (sorted, so runs are reproducible); build-data's ``list_inputs``."""
+    from bertctl.data.documents import list_inputs
+
+    config = config or VocabConfig()
+    return list_inputs(list(inputs), config.pattern, config.format)
 
 
-def iter_text_lines(path: Path) -> Iterator[tuple[str, int]]:
-    """(line, bytes) of a file; lines that are not UTF-8 are read as ISO-8859-1 (never skipped)."""
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                line = raw.decode("latin-1")
-            yield line, len(raw)
+def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[str, int]]:
+    """(line, bytes) of a text file, compressed or not, decoded as build-data decodes it (UTF-8, else
+    cp1252, else ISO-8859-1; never skipped)."""
+    from bertctl.data.documents import ReadStats, read_lines
+
+    return read_lines([Path(path)], "text", ReadStats())
+
+
+def sample_lines(files: Sequence[Path], config: VocabConfig, *, progress: bool = False,
+                 description: str = "read lines") -> Iterator[str]:
+    """The non-blank lines of text of ``files`` in ``config.format``, streamed, sampled at
+    ``config.sample_bytes`` and stopped at ``config.max_sentences`` (both with ``config.seed``)."""
+    from bertctl.data.documents import STDIN, ReadStats, known_text_bytes, read_lines
+    from bertctl.progress import track
+
+    def lines() -> Iterator[tuple[str, int]]:
+        return read_lines(files, config.format, ReadStats(), text_field=config.text_field)
+
+    total = known_text_bytes(files, config.format)
+    if config.sample_bytes and total is None:  # compressed or columnar: one pass to size the input
+        if any(str(f) == STDIN for f in files):
+            raise BertctlError("--sample-bytes: stdin ('-') cannot be sized before it is read; "
+                               "use --max-sentences instead")
+        total = sum(size for _, size in lines())
+    rate = 1.0 if not config.sample_bytes or config.sample_bytes >= total else config.sample_bytes / total
+    rng = random.Random(config.seed)
+    taken = 0
+    with track(description, total, disable=not progress) as advance:
+        for line, size in lines():
+            advance(size)
+            if rate < 1.0 and rng.random() >= rate or not line.strip():
+                continue
+            yield line
+            taken += 1
+            if config.max_sentences is not None and taken >= config.max_sentences:
+                return
 
 
 def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertTokenizer, progress: bool = False) -> Counter:
     """Word counts after BERT basic tokenisation, streamed and (optionally) sampled."""
-    from bertctl.progress import track
-
-    total = sum(p.stat().st_size for p in files)
-    rate = 1.0 if not config.sample_bytes or config.sample_bytes >= total else config.sample_bytes / total
-    rng = random.Random(config.seed)
     counts: Counter = Counter()
-    lines = 0
-    with track("count words", total, disable=not progress) as advance:
-        for path in files:
-            for line, size in iter_text_lines(path):
-                advance(size)
-                if rate < 1.0 and rng.random() >= rate:
-                    continue
-                counts.update(tokenizer.basic_tokenize(line, keep_special_tokens=False))
-                lines += 1
-                if len(counts) > config.max_word_types:
-                    _prune(counts, config.max_word_types // 2)
-                if config.max_sentences is not None and lines >= config.max_sentences:
-                    return counts
+    for line in sample_lines(files, config, progress=progress, description="count words"):
+        counts.update(tokenizer.basic_tokenize(line, keep_special_tokens=False))
+        if len(counts) > config.max_word_types:
+            _prune(counts, config.max_word_types // 2)
     return counts
 
 
@@ -122,7 +133,7 @@ def train_vocab(
 ) -> list[str]:
     """Learn a WordPiece vocabulary from text files or folders; returns the tokens in id order."""
     config = config or VocabConfig()
-    paths = collect_files(files)
+    paths = collect_files(files, config)
     tokenizer = _pretokenizer(config)
     counts = count_words(paths, config, tokenizer, progress=progress)
     if not counts:
@@ -274,41 +285,29 @@ def train_sentencepiece(
     """Train a SentencePiece model with sentencepiece's own trainer; returns the ``.model`` file's bytes.
 
     ``algorithm``: "unigram" (Kudo, 2018; ALBERT's) or "bpe" (Sennrich et al., 2016). Lines are read
-    and sampled as for WordPiece (``sample_bytes``, ``max_sentences``, ``seed``; non-UTF-8 lines as
-    ISO-8859-1). ``do_lower_case`` selects the ``nmt_nfkc_cf`` normalisation (NFKC and case folding)
-    inside the model, otherwise ``nmt_nfkc``: the model file then carries its casing, and encoding
-    needs no setting. ``vocab_size`` counts every piece, specials included. Options that shape
-    WordPiece only (strip_accents, tokenize_chinese_chars, min_frequency, limit_alphabet) do not apply.
+    and sampled as for WordPiece (``sample_lines``). ``do_lower_case`` selects the ``nmt_nfkc_cf``
+    normalisation (NFKC and case folding) inside the model, otherwise ``nmt_nfkc``: the model file
+    then carries its casing, and encoding needs no setting. ``vocab_size`` counts every piece,
+    specials included. Options that shape WordPiece only (strip_accents, tokenize_chinese_chars,
+    min_frequency, limit_alphabet) do not apply.
     """
     import io
 
-    from bertctl.progress import track
     from bertctl.tokenizer import _sentencepiece
 
     config = config or VocabConfig()
     if algorithm not in ("unigram", "bpe"):
         raise BertctlError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
-    paths = collect_files(files)
-    total = sum(p.stat().st_size for p in paths)
-    rate = 1.0 if not config.sample_bytes or config.sample_bytes >= total else config.sample_bytes / total
-    rng = random.Random(config.seed)
+    paths = collect_files(files, config)
     lines = 0
 
     def sentences() -> Iterator[str]:
         nonlocal lines
-        with track("read lines", total, disable=not progress) as advance:
-            for path in paths:
-                for line, size in iter_text_lines(path):
-                    advance(size)
-                    if rate < 1.0 and rng.random() >= rate:
-                        continue
-                    line = line.strip()
-                    if not line:
-                        continue
-                    lines += 1
-                    yield line
-                    if config.max_sentences is not None and lines >= config.max_sentences:
-                        return
+        for line in sample_lines(paths, config, progress=progress):
+            line = line.strip()
+            if line:
+                lines += 1
+                yield line
 
     control = [*SPM_CONTROL_SYMBOLS, *(f"[unused{k}]" for k in range(config.reserved_unused))]
     model = io.BytesIO()

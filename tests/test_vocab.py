@@ -160,10 +160,10 @@ def test_sampling_bounds_what_is_read(tmp_path):
 
 
 def test_errors(tmp_path):
-    with pytest.raises(BertctlError, match="nope: no such file or folder"):
+    with pytest.raises(BertctlError, match="nope: no such input file or folder"):
         train_vocab([tmp_path / "nope"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(BertctlError, match="folder has no .txt files"):
+    with pytest.raises(BertctlError, match=r"no input files found in .*empty \(pattern '\*\.txt'\)"):
         train_vocab([tmp_path / "empty"])
     blank = tmp_path / "blank.txt"
     blank.write_text("\n \n")

@@ -11,7 +11,9 @@ import typer
 def register(app: typer.Typer) -> None:
     @app.command("build-data")
     def build_data_command(
-        inputs: List[Path] = typer.Argument(..., help="Input files or folders (folders are walked recursively)."),
+        inputs: List[Path] = typer.Argument(..., help="Input files or folders (folders are walked recursively); gzip, "
+                                                      "bzip2, xz and zstd files are decompressed as they are read; "
+                                                      "- reads stdin."),
         output: Path = typer.Option(..., "--output", "-o", help="Output folder: manifest.json, vocab.txt and shards."),
         vocab: Optional[Path] = typer.Option(None, "--vocab", show_default=False,
                                              help="WordPiece vocab.txt, or a tokenizer folder (WordPiece or SentencePiece)."),
@@ -20,11 +22,16 @@ def register(app: typer.Typer) -> None:
         cased: bool = typer.Option(False, "--cased", help="Keep case and accents (cased vocabularies)."),
         fmt: str = typer.Option("lines", "--format",
                                 help="lines: one sentence per line, blank line between documents; "
-                                     "text: raw prose, one document per file; jsonl: one document per line."),
-        text_field: str = typer.Option("text", "--text-field", help="jsonl: field holding the document text."),
+                                     "text: raw prose, one document per file; jsonl: one document per line; "
+                                     "wikiextractor: <doc> blocks; parquet, arrow (a datasets cache): one document "
+                                     "per row."),
+        text_field: str = typer.Option("text", "--text-field",
+                                       help="jsonl, parquet, arrow: field holding the document text."),
         doc_separator: Optional[str] = typer.Option(None, "--doc-separator",
                                                     help="text: a line equal to this ends a document."),
-        pattern: str = typer.Option("*", "--pattern", help="File-name pattern inside input folders, e.g. '*.txt'."),
+        pattern: str = typer.Option("*", "--pattern",
+                                    help="File-name pattern inside input folders, e.g. '*.txt' (a.txt.gz matches "
+                                         "too); '*' means *.parquet / *.arrow for those formats."),
         max_seq_length: int = typer.Option(128, "--max-seq-length"),
         max_predictions_per_seq: Optional[int] = typer.Option(
             None, "--max-predictions-per-seq", help="Default: 15% of the length rounded up to 4 (20 at 128, 80 at 512)."),

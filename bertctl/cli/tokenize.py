@@ -134,7 +134,8 @@ def inspect(
 
 @tokenize_app.command("train")
 def train(
-    inputs: list[Path] = typer.Argument(..., help="Text files or folders (searched recursively for *.txt).",
+    inputs: list[Path] = typer.Argument(..., help="Text files or folders (searched recursively for --pattern); gzip, "
+                                        "bzip2, xz and zstd files are decompressed as they are read; - reads stdin.",
                                         show_default=False),
     output: Path = typer.Option(..., "--output", "-o", show_default=False,
                                 help="VOCAB.txt to write (wordpiece), or FILE.model (unigram, bpe)."),
@@ -151,6 +152,12 @@ def train(
                                      help="Read about this many bytes, sampling lines evenly over all inputs.", min=1),
     max_sentences: int = typer.Option(None, "--max-sentences", help="Stop after this many (sampled) lines.", min=1),
     seed: int = typer.Option(0, "--seed", help="Seed of the line sampling."),
+    fmt: str = typer.Option("text", "--format",
+                            help="text (or lines): every line of the files; jsonl, wikiextractor, parquet, arrow: "
+                                 "the paragraphs of their documents, read as build-data reads them."),
+    text_field: str = typer.Option("text", "--text-field", help="jsonl, parquet, arrow: field holding the text."),
+    pattern: str = typer.Option("*.txt", "--pattern",
+                                help="File-name pattern inside input folders (a.txt.gz matches *.txt too)."),
     character_coverage: float = typer.Option(0.9995, "--character-coverage", min=0.5, max=1.0,
                                              help="unigram/bpe: share of characters covered; rarer ones are <unk>."),
     save_dir: Path = typer.Option(None, "--save-dir",
@@ -161,7 +168,7 @@ def train(
 
     Words come from BERT's basic tokenizer (same casing and accent options as encoding); pieces
     are learnt by frequency merges with ## continuations, as Hugging Face's WordPieceTrainer does.
-    Files that are not UTF-8 are read as ISO-8859-1. With --algorithm unigram or bpe, sentencepiece's
+    Lines that are not UTF-8 are read as cp1252, else ISO-8859-1. With --algorithm unigram or bpe, sentencepiece's
     trainer learns a SentencePiece model instead (NFKC normalisation, case-folded unless --cased):
     <pad> 0, <unk> 1, [CLS] 2, [SEP] 3, [MASK] 4, \\[unused0..K-1], then the pieces.
     """
@@ -174,7 +181,8 @@ def train(
     config = VocabConfig(
         vocab_size=vocab_size, do_lower_case=not cased, strip_accents=False if no_strip_accents else None,
         min_frequency=min_frequency, limit_alphabet=limit_alphabet, reserved_unused=reserved_unused,
-        sample_bytes=sample_bytes, max_sentences=max_sentences, seed=seed, character_coverage=character_coverage,
+        sample_bytes=sample_bytes, max_sentences=max_sentences, seed=seed,
+        format=fmt, text_field=text_field, pattern=pattern, character_coverage=character_coverage,
     )
     if algorithm not in ALGORITHMS:
         raise BertctlError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")

@@ -42,7 +42,7 @@ from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
 
 from .config import DataConfig
-from .documents import Document, ReadStats, list_inputs, read_documents
+from .documents import Document, ReadStats, known_text_bytes, list_inputs, read_documents
 from .instances import InstanceStats, SpecialIds, create_instances_from_document, mask_batch
 from .sentences import split_sentences
 from .shards import FORMAT_NAME, FORMAT_VERSION, file_sha256, id_dtype, record_dtype, to_records, vocab_sha256, write_shard
@@ -453,7 +453,7 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     if workers < 1:
         raise BertctlError(f"--workers: must be >= 1, got {workers}")
     output_dir = Path(output_dir)
-    files = list_inputs(inputs, cfg.pattern)
+    files = list_inputs(inputs, cfg.pattern, cfg.format)
     special_ids(tokenizer)  # fail early on a vocabulary without specials
     tok = tokenizer_info(tokenizer)
     state = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "data_config": cfg.to_dict(), "tokenizer": tok,
@@ -470,7 +470,7 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
                                         max_document_bytes=cfg.max_document_bytes), cfg)
     records: list[dict] = []
     skipped_units = 0
-    total_bytes = sum(f.stat().st_size for f in files)
+    total_bytes = known_text_bytes(files, cfg.format)  # None: compressed or columnar input, or stdin
     pool = None
     if workers > 1:  # fork before the progress bar starts its thread
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
@@ -499,7 +499,8 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
                     finish(in_flight.popleft().get())
             while in_flight:
                 finish(in_flight.popleft().get())
-            advance(max(total_bytes - sum(r["bytes"] for r in records), 0))
+            if total_bytes is not None:
+                advance(max(total_bytes - sum(r["bytes"] for r in records), 0))
     finally:
         if pool is not None:
             pool.terminate()

@@ -21,8 +21,8 @@ def default_max_predictions(max_seq_length: int) -> int:
 
 @dataclass
 class DataConfig:
-    format: str = "lines"  # lines | text | jsonl (see bertctl.data.documents)
-    text_field: str = "text"  # jsonl: the field holding the document text
+    format: str = "lines"  # lines | text | jsonl | wikiextractor | parquet | arrow (see bertctl.data.documents)
+    text_field: str = "text"  # jsonl, parquet, arrow: the field holding the document text
     doc_separator: str | None = None  # text: a line equal to this ends a document
     pattern: str = "*"  # file-name pattern when an input is a folder
     max_seq_length: int = 128
