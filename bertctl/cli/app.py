@@ -67,7 +67,7 @@ def _plain_help_types() -> None:
 _plain_help_types()
 
 # Command modules; each defines ``register(app)``.
-COMMANDS = ("env", "tokenize", "embed", "build_data", "pretrain", "finetune", "eval", "bench")
+COMMANDS = ("env", "tokenize", "embed", "build_data", "pretrain", "finetune", "eval", "export", "bench")
 
 
 @app.callback()
