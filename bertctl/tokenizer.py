@@ -920,6 +920,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.mask_token_id = self.vocab[self.special_tokens["mask_token"]]
         self.all_special_ids = frozenset(self.vocab[t] for t in self.special_tokens.values())
         self._spaces: dict[str, bool] = {}
+        self._starts_word = tuple(tok.startswith(SPM_WORD_START) for tok in self.ids_to_tokens)
         self._continues = tuple(
             not tok.startswith(SPM_WORD_START) and not sp.is_control(i) for i, tok in enumerate(self.ids_to_tokens))
 
@@ -1052,17 +1053,16 @@ class SentencePieceTokenizer(Tokenizer):
             raise BertctlError(f"expected text (str), got {type(text).__name__}")
         if not with_offsets:
             return self._sp.encode(text), None
-        pieces = _spm_proto(self._sp, text).pieces
-        ids = [p.id for p in pieces]
-        if text.isascii():
-            spans = [(p.begin, p.end) for p in pieces]
-        else:  # SentencePiece aligns in UTF-8 bytes: byte offset -> characters before it
+        pieces = [(p.id, p.begin, p.end) for p in _spm_proto(self._sp, text).pieces]
+        ids = [i for i, _, _ in pieces]
+        if not text.isascii():  # SentencePiece aligns in UTF-8 bytes: byte offset -> characters before it
             ends = list(itertools.accumulate(len(c.encode("utf-8", "surrogatepass")) for c in text))
-            spans = [(bisect.bisect_right(ends, p.begin), bisect.bisect_right(ends, p.end)) for p in pieces]
+            pieces = [(i, bisect.bisect_right(ends, a), bisect.bisect_right(ends, b)) for i, a, b in pieces]
         offsets = []
-        for (a, b), p in zip(spans, pieces):
-            if p.piece.startswith(SPM_WORD_START):  # the white space "▁" stands for is not the piece's text
-                while a < b and self._is_space(text[a]):
+        starts_word = self._starts_word
+        for i, a, b in pieces:
+            if starts_word[i]:  # the white space "▁" stands for is not the piece's text
+                while a < b and (text[a] == " " or self._is_space(text[a])):
                     a += 1
             offsets.append((a, b))
         return ids, offsets
