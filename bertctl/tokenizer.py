@@ -610,10 +610,15 @@ class BertTokenizer(Tokenizer):
         self._word_cache[word] = result
         return result
 
-    def wordpiece(self, word: str) -> tuple[int, ...]:
-        """ids of one word of ``basic_tokenize`` (greedy longest-match-first, cached): the ids of a text
-        are those of its basic-tokenized words in order (build-data caches them per white-space word)."""
-        return self._wordpiece(word)[0]
+    def word_ids(self, word: str) -> list[int]:
+        """ids of one word without white space: its basic-tokenized pieces through WordPiece, with no
+        chunk cache (for callers that cache per word themselves, as build-data does)."""
+        cache = self._word_cache
+        ids: list[int] = []
+        for piece in self._basic_chunk(word):
+            hit = cache.get(piece)
+            ids += (hit if hit is not None else self._wordpiece(piece))[0]
+        return ids
 
     def _encode_text(self, text: str, with_offsets: bool) -> tuple[list[int], list[tuple[int, int]] | None]:
         """ids (and offsets into ``text``) of a text, without special tokens."""
@@ -671,6 +676,8 @@ class BertTokenizer(Tokenizer):
         return words
 
     def _basic_chunk(self, chunk: str) -> tuple[str, ...]:
+        if "[" not in chunk and chunk.isascii() and not _ASCII_CONTROL.search(chunk):  # the common case
+            return tuple(_ASCII_WORD.findall(chunk.lower() if self.do_lower_case else chunk))
         words: list[str] = []
         pos = 0
         matches = list(self._special_re.finditer(chunk)) if "[" in chunk else []

@@ -21,7 +21,7 @@ from bertctl.cli.app import app
 from bertctl.data.build import WordCache, build_data
 from bertctl.data.config import DataConfig, default_max_predictions
 from bertctl.data.documents import ReadStats, list_inputs, read_documents
-from bertctl.data.loader import PretrainingData
+from bertctl.data.dataset import PretrainingData
 from bertctl.data.sentences import split_sentences
 from bertctl.errors import BertctlError
 from bertctl.tokenizer import BertTokenizer
@@ -184,12 +184,16 @@ def test_word_cache_matches_tokenizer(corpus, minilm_vocab):
     texts = [" ".join(words[i : i + 40]) for i in range(0, len(words), 40)]  # fresh words: cache misses
     texts += ["Hello, World!!", "x" * 101, "y" * 100, "unaffable UNAFFABLE Unaffable", "3.14159 1,000,000"]
     texts += ["Hello, World!!", "\"Quoted\" (bracketed) [x]... ok?", "Caf\u00e9 na\u00efve \u00c9T\u00c9", "a\x1cb c\x0bd",
-              "\u4e2d\u6587 mixed\u4e2dtext", "__init__ don't re-use 3.14 $5", "\u00bfQu\u00e9? \u2014dash\u2014", ""]
+              "\u4e2d\u6587 mixed\u4e2dtext", "__init__ don't re-use 3.14 $5", "\u00bfQu\u00e9? \u2014dash\u2014", "",
+              "a [MASK] b x[CLS]y [SEP]. [mask] [UNK]!", "caf\u00e9[SEP]na\u00efve", "tab\there\xa0nbsp\u3000ideographic"]
+    # Every character str.split() cuts at, between two words: the word split must agree with BERT's
+    # (or the text must take the tokenizer's own path), in either casing.
+    texts += [f"a{c}b x{c}{c}y" for c in map(chr, range(0x110000)) if c.isspace()]
     for lower in (True, False):
         tok = BertTokenizer.from_vocab_file(minilm_vocab, do_lower_case=lower)
         cache = WordCache(tok)
         for text in texts + texts:  # second pass: from the cache
-            assert cache.encode(text) == tok.convert_tokens_to_ids(tok.tokenize(text)), text
+            assert cache.encode(text) == tok.convert_tokens_to_ids(tok.tokenize(text)), ascii(text)
 
 
 def test_same_output_for_1_and_2_workers(tmp_path, shared_data, tokenizer):

@@ -79,77 +79,33 @@ def tokenizer_info(tokenizer) -> dict:
     return info
 
 
-# BERT's BasicTokenizer deletes these control characters where str.split() would
-# split on them; a text holding one goes through the tokenizer whole.
+# Characters str.split() cuts at but BERT's text cleaning deletes (control characters): a text
+# holding one goes through the tokenizer whole.  tests/test_data_build.py checks this set against
+# every white-space character.
 _SPLIT_MISMATCH = re.compile("[\x0b\x0c\x1c-\x1f\x85]")
-MAX_INPUT_CHARS_PER_WORD = 100  # longer words are one [UNK] (google-research/bert)
-# Letter-and-digit runs and single other characters of a printable ASCII word: BERT's
-# _is_punctuation holds every ASCII printable that is neither alphanumeric nor space.
-_ASCII_PIECES = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9]")
 
 
 class WordCache:
-    """Token ids of a text, with caches from white-space word to ids.
+    """Token ids of a text: the tokenizer's basic tokenizer and WordPiece behind a cache from
+    white-space word to ids.
 
-    BERT's tokenization (clean, lower-case, split punctuation, WordPiece) works
-    word by word once text is split on white space, so the ids of a text are
-    the concatenated ids of its words.  Word frequencies are Zipfian: the
-    work is done once per distinct word.  A printable ASCII word needs no
-    tokenizer at all: BERT's basic tokenizer only lower-cases it (uncased) and
-    makes every ASCII non-alphanumeric character a token of its own, so the
-    word is cut into letter-and-digit runs (WordPiece, cached lower-cased) and
-    punctuation characters here.  Other words go through the tokenizer.
-    Caches are cleared when they reach ``max_words`` (memory stays bounded).
+    BERT's tokenization works word by word once text is split at white space, so the ids of a
+    text are the concatenated ids of its words.  Word frequencies are Zipfian: each distinct word
+    goes through the tokenizer once (``BertTokenizer.word_ids``: its basic tokenizer, then its
+    WordPiece), and every other occurrence is one dict look-up, cheaper than the tokenizer's own
+    path, which also keeps character offsets.  The cache is cleared when it reaches ``max_words``
+    (memory stays bounded).
     """
 
     def __init__(self, tokenizer, max_words: int = 1 << 19):
         self.tokenizer = tokenizer
         self.max_words = max_words
-        self.lower = bool(getattr(tokenizer, "do_lower_case", False))
-        self.vocab = tokenizer.vocab
-        self.unk = tokenizer.vocab["[UNK]"]
         self.cache: dict[str, list[int]] = {}  # white-space word -> ids
-        self.pieces: dict[str, list[int]] = {}  # ASCII alphanumeric run or punctuation char -> ids
         self.misses = 0  # distinct words worked out
-
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.convert_tokens_to_ids(self.tokenizer.tokenize(text))
-
-    def _wordpiece(self, word: str) -> list[int]:
-        """Greedy longest-match-first WordPiece (google-research/bert's WordpieceTokenizer)."""
-        if len(word) > MAX_INPUT_CHARS_PER_WORD:
-            return [self.unk]
-        ids, start, n = [], 0, len(word)
-        while start < n:
-            end = n
-            while end > start:
-                piece = self.vocab.get(word[start:end] if start == 0 else "##" + word[start:end])
-                if piece is not None:
-                    break
-                end -= 1
-            else:
-                return [self.unk]
-            ids.append(piece)
-            start = end
-        return ids
-
-    def _piece(self, piece: str) -> list[int]:
-        ids = self.pieces.get(piece)
-        if ids is None:
-            if len(self.pieces) >= self.max_words:
-                self.pieces.clear()
-            # A punctuation character that is no vocabulary entry is [UNK], as in WordPiece.
-            ids = self.pieces[piece] = self._wordpiece(piece)
-        return ids
 
     def _word(self, word: str) -> list[int]:
         self.misses += 1
-        if word.isascii() and word.isprintable():
-            ids = []
-            for piece in _ASCII_PIECES.findall(word.lower() if self.lower else word):
-                ids += self._piece(piece)
-        else:
-            ids = self._tokenize(word)
+        ids = self.tokenizer.word_ids(word)
         if len(self.cache) >= self.max_words:
             self.cache.clear()
         self.cache[word] = ids
@@ -157,7 +113,7 @@ class WordCache:
 
     def encode(self, text: str) -> list[int]:
         if _SPLIT_MISMATCH.search(text):
-            return self._tokenize(text)
+            return self.tokenizer.ids(text)
         out: list[int] = []
         cache = self.cache
         for word in text.split():

@@ -56,6 +56,7 @@ _NEVER_FINAL = frozenset(
 )
 _BEFORE_DIGIT = frozenset("no nos vol vols fig figs pp p art sec ch".split())
 _INITIALISM = re.compile(r"^(?:[A-Za-z]\.)+[A-Za-z]$")
+_LOOK_BACK = 32  # characters searched for the word before a full stop
 
 
 def _is_boundary(text: str, punct_start: int, punct: str, next_start: int) -> bool:
@@ -68,9 +69,10 @@ def _is_boundary(text: str, punct_start: int, punct: str, next_start: int) -> bo
         return False
     if punct != ".":
         return True
-    # The word right before the full stop, e.g. "Mr", "U.S", "(e.g".
-    word_start = max(text.rfind(c, 0, punct_start) for c in " \t\n") + 1
-    word = text[word_start:punct_start].lstrip(_WORD_LEAD)
+    # The word right before the full stop, e.g. "Mr", "U.S", "(e.g"; the rules below only concern
+    # short words, so a bounded look-back suffices (no rescan of a long paragraph per full stop).
+    before = text[max(0, punct_start - _LOOK_BACK) : punct_start].rsplit(None, 1)
+    word = before[-1].lstrip(_WORD_LEAD) if before else ""
     if not word:
         return True
     lower = word.lower()
