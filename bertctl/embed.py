@@ -25,6 +25,9 @@ from bertctl.tokenizer import iter_lines
 LAYER_CHOICES = ("last", "second-to-last", "sum-last-4", "concat-last-4", "embeddings")
 POOLING_CHOICES = ("cls", "mean", "max")
 OUTPUT_SUFFIXES = (".npy", ".jsonl", ".safetensors")
+# auto: onnxruntime on the CPU in fp32 when installed (faster there:
+# benchmarks/results/embed-backends-cpu.json), else torch.
+BACKEND_CHOICES = ("auto", "torch", "onnxruntime")
 
 
 @dataclass
@@ -36,8 +39,11 @@ class EmbedConfig:
     max_length: int | None = None  # default and upper bound: the model's max_position_embeddings
     dtype: str = "fp32"  # or "bf16"
     device: str = "auto"
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKEND_CHOICES:
+            raise BertctlError(f"--backend must be one of {', '.join(BACKEND_CHOICES)}, not {self.backend!r}")
         if self.layers not in LAYER_CHOICES:
             raise BertctlError(f"--layers must be one of {', '.join(LAYER_CHOICES)}, not {self.layers!r}")
         if self.pooling not in POOLING_CHOICES:
@@ -85,8 +91,35 @@ def read_texts(path: str | Path, field: str | None = None) -> list[str]:
     return texts
 
 
-def load_encoder(directory: str | Path, device: torch.device) -> BertModel:
-    """The encoder of any checkpoint directory (heads and pooler dropped)."""
+def resolve_backend(config: EmbedConfig, device: torch.device, onnx: Path | None = None) -> str:
+    """``torch`` or ``onnxruntime``: what ``config.backend`` (and an ``--onnx`` file) ask for on ``device``."""
+    from bertctl.export import onnx_missing
+
+    backend = "onnxruntime" if onnx is not None and config.backend == "auto" else config.backend
+    if backend == "onnxruntime":
+        if device.type != "cpu":
+            raise BertctlError(f"--backend onnxruntime runs on the CPU, not --device {device}")
+        if config.dtype != "fp32":
+            raise BertctlError("--backend onnxruntime runs fp32; --dtype bf16 needs --backend torch")
+        missing = onnx_missing(export=onnx is None)
+        if missing:
+            raise BertctlError(f"--backend onnxruntime needs {', '.join(missing)}: pip install 'bertctl[onnx]'")
+        return backend
+    if onnx is not None:
+        raise BertctlError("--onnx runs under onnxruntime; it cannot go with --backend torch")
+    if backend == "auto":
+        fits = device.type == "cpu" and config.dtype == "fp32" and not onnx_missing(export=True)
+        return "onnxruntime" if fits else "torch"
+    return backend
+
+
+def load_encoder(directory: str | Path, device: torch.device, backend: str = "torch", onnx: Path | None = None):
+    """The encoder of any checkpoint directory (heads and pooler dropped), as a PyTorch module
+    or (``backend="onnxruntime"``) an ONNX export of it: ``onnx``, or one cached on first use."""
+    if backend == "onnxruntime":
+        from bertctl.export import OnnxEncoder, cached_encoder
+
+        return OnnxEncoder(onnx, load_config(directory)) if onnx is not None else cached_encoder(directory)
     config = load_config(directory)
     model = BertModel(config, add_pooling_layer=False)
     load_state(model, read_state_dict(directory), source=str(directory))
@@ -119,8 +152,9 @@ def pool(x: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
 
 @torch.no_grad()
 def embed_texts(model: BertModel, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True) -> np.ndarray:
-    """(N, D) float32 features, row i for texts[i]."""
-    device = next(model.parameters()).device
+    """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``."""
+    device = model.device if hasattr(model, "runtime") else next(model.parameters()).device
+    all_layers = config.layers != "last"
     limit = model.config.max_position_embeddings
     max_length = limit if config.max_length is None else min(config.max_length, limit)
     vocab_size = model.config.vocab_size
@@ -143,7 +177,8 @@ def embed_texts(model: BertModel, tokenizer, texts: list[str], config: EmbedConf
             mask = batch["attention_mask"].to(device, non_blocking=True)
             types = batch["token_type_ids"].to(device, non_blocking=True)
             with autocast:
-                states = model(ids, types, mask, output_hidden_states=True).hidden_states
+                encoded = model(ids, types, mask, output_hidden_states=all_layers)
+            states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
             feats = pool(combine_layers(states, config.layers).float(), mask, config.pooling)
             if config.normalize:
                 feats = torch.nn.functional.normalize(feats, dim=-1)
@@ -158,6 +193,7 @@ def embed_texts(model: BertModel, tokenizer, texts: list[str], config: EmbedConf
         stderr.print(
             f"embedded {len(texts)} texts ({tokens} tokens) in {seconds:.2f} s: "
             f"{len(texts) / seconds:.1f} texts/s, {tokens / seconds:.0f} tokens/s on {device}"
+            f" ({getattr(model, 'runtime', 'torch')})"
             + (f"; {truncated} filled the {max_length}-token limit (longer texts are truncated)" if truncated else "")
         )
     assert out is not None

@@ -14,8 +14,11 @@ and every output must match the PyTorch model within ``tolerance`` (1e-4, fp32).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -62,14 +65,16 @@ HEADS = {
 }
 
 
-def _missing_packages() -> list[str]:
+def onnx_missing(export: bool = True) -> list[str]:
+    """The packages ONNX Runtime inference (and with ``export``, the export) needs that are not installed."""
     import importlib.util
 
-    return [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    names = ("onnx", "onnxscript", "onnxruntime") if export else ("onnxruntime",)
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def require_onnx() -> None:
-    missing = _missing_packages()
+    missing = onnx_missing()
     if missing:
         raise BertctlError(f"ONNX export needs {', '.join(missing)}: pip install 'bertctl[onnx]'")
 
@@ -251,3 +256,78 @@ def export_onnx(directory: str | Path, output: str | Path, *, architecture: str 
         "export_seconds": round(export_seconds, 2), "bytes": output.stat().st_size,
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
     }
+
+
+# --------------------------------------------------------------------------- serving the encoder (embed)
+
+# Bump when the exported graph changes, so cached exports are made anew.
+EXPORT_FORMAT = 1
+
+
+class OnnxEncoder:
+    """An exported encoder under ONNX Runtime on the CPU, called as ``BertModel`` is by ``embed_texts``.
+
+    Any ONNX file with ``input_ids``/``attention_mask``/``token_type_ids`` inputs and a
+    ``last_hidden_state`` output serves (``optimum``'s exports too); layers other than the
+    last need the ``hidden_states`` output (``export onnx --hidden-states``).
+    """
+
+    runtime = "onnxruntime"
+    device = torch.device("cpu")
+
+    def __init__(self, path: str | Path, config, threads: int | None = None):
+        self.path, self.config = Path(path), config
+        if not self.path.is_file():
+            raise BertctlError(f"{self.path}: --onnx: no such file")
+        self.session = ort_session(self.path, threads or torch.get_num_threads())  # as many threads as torch
+        self.inputs = [i.name for i in self.session.get_inputs()]
+        outputs = [o.name for o in self.session.get_outputs()]
+        if "last_hidden_state" not in outputs or not set(self.inputs) <= set(INPUT_NAMES):
+            raise BertctlError(f"{self.path}: not an exported BERT encoder (inputs {self.inputs}, outputs {outputs}; "
+                               f"want inputs among {list(INPUT_NAMES)} and a last_hidden_state output)")
+        self.has_hidden_states = "hidden_states" in outputs
+
+    def __call__(self, input_ids, token_type_ids=None, attention_mask=None, output_hidden_states: bool = False):
+        from bertctl.model import BertOutput
+
+        given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        feeds = {name: given[name].cpu().numpy().astype(np.int64, copy=False) for name in self.inputs}
+        if not output_hidden_states:
+            (x,) = self.session.run(["last_hidden_state"], feeds)
+            return BertOutput(torch.from_numpy(x), None)
+        if not self.has_hidden_states:
+            raise BertctlError(f"{self.path}: no hidden_states output, which layers other than the last need "
+                               "(export it with: bertctl export onnx --architecture BertModel --hidden-states)")
+        (states,) = self.session.run(["hidden_states"], feeds)  # (L+1, B, S, H)
+        states = tuple(torch.from_numpy(states))
+        return BertOutput(states[-1], None, states)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bertctl" / "onnx"
+
+
+def cached_encoder_path(directory: str | Path) -> Path:
+    """Where the encoder export of ``directory`` is cached: keyed by its path, config, weights
+    (size and modification time), torch version and ``EXPORT_FORMAT``."""
+    from bertctl.checkpoint import LEGACY_WEIGHTS, WEIGHTS
+
+    directory = Path(directory).resolve()
+    key = hashlib.sha256(json.dumps([str(directory), EXPORT_FORMAT, torch.__version__]).encode())
+    key.update((directory / "config.json").read_bytes())
+    for name in (WEIGHTS, LEGACY_WEIGHTS):
+        if (directory / name).exists():
+            st = (directory / name).stat()
+            key.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return cache_dir() / f"{directory.name}-{key.hexdigest()[:16]}.onnx"
+
+
+def cached_encoder(directory: str | Path, threads: int | None = None) -> OnnxEncoder:
+    """``directory``'s encoder (with ``hidden_states``) under ONNX Runtime, exported on first use."""
+    config = load_config(directory)
+    path = cached_encoder_path(directory)
+    if not path.exists():
+        require_onnx()
+        stderr.print(f"exporting the encoder of {directory} to ONNX (once; cached as {path})")
+        export_onnx(directory, path, architecture="BertModel", hidden_states=True)
+    return OnnxEncoder(path, config, threads)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-from bertctl.embed import LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES
+from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES
 
 
 def register(app: typer.Typer) -> None:
@@ -24,15 +24,22 @@ def register(app: typer.Typer) -> None:
                                             "(default and upper bound: the model's max_position_embeddings)."),
         dtype: str = typer.Option("fp32", help="fp32 or bf16 (autocast)."),
         device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+        backend: str = typer.Option("auto", "--backend",
+                                    help=f"{', '.join(BACKEND_CHOICES)}: auto runs onnxruntime on the CPU in fp32 "
+                                         "when installed (faster there), torch otherwise. The ONNX export of the "
+                                         "encoder is cached on first use."),
+        onnx: Path = typer.Option(None, "--onnx", show_default=False,
+                                  help="An exported encoder (.onnx) to run under onnxruntime instead of the cache."),
     ) -> None:
         """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order."""
         import numpy as np
 
-        from bertctl.embed import EmbedConfig, embed_texts, load_encoder, read_texts, resolve_device, write_embeddings
+        from bertctl.embed import (EmbedConfig, embed_texts, load_encoder, read_texts, resolve_backend, resolve_device,
+                                   write_embeddings)
         from bertctl.tokenizer import load_tokenizer
 
         config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
-                             max_length=max_length, dtype=dtype, device=device)
+                             max_length=max_length, dtype=dtype, device=device, backend=backend)
         from bertctl.errors import BertctlError
         from bertctl.io import check_writable
 
@@ -40,7 +47,8 @@ def register(app: typer.Typer) -> None:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
         check_writable(output)  # before the model runs, not after
         texts = [t for path in inputs for t in read_texts(path, field)]
-        encoder = load_encoder(model, resolve_device(config.device))
+        where = resolve_device(config.device)
+        encoder = load_encoder(model, where, resolve_backend(config, where, onnx), onnx)
         tokenizer = load_tokenizer(model)
         array = embed_texts(encoder, tokenizer, texts, config)
         write_embeddings(array.astype(np.float32, copy=False), output)
