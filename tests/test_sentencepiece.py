@@ -376,6 +376,24 @@ def _words(tokens: list[int], continues, specials) -> list[list[int]]:
     return words
 
 
+def _check_whole_words(rows, continues) -> tuple[int, int]:
+    """Each (ids, length, masked positions, labels) row masks whole words only; returns the masked
+    words and those of several pieces."""
+    masked_words = multi = 0
+    for ids, n, positions, labels in rows:
+        positions = [int(p) for p in positions if p]
+        original = np.asarray(ids[:n], dtype=np.int64).copy()
+        original[positions] = labels[: len(positions)]
+        assert original[0] == 2 and original[n - 1] == 3
+        masked = set(positions)
+        for word in _words(original.tolist(), continues, {2, 3}):
+            k = len(masked.intersection(word))
+            assert k in (0, len(word)), (word, positions)  # a word is masked whole or not at all
+            masked_words += k > 0
+            multi += k > 1
+    return masked_words, multi
+
+
 def test_build_data_whole_word_masking_on_word_starts(trained, train_files, tmp_path):
     tok = trained["tok"]
     out = tmp_path / "data"
@@ -393,20 +411,23 @@ def test_build_data_whole_word_masking_on_word_starts(trained, train_files, tmp_
     continues = [not p.startswith("\u2581") and not trained["sp"].is_control(i) for i, p in enumerate(tok.ids_to_tokens)]
     assert list(tok.continues_word) == continues and 0 < sum(continues) < len(continues)
     records = np.concatenate([np.load(out / s["file"]) for s in manifest["splits"]["train"]["shards"]])
-    multi = masked_words = 0
-    for rec in records:
-        n = int(rec["length"])
-        positions = [int(p) for p in rec["masked_positions"] if p]
-        original = rec["input_ids"][:n].astype(np.int64).copy()
-        original[positions] = rec["masked_lm_labels"][: len(positions)]
-        masked = set(positions)
-        for word in _words(original.tolist(), continues, {2, 3}):
-            k = len(masked.intersection(word))
-            assert k in (0, len(word)), (word, positions)  # a word is masked whole or not at all
-            masked_words += k > 0
-            multi += k > 1
-        assert original[0] == 2 and original[n - 1] == 3
+    masked_words, multi = _check_whole_words(
+        [(rec["input_ids"], int(rec["length"]), rec["masked_positions"], rec["masked_lm_labels"]) for rec in records],
+        continues)
     assert masked_words > 500 and multi > 50  # words of several pieces were masked together
+    # --dynamic-masking: the loader masks whole words at every epoch, from the folder's own model file.
+    from bertctl.data import PretrainingData
+
+    dyn = tmp_path / "dynamic"
+    r = runner.invoke(app, [*args, "--dynamic-masking", "-o", str(dyn), *map(str, train_files[:2])])
+    assert r.exit_code == 0, r.output
+    data = PretrainingData(dyn)
+    batch = data.collate(np.arange(min(data.num_instances, 256)), seed=3, epoch=1)
+    rows = [(ids, int(mask.sum()), pos, lab) for ids, mask, pos, lab in
+            zip(batch["input_ids"].numpy(), batch["attention_mask"].numpy(), batch["masked_positions"].numpy(),
+                batch["masked_lm_labels"].numpy())]
+    masked_words, multi = _check_whole_words(rows, continues)
+    assert masked_words > 200 and multi > 20
     # Two workers give the same bytes (the tokenizer travels to worker processes by pickling).
     r = runner.invoke(app, [*args, "--workers", "2", "--unit-mb", "0.05", "-o", str(tmp_path / "w2"),
                             *map(str, train_files[:2])])
