@@ -1,4 +1,4 @@
-"""``bertctl tokenize``: encode, decode, inspect text with a BERT WordPiece vocabulary, and train one."""
+"""``bertctl tokenize``: encode, decode, inspect text with a WordPiece vocabulary or a SentencePiece model, and train either."""
 from __future__ import annotations
 
 import json
@@ -39,7 +39,6 @@ def _tokenizer(vocab: Path | None, model: Path | None, cased: bool, spm_model: P
     if not model.is_dir():
         raise BertctlError(f"{model}: --model: no such directory")
     return load_tokenizer(model)
-
 
 
 def register(app: typer.Typer) -> None:
