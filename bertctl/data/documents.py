@@ -178,12 +178,10 @@ def _decompressor(codec: str):
 
 
 def _codec_errors() -> tuple[type[Exception], ...]:
-    errors: tuple[type[Exception], ...] = (zlib.error, OSError, EOFError, lzma.LZMAError)
-    with contextlib.suppress(ImportError):
-        import zstandard
+    """What the decompressors raise on bad data (bz2 raises OSError)."""
+    import zstandard
 
-        errors += (zstandard.ZstdError,)
-    return errors
+    return zlib.error, OSError, EOFError, lzma.LZMAError, zstandard.ZstdError
 
 
 def _decompress(source: BinaryIO, prefix: bytes, codec: str, name: str) -> Iterator[bytes]:
