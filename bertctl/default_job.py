@@ -202,8 +202,10 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     prep_seconds = time.monotonic() - t0
 
     model_overrides = train_options.pop("model_overrides", {}) or {}
+    max_steps_given = max_steps
     if max_steps is None:
-        # Fit the step count to the time box, so the lr schedule completes (warm-up, then decay to 0).
+        # Fit the step count to the time box, so the lr schedule completes (warm-up, then decay to 0);
+        # the engine re-plans from the measured step rate when the machine gets busier or quieter.
         ds = PretrainingData(data_dir)
         mconf = BertConfig.preset(model_size, vocab_size=ds.vocab_size, **model_overrides)
         t_step = _calibrate_step_seconds(mconf, batch_size, max_seq_length, ds.max_predictions, seed)
@@ -215,7 +217,8 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
         options["eval_every"] = max(10, max_steps // 5)  # a few points on the accuracy curve
     cfg = TrainConfig(output=str(output), data=str(data_dir), model_size=model_size,
                       model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
-                      minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed, **options)
+                      minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed,
+                      fit_to_minutes=max_steps_given is None, **options)
     summary = pretrain(cfg, tokenizer=tokenizer)
     ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}
     summary["default_job"] = {
