@@ -54,7 +54,7 @@ class VocabConfig:
     seed: int = 0  # seed of the line sampling
     format: str = "text"  # input format (bertctl.data.documents.FORMATS); text: every line of the files
     text_field: str = "text"  # jsonl, parquet, arrow: the field holding the text
-    pattern: str = "*.txt"  # file-name pattern inside input folders (compressed names match too)
+    pattern: str | None = None  # in input folders (compressed names match too); None: the format's default
     character_coverage: float = 0.9995  # SentencePiece: share of characters kept; rarer ones are <unk>
 
     def to_dict(self) -> dict:
@@ -63,11 +63,12 @@ class VocabConfig:
 
 def collect_files(inputs: Iterable[str | os.PathLike], config: VocabConfig | None = None) -> list[Path]:
     """Files named directly (``-``: stdin), plus the files under folders that match ``config.pattern``
-    (sorted, so runs are reproducible); build-data's ``list_inputs``."""
+    (default ``*.txt`` for text, the format's files otherwise; sorted, so runs are reproducible)."""
     from bertctl.data.documents import list_inputs
 
     config = config or VocabConfig()
-    return list_inputs(list(inputs), config.pattern, config.format)
+    pattern = config.pattern or ("*.txt" if config.format in ("text", "lines") else "*")  # "*": *.parquet, *.arrow
+    return list_inputs(list(inputs), pattern, config.format)
 
 
 def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[str, int]]:

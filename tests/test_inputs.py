@@ -306,7 +306,7 @@ def test_vocab_from_compressed_and_columnar_inputs(tmp_path, texts):
     lines = [line for data in texts.values() for line in data.decode("utf-8").split("\n") if line.strip()]
     pq.write_table(pa.table({"text": lines}), tmp_path / "lines.parquet")
     config = VocabConfig(vocab_size=400, min_frequency=2)
-    parquet = VocabConfig(vocab_size=400, min_frequency=2, format="parquet", pattern="*")
-    assert train_vocab([tmp_path / "lines.parquet"], parquet) == train_vocab([plain], config)
+    parquet = VocabConfig(vocab_size=400, min_frequency=2, format="parquet")  # a folder: its *.parquet files
+    assert train_vocab([tmp_path], parquet) == train_vocab([plain], config)
     with pytest.raises(BertctlError, match="--sample-bytes: stdin"):
         train_vocab(["-"], VocabConfig(sample_bytes=1000))

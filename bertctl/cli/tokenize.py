@@ -155,8 +155,9 @@ def train(
                             help="text (or lines): every line of the files; jsonl, wikiextractor, parquet, arrow: "
                                  "the paragraphs of their documents, read as build-data reads them."),
     text_field: str = typer.Option("text", "--text-field", help="jsonl, parquet, arrow: field holding the text."),
-    pattern: str = typer.Option("*.txt", "--pattern",
-                                help="File-name pattern inside input folders (a.txt.gz matches *.txt too)."),
+    pattern: str = typer.Option(None, "--pattern", show_default=False,
+                                help="File-name pattern inside input folders (a.txt.gz matches *.txt too); default "
+                                     "*.txt for text and lines, *.parquet / *.arrow for those formats, else *."),
     character_coverage: float = typer.Option(0.9995, "--character-coverage", min=0.5, max=1.0,
                                              help="unigram/bpe: share of characters covered; rarer ones are <unk>."),
     save_dir: Path = typer.Option(None, "--save-dir",
