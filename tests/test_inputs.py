@@ -232,6 +232,10 @@ def test_parquet_and_arrow_equal_jsonl(tmp_path, tokenizer):
         list(read_documents([cache / "data-train.arrow"], "arrow", ReadStats(), text_field="id"))
     with pytest.raises(BertctlError, match=r"docs.jsonl: not a readable parquet file"):
         list(read_documents([tmp_path / "docs.jsonl"], "parquet", ReadStats(), text_field="body"))
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes((cache / "data-train.arrow").read_bytes()[:-300])
+    with pytest.raises(BertctlError, match=r"cut.arrow: not a readable arrow file \(Expected to be able to read"):
+        list(read_documents([cut], "arrow", ReadStats(), text_field="body"))
 
 
 WIKI = """<doc id="12" url="https://en.wikipedia.org/wiki?curid=12" title="Anarchism">

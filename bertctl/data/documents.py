@@ -548,7 +548,7 @@ def _column_texts(path: Path, fmt: str, stats: ReadStats, text_field: str) -> It
                     n = len(text.encode("utf-8", "surrogatepass"))
                     stats.bytes += n
                     yield text, n
-    except pa.ArrowException as e:
+    except (pa.ArrowException, OSError) as e:  # a truncated IPC stream is an OSError
         raise BertctlError(f"{name}: not a readable {fmt} file ({' '.join(str(e).split())})") from None
 
 
