@@ -14,6 +14,7 @@ and every output must match the PyTorch model within ``tolerance`` (1e-4, fp32).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import io
 import json
@@ -308,18 +309,19 @@ def cache_dir() -> Path:
 
 
 def cached_encoder_path(directory: str | Path) -> Path:
-    """Where the encoder export of ``directory`` is cached: keyed by its path, config, weights
-    (size and modification time), torch version and ``EXPORT_FORMAT``."""
+    """Where the encoder export of ``directory`` is cached: ``NAME-PATHKEY-KEY.onnx``, PATHKEY from its
+    path, KEY from its config, weights (size and modification time), torch version and ``EXPORT_FORMAT``."""
     from bertctl.checkpoint import LEGACY_WEIGHTS, WEIGHTS
 
     directory = Path(directory).resolve()
-    key = hashlib.sha256(json.dumps([str(directory), EXPORT_FORMAT, torch.__version__]).encode())
+    where = hashlib.sha256(str(directory).encode()).hexdigest()[:8]
+    key = hashlib.sha256(json.dumps([EXPORT_FORMAT, torch.__version__]).encode())
     key.update((directory / "config.json").read_bytes())
     for name in (WEIGHTS, LEGACY_WEIGHTS):
         if (directory / name).exists():
             st = (directory / name).stat()
             key.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return cache_dir() / f"{directory.name}-{key.hexdigest()[:16]}.onnx"
+    return cache_dir() / f"{directory.name}-{where}-{key.hexdigest()[:16]}.onnx"
 
 
 def cached_encoder(directory: str | Path, threads: int | None = None) -> OnnxEncoder:
@@ -330,4 +332,8 @@ def cached_encoder(directory: str | Path, threads: int | None = None) -> OnnxEnc
         require_onnx()
         stderr.print(f"exporting the encoder of {directory} to ONNX (once; cached as {path})")
         export_onnx(directory, path, architecture="BertModel", hidden_states=True)
+        # Exports of earlier weights or versions of the same directory are stale now.
+        for old in path.parent.glob(glob.escape(path.name.rsplit("-", 1)[0]) + "-*.onnx"):
+            if old != path:
+                old.unlink(missing_ok=True)
     return OnnxEncoder(path, config, threads)

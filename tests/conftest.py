@@ -29,6 +29,15 @@ os.environ.setdefault("BERTCTL_REQUIRE_EXT", "1")
 torch.set_num_threads(max(1, int(os.environ.get("BERTCTL_TEST_THREADS", "1"))))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def onnx_cache(tmp_path_factory):
+    """``embed``'s ONNX exports (XDG_CACHE_HOME/bertctl/onnx) go to one folder per test session, not ~/.cache."""
+    path = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
