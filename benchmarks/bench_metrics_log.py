@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "metrics-log-cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     log_runs = {"jsonl": [], "jsonl+tensorboard": [], "torch SummaryWriter.add_scalar (reference)": []}
     step_runs = {"jsonl": [], "jsonl+tensorboard": []}
     for _ in range(args.rounds):
@@ -104,7 +105,6 @@ def main() -> None:
             for name, v in step_runs.items()}
     import tensorboard
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     report = {
         "benchmark": "MetricsLog.log per record, with and without TensorBoard",
         "record": "pretraining 'train' record, 10 numeric fields",
