@@ -103,6 +103,10 @@ def main() -> None:
     }
     step = {name: {"median_step_ms": round(statistics.median(v), 3), "rounds": [round(x, 3) for x in v]}
             for name, v in step_runs.items()}
+    # Each round times both back to back: the per-round ratio cancels the machine's slow spells.
+    ratios = [b / a for a, b in zip(step_runs["jsonl"], step_runs["jsonl+tensorboard"])]
+    step["tensorboard_over_jsonl_per_round"] = [round(r, 4) for r in ratios]
+    step["tensorboard_over_jsonl_median"] = round(statistics.median(ratios), 4)
     import tensorboard
 
     report = {
