@@ -187,9 +187,3 @@ def save_pretrained(model: BertPreTrainedModel, directory: str | Path, tokenizer
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-
-
-def model_class(name: str) -> type[BertPreTrainedModel]:
-    if name not in MODEL_CLASSES:
-        raise BertctlError(f"unknown model class {name!r}; one of {', '.join(MODEL_CLASSES)}")
-    return MODEL_CLASSES[name]

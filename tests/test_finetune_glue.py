@@ -208,3 +208,19 @@ def test_eval_of_a_transformers_fine_tuned_model_matches_transformers(tiny, sst2
                 "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(want)
+
+
+def test_tensorboard_events_follow_the_flag(tiny, sst2, tmp_path):
+    """On by default (tensorboard is a test dependency): the train loss reaches an event file; off with the flag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--max-steps", "3",
+            "--log-every", "1", "--no-progress", "--output"]
+    assert invoke(args + [str(tmp_path / "on")]).exit_code == 0
+    logged = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in logged if r["event"] == "train"]
+    acc = EventAccumulator(str(tmp_path / "on" / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+    assert invoke(args + [str(tmp_path / "off"), "--no-tensorboard"]).exit_code == 0
+    assert not (tmp_path / "off" / "tensorboard").exists()

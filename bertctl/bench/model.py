@@ -147,10 +147,6 @@ def _time(step: Callable[[dict], None], batches: list[dict], steps: int, warmup:
     return statistics.median(per_step)
 
 
-def _ddp_info() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def bench_model(cases: list[str] | None = None, providers: list[str] | None = None, steps: int = 20,
                 warmup: int = 5, inference: bool = True, log: Callable[[str], None] = print,
                 compile_cases: list[str] | None = None, device: str = "cuda",

@@ -27,6 +27,8 @@ MICRO_BATCH = typer.Option(None, "--micro-batch-size", help="Examples per proces
                                                                                                         "/ processes")
 MAX_GRAD_NORM = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping (0 = off).")
 RESUME = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output.")
+TENSORBOARD = typer.Option(None, "--tensorboard/--no-tensorboard", help="TensorBoard event files in "
+                           "OUT/tensorboard/ beside metrics.jsonl.", show_default="on when tensorboard is installed")
 DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dropout.",
                        show_default="the checkpoint's, 0.1 for BERT")
 

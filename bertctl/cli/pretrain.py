@@ -66,6 +66,7 @@ def pretrain_command(
     eval_batches: int = typer.Option(20, "--eval-batches", help="Held-out batches per evaluation."),
     dropout: Optional[float] = opt.DROPOUT,
     no_progress: bool = opt.NO_PROGRESS,
+    tensorboard: Optional[bool] = opt.TENSORBOARD,
     attn_old: Optional[str] = typer.Option(None, "--attention", hidden=True),
     quiet: bool = opt.OLD_QUIET,
 ) -> None:
@@ -102,7 +103,7 @@ def pretrain_command(
         max_grad_norm=max_grad_norm, seed=seed, precision=precision, kernels=kernels, attn=attn, compile=compile,
         bucket_lengths=bucket_lengths, device=None if device == "auto" else device, resume=resume,
         save_every=save_every, save_minutes=save_minutes, keep=keep, log_every=log_every, eval_every=eval_every,
-        eval_batches=eval_batches, show_progress=not no_progress,
+        eval_batches=eval_batches, show_progress=not no_progress, tensorboard=tensorboard,
     )
     if data is None:
         from bertctl.default_job import run_default_job

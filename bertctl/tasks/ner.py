@@ -200,7 +200,7 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
         return {"valid_f1": m["f1"], "valid_precision": m["precision"], "valid_recall": m["recall"]}
 
     tcfg = _select_best(tcfg)
-    with MetricsLog(output / "metrics.jsonl") as log:
+    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
                                           main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
                                           resume=resume, log=log)

@@ -396,7 +396,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
         metrics, _ = score_predictions(dev, preds, scfg.version_2)
         return {k: float(v) for k, v in metrics.items() if k in ("exact_match", "f1", "best_f1")}
 
-    with MetricsLog(output / "metrics.jsonl") as log:
+    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, tcfg, evaluate=evaluate, main_metric=main,
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
         if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
@@ -477,7 +477,3 @@ def recover_answer(feature: dict, context: str, ctx: ContextTokens) -> str:
     a = feature["_span_start"] + feature["start_positions"] - off
     b = feature["_span_start"] + feature["end_positions"] - off
     return context[ctx.offsets[a][0] : ctx.offsets[b][1]]
-
-
-def answer_matches(predicted: str, gold: str) -> bool:
-    return normalize_answer(predicted) == normalize_answer(gold)

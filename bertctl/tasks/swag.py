@@ -139,7 +139,7 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
     def evaluate(model):
         return {"accuracy": accuracy(_choices(model, dev_feats, tcfg, False).argmax(-1), gold)}
 
-    with MetricsLog(output / "metrics.jsonl") as log:
+    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
         if not outcome.is_main:  # under torchrun rank 0 evaluates and writes

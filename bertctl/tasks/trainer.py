@@ -61,6 +61,7 @@ class TrainConfig:
     log_every: int = 50
     select_best: bool = False             # keep the epoch with the best dev score (NER: chosen on valid)
     progress: bool = True
+    tensorboard: bool | None = None       # TensorBoard events beside metrics.jsonl (None: when importable)
 
 
 @dataclass

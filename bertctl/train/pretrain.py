@@ -86,6 +86,7 @@ class TrainConfig:
     eval_batch_size: int | None = None
     eval_at_start: bool = True
     show_progress: bool = True
+    tensorboard: bool | None = None       # TensorBoard events beside metrics.jsonl (None: when importable)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -183,7 +184,7 @@ class Trainer:
         self.out = Path(cfg.output)
         self.precision = resolve_precision(cfg.precision, self.device)
         self.tokenizer = tokenizer
-        self.log = MetricsLog(self.out / "metrics.jsonl" if dist.is_main else None)
+        self.log = MetricsLog(self.out / "metrics.jsonl" if dist.is_main else None, tensorboard=cfg.tensorboard)
         self.collapsed = False
 
     # ----------------------------------------------------------------- setup
