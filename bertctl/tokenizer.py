@@ -583,7 +583,10 @@ class BertTokenizer(Tokenizer):
         n = len(word)
         vocab = self.vocab
         result: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        if n <= MAX_INPUT_CHARS_PER_WORD:
+        whole = vocab.get(word) if n <= MAX_INPUT_CHARS_PER_WORD else None
+        if whole is not None:  # the word is one piece (the loop's first try, without its lists)
+            result = ((whole,), (0, n))
+        elif n <= MAX_INPUT_CHARS_PER_WORD:
             ids: list[int] = []
             bounds = [0]
             start = 0
@@ -676,7 +679,8 @@ class BertTokenizer(Tokenizer):
         return words
 
     def _basic_chunk(self, chunk: str) -> tuple[str, ...]:
-        if "[" not in chunk and chunk.isascii() and not _ASCII_CONTROL.search(chunk):  # the common case
+        # The common case; a chunk holds no white space, so printable ASCII means no control characters.
+        if "[" not in chunk and chunk.isascii() and chunk.isprintable():
             return tuple(_ASCII_WORD.findall(chunk.lower() if self.do_lower_case else chunk))
         words: list[str] = []
         pos = 0

@@ -166,6 +166,8 @@ def test_nsp_and_short_sequence_rates(static_build):
     c = summary["counters"]
     n = len(rec)
     assert (rec["next_sentence_label"] == 1).sum() == c["random_next"]
+    # Random B segments come from other documents through the excerpt pool (issue: never A's own).
+    assert summary["nsp_random_next_same_document"] == 0 and summary["nsp_random_next_from_unit"] == 0
     free = n - c["forced_random_next"]  # one-sentence chunks are random by construction (the reference)
     assert c["forced_random_next"] < 0.1 * n  # long 18th-century sentences fill a target alone
     p_hat = (c["random_next"] - c["forced_random_next"]) / free
@@ -207,6 +209,161 @@ def test_same_output_for_1_and_2_workers(tmp_path, shared_data, tokenizer):
     s3 = build_data(inputs, tmp_path / "w3", tokenizer, DataConfig(**{**cfg.to_dict(), "seed": 4}), progress=False)
     assert dir_bytes(tmp_path / "w3")["train-00000-000.npy"] != a["train-00000-000.npy"]
     assert s3["instances"] > 0
+
+
+# ----------------------------------------------------------------------------- random next segments
+
+
+def _books(tmp_path: Path, tokenizer, n_docs: int = 8, words_per_doc: int = 8000) -> tuple[Path, dict[int, int]]:
+    """A corpus of book-like documents, one file each, every document written in its own words
+    (disjoint sets of whole-word vocabulary tokens), so a token names the document it came from.
+    Document 5 is one long paragraph (no blank lines): excerpts of it are windows of a paragraph.
+    Returns the folder and {token id: document}."""
+    import random
+
+    words = [t for t in tokenizer.ids_to_tokens[2000:] if t.isalpha() and t.isascii() and 4 <= len(t) <= 8
+             and tokenizer.ids(t) == [tokenizer.vocab[t]]]
+    rng = random.Random(0)
+    rng.shuffle(words)
+    per_doc = len(words) // n_docs
+    owner = {}
+    folder = tmp_path / "books"
+    folder.mkdir()
+    for d in range(n_docs):
+        own = words[d * per_doc : (d + 1) * per_doc]
+        owner.update((tokenizer.vocab[w], d) for w in own)
+        paragraphs, n = [], 0
+        while n < words_per_doc:
+            sentences = []
+            for _ in range(rng.randint(3, 7)):
+                k = rng.randint(5, 16)
+                sentences.append(" ".join(rng.choice(own) for _ in range(k)).capitalize() + ".")
+                n += k
+            paragraphs.append(" ".join(sentences))
+        (folder / f"book{d}.txt").write_text((" " if d == 5 else "\n\n").join(paragraphs) + "\n", encoding="utf-8")
+    return folder, owner
+
+
+BOOKS_CFG = dict(format="text", max_seq_length=64, dupe_factor=2, dynamic_masking=True, seed=11, chunk_bytes=70_000,
+                 shard_size=400)
+
+
+def test_random_next_comes_from_other_documents(tmp_path, tokenizer):
+    """Book-length documents, two per work unit: every random B comes from another document, from
+    across the corpus (not the unit's other book), uniformly, as contiguous text of that document."""
+    folder, owner = _books(tmp_path, tokenizer)
+    out = tmp_path / "out"
+    summary = build_data([folder], out, tokenizer, DataConfig(**BOOKS_CFG), progress=False)
+    assert summary["documents"] == 8
+    assert summary["nsp_random_next_same_document"] == 0 and summary["nsp_random_next_from_unit"] == 0
+    streams = {}
+    for f in sorted(folder.iterdir()):
+        ids = tokenizer.ids(f.read_text(encoding="utf-8"))
+        streams[owner[ids[0]]] = np.asarray(ids, dtype=">u4").tobytes()
+    manifest = json.loads((out / "manifest.json").read_text())
+    unit_docs: dict[int, set] = {}
+    pairs = []  # (unit, document of A, document of B, label)
+    for shard in manifest["splits"]["train"]["shards"]:
+        unit = int(shard["file"].split("-")[1])
+        for r in np.load(out / shard["file"]):
+            n = int(r["length"])
+            ids = r["input_ids"][:n].astype(np.int64)
+            n_a = int(np.argmax(r["token_type_ids"][:n])) - 2
+            seg_a, seg_b = ids[1 : n_a + 1], ids[n_a + 2 : n - 1]
+            docs_a, docs_b = {owner.get(int(t)) for t in seg_a} - {None}, {owner.get(int(t)) for t in seg_b} - {None}
+            assert len(docs_a) == 1 and len(docs_b) == 1, "a segment mixes documents"
+            (a,), (b,) = docs_a, docs_b
+            assert streams[b].find(seg_b.astype(">u4").tobytes()) % 4 == 0, "B is not contiguous text of its document"
+            unit_docs.setdefault(unit, set()).add(a)
+            pairs.append((unit, a, b, int(r["next_sentence_label"])))
+    assert len(unit_docs) == 4 and all(len(d) == 2 for d in unit_docs.values())  # two books per unit
+    assert all(a == b for _, a, b, label in pairs if label == 0)
+    negatives = [(u, a, b) for u, a, b, label in pairs if label == 1]
+    assert len(negatives) > 300
+    assert all(a != b for _, a, b in negatives)
+    # From the unit's other book only about 1/3, 1/5, 1/7, 1/7 of the time (units 0..3 see 4, 6, 8, 8
+    # documents); drawing within the unit gave 100%.
+    same_unit = np.mean([b in unit_docs[u] for u, a, b in negatives])
+    assert same_unit < 0.35, same_unit
+    # The last two units see all 8 documents: B's document is uniform over the 7 others (chi-square,
+    # 7 degrees of freedom, p = 0.001 at 24.3).
+    late = [(a, b) for u, a, b in negatives if u >= 2]
+    observed = np.bincount([b for _, b in late], minlength=8)
+    from_a = np.bincount([a for a, _ in late], minlength=8)
+    expected = np.array([sum(from_a[a] for a in range(8) if a != b) / 7 for b in range(8)])
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    assert chi2 < 24.3, (observed, expected)
+
+    # random_next_per_unit=0: the unit's own documents, the earlier behaviour, counted as such.
+    s0 = build_data([folder], tmp_path / "unit", tokenizer, DataConfig(**BOOKS_CFG, random_next_per_unit=0),
+                    progress=False)
+    assert s0["nsp_random_next_from_unit"] + s0["nsp_random_next_same_document"] == s0["counters"]["random_next"]
+
+
+def test_random_next_pool_same_bytes_for_workers_and_resume(tmp_path, tokenizer):
+    folder, _ = _books(tmp_path, tokenizer, n_docs=6, words_per_doc=6000)
+    cfg = DataConfig(**{**BOOKS_CFG, "dynamic_masking": False, "random_next_pool": 3, "random_next_per_unit": 2})
+    build_data([folder], tmp_path / "w1", tokenizer, cfg, workers=1, progress=False)
+    build_data([folder], tmp_path / "w2", tokenizer, cfg, workers=2, progress=False)
+    a, b = dir_bytes(tmp_path / "w1"), dir_bytes(tmp_path / "w2")
+    assert len(a) > 4 and a.keys() == b.keys() and all(a[k] == b[k] for k in a)
+
+    def stop_after_one(record):
+        raise Stop
+
+    with pytest.raises(Stop):
+        build_data([folder], tmp_path / "cut", tokenizer, cfg, workers=2, progress=False, on_unit_done=stop_after_one)
+    summary = build_data([folder], tmp_path / "cut", tokenizer, cfg, workers=1, resume=True, progress=False)
+    assert summary["resumed_units"] >= 1
+    c = dir_bytes(tmp_path / "cut")
+    assert a.keys() == c.keys() and all(a[k] == c[k] for k in a)
+    assert summary["nsp_random_next_same_document"] == 0
+
+
+def test_excerpt_reservoir_is_uniform_and_bounded():
+    """Algorithm R: after 200 documents each is in a 20-slot sample with probability 1/10
+    (chi-square over 2000 seeds); excerpts stay under three times their size."""
+    import random
+
+    from bertctl.data.build import ExcerptReservoir
+
+    n_docs, capacity, chars = 200, 20, 50
+    docs = [[f"Doc {d} paragraph {p}. " * (1 + (d + p) % 9) for p in range(1 + d % 7)] for d in range(n_docs)]
+    hits = np.zeros(n_docs)
+    for seed in range(2000):
+        reservoir = ExcerptReservoir(capacity, chars, random.Random(seed))
+        for pieces in docs:
+            reservoir.offer(pieces, False)
+        assert len(reservoir.items) == capacity and reservoir.seen == n_docs
+        for e in reservoir.items:
+            hits[e.document] += 1
+            assert all(any(p in q for q in docs[e.document]) for p in e.pieces) and sum(map(len, e.pieces)) < 3 * chars
+    expected = 2000 * capacity / n_docs
+    chi2 = ((hits - expected) ** 2 / expected).sum()
+    # 199 degrees of freedom (mean 199, sd 20); 20-of-200 sampling makes it a little tighter
+    assert chi2 < 199 + 5 * 20, chi2
+
+
+def test_excerpt_of_a_long_paragraph_keeps_whole_sentences(tokenizer):
+    """A window cut from a long paragraph drops its partial first and last sentences."""
+    import random
+
+    from bertctl.data.build import ChunkWorker, make_excerpt
+
+    sentences = [f"Sentence number {k} says {k * 7} things." for k in range(400)]
+    paragraph = " ".join(sentences)
+    worker = ChunkWorker(tokenizer, DataConfig().resolved(), Path("unused"))
+    whole = {tuple(tokenizer.ids(s)) for s in sentences}
+    cut = 0
+    for seed in range(40):
+        e = make_excerpt(seed, [paragraph], False, 300, random.Random(seed))
+        assert len(e.pieces) == 1 and len(e.pieces[0]) <= 300 and e.pieces[0] in paragraph
+        cut += e.cut_head
+        run = worker._excerpt("train", e)
+        assert run and all(tuple(ids) in whole for ids in run)
+    assert cut > 30
+    short = make_excerpt(0, ["One. Two.", "Three. Four."], False, 300, random.Random(1))
+    assert not short.cut_head and not short.cut_tail and short.pieces[-1] == "Three. Four."
 
 
 class Stop(Exception):
@@ -340,6 +497,11 @@ def test_cli_build_data(tmp_path, minilm_vocab, shared_data):
     assert summary["instances"] > 0 and len(summary["non_utf8_files"]) == 2
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["data_config"]["max_predictions_per_seq"] == default_max_predictions(64) == 12
+    assert manifest["data_config"]["random_next_pool"] == 4096 and manifest["data_config"]["random_next_per_unit"] == 32
+    assert manifest["summary"]["nsp_random_next_same_document"] == 0
+    bad = runner.invoke(app, [*args[:-4], "--random-next-pool", "8", "--random-next-per-unit", "9", "-o",
+                              str(tmp_path / "bad"), *inputs])
+    assert bad.exit_code == 2 and "--random-next-per-unit: must be in [0, 8]" in bad.stderr
     result = runner.invoke(app, args)  # non-empty output without --resume
     assert result.exit_code == 2 and "not empty" in result.stderr
     result = runner.invoke(app, args + ["--resume"])

@@ -45,7 +45,13 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(12345, "--seed"),
         shard_size: int = typer.Option(65536, "--shard-size", help="Instances per shard file at most."),
         unit_mb: float = typer.Option(0.5, "--unit-mb",
-                                      help="Raw text per work unit in MiB (also the pool for random next sentences)."),
+                                      help="Raw text per work unit in MiB."),
+        random_next_pool: int = typer.Option(
+            4096, "--random-next-pool",
+            help="Documents sampled (as excerpts) per split for random next segments; memory ~ this x 16 x seq length."),
+        random_next_per_unit: int = typer.Option(
+            32, "--random-next-per-unit",
+            help="Excerpts of that sample given to each work unit (0: random segments from the unit's own documents)."),
         holdout_fraction: float = typer.Option(0.0, "--holdout-fraction",
                                                help="Share of documents written to a separate 'eval' split."),
         workers: int = typer.Option(1, "--workers", help="Worker processes (the output does not depend on it)."),
@@ -80,6 +86,7 @@ def register(app: typer.Typer) -> None:
                             masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, dupe_factor=dupe_factor,
                             whole_word_mask=whole_word_mask, dynamic_masking=dynamic_masking, seed=seed,
                             shard_size=shard_size, chunk_bytes=max(1, int(unit_mb * (1 << 20))),
+                            random_next_pool=random_next_pool, random_next_per_unit=random_next_per_unit,
                             holdout_fraction=holdout_fraction)
         made = _new_folders(output)
         try:

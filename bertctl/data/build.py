@@ -7,22 +7,34 @@ Pipeline (the main process reads, workers do the rest)::
           --> manifest.json
 
 Work units ("chunks") are runs of consecutive documents holding about
-``chunk_bytes`` of raw text (at least two documents, so a random next sentence
-can come from another document).  Their boundaries depend only on the inputs
-and the config, and each unit draws from its own generator seeded by
-``(seed, split, unit index)``, so the output does not depend on the number of
-workers or on scheduling: the same inputs and seed give byte-identical shards
-with 1 or N workers.  Each unit writes its shards under temporary names,
-renames them, then writes a small completion record (``.build/<unit>.json``);
-``resume=True`` skips units whose record and shards are complete, which makes
-an interrupted-then-resumed build equal an uninterrupted one byte for byte.
+``chunk_bytes`` of raw text (at least two documents).  Their boundaries depend
+only on the inputs and the config, and each unit draws from its own generator
+seeded by ``(seed, split, unit index)``, so the output does not depend on the
+number of workers or on scheduling: the same inputs and seed give
+byte-identical shards with 1 or N workers.
 
-Memory is bounded: the reader holds one document, the chunker two units, and
-at most ``2 * workers`` units are in flight.  The random-next pool is the unit
-(see :mod:`bertctl.data.instances` for this deviation from the reference).
+Random next segments come from other documents, as the reference draws them
+from the whole corpus, with bounded memory: the reader keeps a uniform random
+sample of the documents read so far in each split (reservoir sampling, one
+excerpt of ``16 * max_seq_length`` characters per document, at most
+``random_next_pool`` of them), and every unit leaves with
+``random_next_per_unit`` excerpts drawn from it when it is cut (the reader is
+then one unit ahead, so the first unit sees the second's documents too).  The
+sample is a function of the inputs and the seed alone, so it keeps the output
+independent of the workers, and it is part of each unit's hash for ``resume``.
+
+Each unit writes its shards under temporary names, renames them, then writes a
+small completion record (``.build/<unit>.json``); ``resume=True`` skips units
+whose record and shards are complete, which makes an interrupted-then-resumed
+build equal an uninterrupted one byte for byte.
+
+Memory is bounded: the reader holds one document, the chunker two units and
+the excerpt sample, and at most ``2 * workers`` units are in flight (see
+:mod:`bertctl.data.instances` for the deviations from the reference).
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -32,7 +44,7 @@ import re
 import shutil
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -43,7 +55,7 @@ from bertctl.io import atomic_open, write_json
 
 from .config import DataConfig
 from .documents import Document, ReadStats, known_text_bytes, list_inputs, read_documents
-from .instances import InstanceStats, SpecialIds, create_instances_from_document, mask_batch
+from .instances import InstanceStats, RandomNextPool, SpecialIds, create_instances_from_document, mask_batch
 from .sentences import split_sentences
 from .shards import FORMAT_NAME, FORMAT_VERSION, file_sha256, id_dtype, record_dtype, to_records, vocab_sha256, write_shard
 
@@ -51,6 +63,9 @@ __all__ = ["build_data", "DataConfig", "WordCache", "special_ids", "tokenizer_in
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 BUILD_DIR = ".build"
+# Excerpts for random next segments hold 16 characters per token of max_seq_length (about three
+# full-length segments of English at 4-5 characters per token).
+EXCERPT_CHARS_PER_TOKEN = 16
 
 
 # ----------------------------------------------------------------------------- tokenizer side
@@ -60,7 +75,6 @@ def special_ids(tokenizer) -> SpecialIds:
     """Special-token ids and the word-continuation table (``##`` pieces; SentencePiece pieces without ``▁``)."""
     return SpecialIds(cls=tokenizer.cls_token_id, sep=tokenizer.sep_token_id, mask=tokenizer.mask_token_id,
                       vocab_size=len(tokenizer.ids_to_tokens), continuation=tokenizer.continues_word)
-
 
 
 def tokenizer_info(tokenizer) -> dict:
@@ -112,7 +126,8 @@ class WordCache:
         return ids
 
     def encode(self, text: str) -> list[int]:
-        if _SPLIT_MISMATCH.search(text):
+        # Printable ASCII holds none of the characters split() and BERT disagree on (a cheap test).
+        if not (text.isascii() and text.isprintable()) and _SPLIT_MISMATCH.search(text):
             return self.tokenizer.ids(text)
         out: list[int] = []
         cache = self.cache
@@ -128,12 +143,26 @@ class WordCache:
 
 
 @dataclass
+class Excerpt:
+    """Consecutive pieces (sentences or paragraphs) of one document, for random next segments."""
+
+    document: int  # the document's number in its split, in reading order
+    pieces: list[str]
+    presplit: bool
+    # A paragraph cut by the excerpt's window: its partial first / last sentence is dropped.
+    cut_head: bool = False
+    cut_tail: bool = False
+
+
+@dataclass
 class Chunk:
     split: str  # "train" | "eval"
     index: int
     docs: list[tuple[list[str], bool]]  # (pieces, presplit)
     nbytes: int
-    text_sha256: str
+    text_sha256: str  # of docs and excerpts: a resumed build checks that its inputs are unchanged
+    first_document: int = 0  # number of docs[0] in its split (the rest follow in order)
+    excerpts: list[Excerpt] = field(default_factory=list)  # of documents of the split, for random next
 
     @property
     def name(self) -> str:
@@ -149,14 +178,83 @@ def _unit_interval(*parts) -> float:
     return derive_seed(*parts) / 2.0**64
 
 
-def _hash_docs(docs: list[tuple[list[str], bool]]) -> str:
+def _hash_docs(docs: list[tuple[list[str], bool]], excerpts: list[Excerpt] = ()) -> str:
     h = hashlib.sha256()
     for pieces, _ in docs:
         for piece in pieces:
             h.update(piece.encode("utf-8", "surrogatepass"))
             h.update(b"\n")
         h.update(b"\f")
+    for e in excerpts:
+        h.update(f"{e.document} {e.presplit:d}{e.cut_head:d}{e.cut_tail:d}\v".encode())
+        for piece in e.pieces:
+            h.update(piece.encode("utf-8", "surrogatepass"))
+            h.update(b"\n")
     return h.hexdigest()
+
+
+def make_excerpt(number: int, pieces: list[str], presplit: bool, chars: int, rng: random.Random) -> Excerpt:
+    """About ``chars`` characters of a document from a random piece on (whole pieces where they fit).
+
+    A paragraph longer than twice that is cut to a window at white space (from a random
+    offset when the excerpt starts inside it); a cut paragraph's partial sentences are
+    dropped after splitting (``cut_head`` / ``cut_tail``).  A presplit piece (a sentence)
+    is only shortened.
+    """
+    start = int(rng.random() * len(pieces))
+    out: list[str] = []
+    size = 0
+    cut_head = cut_tail = False
+    for piece in pieces[start:]:
+        if len(piece) > 2 * chars:
+            lo = 0
+            if not out and not presplit:  # the excerpt starts inside this paragraph
+                lo = int(rng.random() * (len(piece) - chars))
+                lo = piece.find(" ", lo) + 1 if lo else 0
+            hi = lo + chars
+            if hi < len(piece):
+                space = piece.rfind(" ", lo, hi)
+                hi = space if space > lo else hi
+            else:
+                hi = len(piece)
+            out.append(piece[lo:hi])
+            cut_head, cut_tail = lo > 0 and not presplit, hi < len(piece) and not presplit
+            break
+        out.append(piece)
+        size += len(piece)
+        if size >= chars:
+            break
+    return Excerpt(number, out, presplit, cut_head, cut_tail)
+
+
+class ExcerptReservoir:
+    """A uniform random sample of the documents of one split read so far, as excerpts.
+
+    Reservoir sampling (Vitter's Algorithm R): document n (from 1) is kept with probability
+    ``capacity / n`` in place of a random one, so at every moment each document read so far
+    is in the sample with the same probability.  Memory: ``capacity`` excerpts of about
+    ``chars`` characters (under three times that).
+    """
+
+    def __init__(self, capacity: int, chars: int, rng: random.Random):
+        self.capacity = capacity
+        self.chars = chars
+        self.rng = rng
+        self.items: list[Excerpt] = []
+        self.seen = 0
+
+    def offer(self, pieces: list[str], presplit: bool) -> None:
+        number = self.seen
+        self.seen += 1
+        if len(self.items) < self.capacity:
+            self.items.append(make_excerpt(number, pieces, presplit, self.chars, self.rng))
+            return
+        slot = int(self.rng.random() * self.seen)
+        if slot < self.capacity:
+            self.items[slot] = make_excerpt(number, pieces, presplit, self.chars, self.rng)
+
+    def sample(self, k: int, rng: random.Random) -> list[Excerpt]:
+        return list(self.items) if len(self.items) <= k else rng.sample(self.items, k)
 
 
 def make_chunks(documents: Iterator[Document], cfg: DataConfig) -> Iterator[Chunk]:
@@ -166,21 +264,34 @@ def make_chunks(documents: Iterator[Document], cfg: DataConfig) -> Iterator[Chun
     a last unit with a single document is merged into the one before.  A
     document goes to "eval" with probability ``holdout_fraction``, decided by a
     hash of (seed, document number), so the split is fixed by the inputs and seed.
+    Each unit carries ``random_next_per_unit`` excerpts drawn from its split's
+    reservoir as it is emitted (the module docstring says why this is deterministic).
     """
     splits = ("train", "eval") if cfg.holdout_fraction > 0 else ("train",)
     current = {s: [] for s in splits}
     size = {s: 0 for s in splits}
     pending: dict[str, tuple[list, int] | None] = {s: None for s in splits}
     counter = {s: 0 for s in splits}
+    first = {s: 0 for s in splits}  # split number of the first document of the next unit emitted
+    reservoir = {s: ExcerptReservoir(cfg.random_next_pool, EXCERPT_CHARS_PER_TOKEN * cfg.max_seq_length,
+                                     random.Random(derive_seed(cfg.seed, "random-next-pool", s))) for s in splits}
 
     def emit(split: str, docs: list, nbytes: int) -> Chunk:
-        chunk = Chunk(split, counter[split], docs, nbytes, _hash_docs(docs))
+        index = counter[split]
+        excerpts = []
+        if cfg.random_next_per_unit:
+            excerpts = reservoir[split].sample(cfg.random_next_per_unit,
+                                               random.Random(derive_seed(cfg.seed, "random-next", split, index)))
+        chunk = Chunk(split, index, docs, nbytes, _hash_docs(docs, excerpts), first[split], excerpts)
         counter[split] += 1
+        first[split] += len(docs)
         return chunk
 
     for n, doc in enumerate(documents):
         split = "eval" if cfg.holdout_fraction > 0 and _unit_interval(cfg.seed, "holdout", n) < cfg.holdout_fraction else "train"
         current[split].append((doc.pieces, doc.presplit))
+        if cfg.random_next_per_unit:
+            reservoir[split].offer(doc.pieces, doc.presplit)
         size[split] += doc.nbytes
         if size[split] >= cfg.chunk_bytes and len(current[split]) >= 2:
             if pending[split] is not None:
@@ -211,21 +322,66 @@ class ChunkWorker:
         self.encode = WordCache(tokenizer).encode if tokenizer.kind == "wordpiece" else tokenizer.ids
         self.dtype = record_dtype(cfg.max_seq_length, cfg.max_predictions_per_seq, self.special.vocab_size,
                                   cfg.dynamic_masking)
+        # Tokenized excerpts by (split, document): consecutive units share many of them.  The
+        # output does not depend on what is cached, only the time does.
+        self.excerpts: dict[tuple[str, int], list[list[int]]] = {}
+        self.max_excerpts = 4 * cfg.random_next_per_unit
+
+    def _excerpt(self, split: str, e: Excerpt) -> list[list[int]]:
+        """Token ids of an excerpt's sentences (the partial ones of a cut paragraph dropped)."""
+        hit = self.excerpts.get((split, e.document))
+        if hit is not None:
+            return hit
+        if e.presplit:
+            sentences = e.pieces
+        else:
+            split_pieces = [split_sentences(p) for p in e.pieces]
+            if len(split_pieces) == 1 and len(split_pieces[0]) <= e.cut_head + e.cut_tail:
+                sentences = split_pieces[0]  # one long sentence: keep it rather than nothing
+            else:
+                if e.cut_head:
+                    split_pieces[0] = split_pieces[0][1:]
+                if e.cut_tail:
+                    split_pieces[-1] = split_pieces[-1][:-1]
+                sentences = [s for p in split_pieces for s in p]
+        ids = [x for x in map(self.encode, sentences) if x]
+        if len(self.excerpts) >= self.max_excerpts:
+            del self.excerpts[next(iter(self.excerpts))]  # the oldest
+        self.excerpts[(split, e.document)] = ids
+        return ids
 
     def __call__(self, chunk: Chunk) -> dict:
+        # Nothing here makes reference cycles (lists of ids, numpy arrays), so the cyclic collector
+        # would only re-scan the token caches, tens of thousands of containers, again and again.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._build(chunk)
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _build(self, chunk: Chunk) -> dict:
         cpu_start = time.process_time()
         cfg, special = self.cfg, self.special
         counts = {"documents_read": len(chunk.docs), "documents": 0, "sentences": 0, "short_documents": 0}
         documents: list[list[list[int]]] = []
-        for pieces, presplit in chunk.docs:
+        numbers: list[int] = []  # each document's number in its split (the excerpts name them so)
+        for k, (pieces, presplit) in enumerate(chunk.docs):
             sentences = pieces if presplit else [s for p in pieces for s in split_sentences(p)]
             doc = [ids for ids in map(self.encode, sentences) if ids]
             if len(doc) < 2:
                 counts["short_documents"] += 1
                 continue
             documents.append(doc)
+            numbers.append(chunk.first_document + k)
             counts["documents"] += 1
             counts["sentences"] += len(doc)
+        pool = None
+        if chunk.excerpts:
+            runs = [(e.document, self._excerpt(chunk.split, e)) for e in chunk.excerpts]
+            runs = [(d, r) for d, r in runs if r]
+            pool = RandomNextPool([r for _, r in runs], [d for d, _ in runs])
 
         rng = random.Random(derive_seed(cfg.seed, chunk.split, chunk.index))
         stats = InstanceStats()
@@ -239,7 +395,8 @@ class ChunkWorker:
                 for d in range(len(documents)):
                     instances.extend(create_instances_from_document(
                         documents, d, max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob,
-                        special=special, rng=rng, stats=stats, masking=masking))
+                        special=special, rng=rng, stats=stats, masking=masking, pool=pool,
+                        document_id=numbers[d]))
             rng.shuffle(instances)
 
         records = to_records(instances, self.dtype)
@@ -350,6 +507,10 @@ def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
         "mean_length": round(stats.tokens / n, 2),
         "nsp_random_fraction": round(stats.random_next / n, 4),
         "nsp_forced_random": stats.forced_random_next,
+        # Where random next segments came from: other documents through the excerpt pool, else
+        # (no pool excerpt of another document) another document of the unit, else the same one.
+        "nsp_random_next_same_document": stats.random_next_same_document,
+        "nsp_random_next_from_unit": stats.random_next_from_unit,
         "truncation_rate": round(stats.truncated / n, 4),
         "short_seq_rate": round(stats.short_target / n, 4),
     }
@@ -383,7 +544,6 @@ def _as_tokenizer(tokenizer):
     from bertctl.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer)
-
 
 
 def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, tokenizer=None,

@@ -34,7 +34,13 @@ class DataConfig:
     dynamic_masking: bool = False  # masks drawn by the loader from (seed, epoch, index)
     seed: int = 12345
     shard_size: int = 65536  # instances per shard file at most
-    chunk_bytes: int = 1 << 19  # raw text per work unit (also the random-document pool)
+    chunk_bytes: int = 1 << 19  # raw text per work unit
+    # Random next segments (NSP label 1) come from excerpts of other documents: a uniform sample of
+    # up to random_next_pool documents per split is kept (one excerpt of 16 * max_seq_length
+    # characters each), and random_next_per_unit of them go to each work unit (0: the unit's own
+    # documents, the earlier behaviour).
+    random_next_pool: int = 4096
+    random_next_per_unit: int = 32
     holdout_fraction: float = 0.0  # share of documents written to the "eval" split
     max_document_bytes: int = 16 << 20  # longer documents are cut at a sentence/paragraph break
 
@@ -68,6 +74,11 @@ class DataConfig:
             raise bad("shard_size", f"must be >= 1, got {self.shard_size}")
         if self.chunk_bytes < 1:
             raise bad("chunk_bytes", f"must be >= 1, got {self.chunk_bytes}")
+        if self.random_next_pool < 1:
+            raise bad("random_next_pool", f"must be >= 1, got {self.random_next_pool}")
+        if not 0 <= self.random_next_per_unit <= self.random_next_pool:
+            raise bad("random_next_per_unit", f"must be in [0, {self.random_next_pool}] (--random-next-pool), "
+                                              f"got {self.random_next_per_unit}")
         if self.max_document_bytes < 1:
             raise bad("max_document_bytes", f"must be >= 1, got {self.max_document_bytes}")
         if not 0.0 <= self.holdout_fraction < 1.0:

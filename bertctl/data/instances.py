@@ -11,11 +11,15 @@ with numpy from counter-based random numbers.
 
 Deliberate deviations from the reference, each for a stated reason:
 
-- The random "next sentence" comes from the other documents of the same work
-  unit (a bounded pool of about ``DataConfig.chunk_bytes`` of consecutive text),
-  not from the whole corpus: documents are streamed, so memory stays bounded
-  whatever the corpus size.  With a single document in the pool the draw falls
-  back to that document, as the reference does after ten failed draws.
+- The random "next sentence" comes from a ``RandomNextPool``: excerpts of
+  other documents sampled uniformly from the documents read so far (see
+  ``bertctl.data.build``), not from the whole corpus held in memory: documents are
+  streamed, so memory stays bounded whatever the corpus size.  As in the
+  reference it never comes from the document of segment A while another
+  document exists.  B starts at a random sentence of the excerpt among those
+  followed by enough text to fill it.  Without a pool entry of another
+  document the draw falls back to the reference's draw among the documents of
+  the work unit (the same document after ten failed tries); the build counts both.
 - The short target length (probability ``short_seq_prob``) is drawn again for
   every instance, not once per document: the reference's comment and the
   paper intend "10% of the time", while a per-document draw makes the share
@@ -25,6 +29,7 @@ Deliberate deviations from the reference, each for a stated reason:
 """
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -66,6 +71,10 @@ class InstanceStats:
     masked_as_same: int = 0  # left unchanged (10%)
     random_next: int = 0
     forced_random_next: int = 0  # a one-sentence chunk: B can only be random (as the reference)
+    # Random B segments not drawn from the pool: from another document of the work unit, and from
+    # A's own document (both 0 whenever the pool holds another document).
+    random_next_from_unit: int = 0
+    random_next_same_document: int = 0
     truncated: int = 0
     short_target: int = 0
 
@@ -173,25 +182,77 @@ def truncate_seq_pair(tokens_a: list[int], tokens_b: list[int], max_num_tokens: 
     return True
 
 
+class RandomNextPool:
+    """Runs of consecutive sentences (token ids) from several documents, for random B segments.
+
+    Each run comes from a different document, named by ``documents[k]``; a draw for
+    segment A of document ``d`` picks uniformly among the runs of the other documents.
+    """
+
+    def __init__(self, runs: list[list[list[int]]], documents: list[int]):
+        self.runs = runs
+        self.documents = documents
+        self.position = {doc: k for k, doc in enumerate(documents)}
+        if len(self.position) != len(documents):
+            raise ValueError("RandomNextPool: two runs of one document")
+        # Tokens from each sentence to the end of its run, negated so that they ascend (bisect).
+        self.remaining = []
+        for run in runs:
+            left, total = [], sum(map(len, run))
+            for sentence in run:
+                left.append(-total)
+                total -= len(sentence)
+            self.remaining.append(left)
+
+    def has_other(self, document: int) -> bool:
+        return len(self.runs) > (document in self.position)
+
+    def draw(self, document: int, target_length: int, rng: random.Random) -> list[int]:
+        """Tokens of a run of another document than ``document``: from a random sentence among
+        those followed by at least ``target_length`` tokens (the first if none is), whole
+        sentences until ``target_length`` is reached (the reference's loop)."""
+        own = self.position.get(document)
+        k = int(rng.random() * (len(self.runs) - (own is not None)))
+        if own is not None and k >= own:
+            k += 1
+        run = self.runs[k]
+        starts = bisect.bisect_right(self.remaining[k], -target_length)
+        tokens: list[int] = []
+        for sentence in run[int(rng.random() * max(starts, 1)) :]:
+            tokens.extend(sentence)
+            if len(tokens) >= target_length:
+                break
+        return tokens
+
+
 def create_instances_from_document(documents: list[list[list[int]]], document_index: int, *,
                                    max_seq_length: int, short_seq_prob: float, special: SpecialIds,
-                                   rng: random.Random, stats: InstanceStats,
-                                   masking: dict | None) -> list[Instance]:
+                                   rng: random.Random, stats: InstanceStats, masking: dict | None,
+                                   pool: RandomNextPool | None = None,
+                                   document_id: int | None = None) -> list[Instance]:
     """Instances from one document (a list of sentences, each a list of token ids).
 
     Segment A is 1..n-1 consecutive sentences of a chunk filling the target
     length; B is the rest of the chunk (actual next, NSP label 0) or, half the
     time, sentences from a random other document (label 1), in which case the
-    unused sentences of the chunk are put back.  ``masking`` holds
+    unused sentences of the chunk are put back.  Random B segments come from
+    ``pool`` (excluding ``document_id``, this document's name there) when it holds
+    another document, else from another of ``documents``.  ``masking`` holds
     ``mask_tokens`` keyword arguments for static masking, or ``None`` (masks
     are drawn at load time).
     """
+    use_pool = pool is not None and pool.has_other(document_id)
     document = documents[document_index]
     max_num_tokens = max_seq_length - 3  # [CLS], [SEP], [SEP]
+    random_ = rng.random
+
+    def below(n: int) -> int:
+        # Uniform on 0..n-1 as rng.randrange(n) up to n / 2**53, at a third of its cost.
+        return int(random_() * n)
 
     def draw_target() -> tuple[int, bool]:
-        if rng.random() < short_seq_prob:
-            return rng.randint(2, max_num_tokens), True
+        if random_() < short_seq_prob:
+            return 2 + below(max_num_tokens - 1), True
         return max_num_tokens, False
 
     target_seq_length, short = draw_target()
@@ -207,24 +268,29 @@ def create_instances_from_document(documents: list[list[list[int]]], document_in
             if current_chunk:
                 a_end = 1
                 if len(current_chunk) >= 2:
-                    a_end = rng.randint(1, len(current_chunk) - 1)
+                    a_end = 1 + below(len(current_chunk) - 1)
                 tokens_a = [t for j in range(a_end) for t in current_chunk[j]]
                 tokens_b: list[int] = []
                 forced = len(current_chunk) == 1
-                if forced or rng.random() < 0.5:
+                if forced or random_() < 0.5:
                     is_random_next = True
                     target_b_length = target_seq_length - len(tokens_a)
-                    # Ten tries for another document; the pool may hold only this one.
-                    for _ in range(10):
-                        random_document_index = rng.randint(0, len(documents) - 1)
-                        if random_document_index != document_index:
-                            break
-                    random_document = documents[random_document_index]
-                    random_start = rng.randint(0, len(random_document) - 1)
-                    for j in range(random_start, len(random_document)):
-                        tokens_b.extend(random_document[j])
-                        if len(tokens_b) >= target_b_length:
-                            break
+                    if use_pool:
+                        tokens_b = pool.draw(document_id, target_b_length, rng)
+                    else:
+                        # The reference's draw: ten tries for another document of the unit.
+                        for _ in range(10):
+                            random_document_index = below(len(documents))
+                            if random_document_index != document_index:
+                                break
+                        random_document = documents[random_document_index]
+                        random_start = below(len(random_document))
+                        for j in range(random_start, len(random_document)):
+                            tokens_b.extend(random_document[j])
+                            if len(tokens_b) >= target_b_length:
+                                break
+                        stats.random_next_from_unit += random_document_index != document_index
+                        stats.random_next_same_document += random_document_index == document_index
                     # Put the unused sentences back: they start the next chunk.
                     i -= len(current_chunk) - a_end
                 else:
