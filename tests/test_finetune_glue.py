@@ -224,3 +224,38 @@ def test_tensorboard_events_follow_the_flag(tiny, sst2, tmp_path):
     assert [e.value for e in acc.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
     assert invoke(args + [str(tmp_path / "off"), "--no-tensorboard"]).exit_code == 0
     assert not (tmp_path / "off" / "tensorboard").exists()
+
+
+def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
+    """torchrun with 2 CPU processes (gloo) = 1 process on the same global batches: same weights, and
+    rank 0 alone writes the outputs. Batch 10 over 2 ranks with micro-batches of 2 (accumulation and
+    DDP's no_sync path) against one process with micro-batches of 5; dropout off."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    common = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--max-steps", "4",
+              "--batch-size", "10", "--dropout", "0", "--device", "cpu", "--no-progress", "--no-tensorboard",
+              "--output"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "bertctl", *common, str(tmp_path / "one"), "--micro-batch-size", "5"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(port), "-m", "bertctl", *common, str(tmp_path / "two"),
+                          "--micro-batch-size", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr
+    m1, m2 = json.loads(one.stdout), json.loads(two.stdout)  # rank 0 prints once
+    assert m2["device"]["world_size"] == 2 and m2["accuracy"] == m1["accuracy"]
+    w1, w2 = (load_file(tmp_path / d / "model" / "model.safetensors") for d in ("one", "two"))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
+    evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["event"] == "final" for r in evals) == 1  # one writer

@@ -157,6 +157,25 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
     return SweepOutcome(best_result, lr, sweep)
 
 
+class LastEvaluation:
+    """The outputs of the last dev evaluation, reused for the final report when the returned model is
+    the one evaluated last (no second pass over the dev set after training)."""
+
+    def __init__(self):
+        self.model = None
+        self.outputs = None
+
+    def keep(self, model, outputs):
+        self.model, self.outputs = model, outputs
+        return outputs
+
+    def reuse(self, outcome: SweepOutcome):
+        r = outcome.result
+        if self.model is r.model and r.history and r.best is r.history[-1]:
+            return self.outputs
+        return None
+
+
 def _has_checkpoint(run_dir: Path) -> bool:
     from bertctl.train import state
 

@@ -415,8 +415,10 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
     def build():
         return common.load_for_finetuning(BertForSequenceClassification, model_dir, dropout=dropout, cfg=cfg, **head)
 
+    last = common.LastEvaluation()
+
     def evaluate(model):
-        return evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False)[0]
+        return last.keep(model, evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False))[0]
 
     with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
@@ -424,7 +426,8 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
         if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
             return {}
         model = outcome.result.model
-        metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.progress)
+        metrics, preds = last.reuse(outcome) or evaluate_devs(model, data, tokenizer, cfg, label_names,
+                                                              max_seq_length, cfg.progress)
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         for name, path, examples in data.devs:
             write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)

@@ -391,8 +391,11 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
     def build():
         return common.load_for_finetuning(BertForQuestionAnswering, model_dir, dropout=dropout, cfg=tcfg)
 
+    last = common.LastEvaluation()
+
     def evaluate(model):
-        preds = decode(dev, dev_features, _logits(model, dev_features, tcfg, False), dev_contexts, scfg)
+        preds = last.keep(model, decode(dev, dev_features, _logits(model, dev_features, tcfg, False), dev_contexts,
+                                        scfg))
         metrics, _ = score_predictions(dev, preds, scfg.version_2)
         return {k: float(v) for k, v in metrics.items() if k in ("exact_match", "f1", "best_f1")}
 
@@ -402,7 +405,8 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
         if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
             return {}
         model = outcome.result.model
-        preds = decode(dev, dev_features, _logits(model, dev_features, tcfg, tcfg.progress), dev_contexts, scfg)
+        preds = last.reuse(outcome) or decode(dev, dev_features, _logits(model, dev_features, tcfg, tcfg.progress),
+                                              dev_contexts, scfg)
         metrics, threshold = score_predictions(dev, preds, scfg.version_2)
         if scfg.version_2:
             model.config.extra[NULL_THRESHOLD_KEY] = threshold

@@ -136,8 +136,10 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
     def build():
         return common.load_for_finetuning(BertForMultipleChoice, model_dir, dropout=dropout, cfg=tcfg)
 
+    last = common.LastEvaluation()
+
     def evaluate(model):
-        return {"accuracy": accuracy(_choices(model, dev_feats, tcfg, False).argmax(-1), gold)}
+        return {"accuracy": accuracy(last.keep(model, _choices(model, dev_feats, tcfg, False)).argmax(-1), gold)}
 
     with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
@@ -145,7 +147,9 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
         if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
             return {}
         model = outcome.result.model
-        logits = _choices(model, dev_feats, tcfg, tcfg.progress)
+        logits = last.reuse(outcome)
+        if logits is None:
+            logits = _choices(model, dev_feats, tcfg, tcfg.progress)
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         write_predictions(output / "predictions_dev.tsv", dev, logits)
         result = {"task": "swag", "accuracy": accuracy(logits.argmax(-1), gold), "lr": outcome.lr,
