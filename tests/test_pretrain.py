@@ -397,3 +397,37 @@ def test_length_bucketed_order_sees_every_instance_with_less_padding(data_dir):
     r0 = list(bucketed_batches(ds, G, seed=5, epoch=1, rank=0, world_size=2, window=64))
     r1 = list(bucketed_batches(ds, G, seed=5, epoch=1, rank=1, world_size=2, window=64))
     assert [key(a) + key(b) for a, b in zip(r0, r1)] == [key(b) for b in bucketed]
+
+
+# --------------------------------------------------------------------------- collapse
+
+
+def _ev(acc: float, loss: float) -> dict:
+    return {"mlm_acc": acc, "mlm_loss": loss, "mlm_majority_baseline": 0.06, "mlm_unigram_entropy": 6.5}
+
+
+def test_collapse_needs_two_stuck_evaluations_well_after_warm_up():
+    from bertctl.train.pretrain import collapse_warning
+
+    stuck, learning = _ev(0.06, 6.6), _ev(0.20, 4.0)
+    assert collapse_warning(stuck, stuck, 3000, 180, 3000, 4e-4).startswith("collapse: at step 3000")
+    assert "--lr 0.0004 too high" in collapse_warning(stuck, stuck, 3000, 180, 3000, 4e-4)
+    assert collapse_warning(stuck, stuck, 300, 180, 3000, 4e-4) is None      # before 2x warm-up and 30% of the run
+    assert collapse_warning(None, stuck, 3000, 180, 3000, 4e-4) is None      # one evaluation is not a trend
+    assert collapse_warning(stuck, learning, 3000, 180, 3000, 4e-4) is None
+    assert collapse_warning(stuck, _ev(0.06, 5.0), 3000, 180, 3000, 4e-4) is None  # loss below the unigram entropy
+
+
+def test_a_collapsed_run_says_so(data_dir, tmp_path):
+    """lr 0.05 with a 2-step warm-up pins a post-LN BERT at token frequencies: the summary, the progress
+    line and metrics.jsonl (a warning event, the evaluations flagged) say so."""
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=16,
+                             lr=0.05, max_steps=40, warmup_steps=2, eval_every=10, eval_batches=2, device="cpu",
+                             show_progress=False, save_minutes=1000))
+    assert s["collapsed"]
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    warnings = [e for e in events if e["event"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["kind"] == "collapse" and "--lr" in warnings[0]["message"]
+    assert any(e["event"] == "eval" and e.get("collapsed") for e in events)

@@ -154,22 +154,28 @@ class PretrainingObjective:
     info = staticmethod(lambda rec: _info(rec))
 
 
-def collapse_warning(ev: dict, step: int, warmup: int, lr: float) -> str | None:
-    """A held-out evaluation after warm-up that shows a collapsed run, as one sentence with the fix.
+def is_stuck(ev: dict) -> bool:
+    """A held-out evaluation at the unigram stage: MLM accuracy no better than always guessing the most
+    frequent masked token, and the MLM loss not below the masked tokens' unigram entropy."""
+    return (ev["mlm_acc"] <= ev["mlm_majority_baseline"] + 0.005
+            and ev["mlm_loss"] >= ev["mlm_unigram_entropy"] - 0.05)
 
-    Collapse: MLM accuracy no better than always guessing the most frequent masked token (the
-    model predicts the unigram distribution), or the MLM loss at the masked tokens' unigram entropy.
+
+def collapse_warning(previous: dict | None, ev: dict, step: int, warmup: int, max_steps: int, lr: float) -> str | None:
+    """One sentence with the fix when a run has collapsed, else None.
+
+    Every run starts at the unigram stage (predicting token frequencies); a healthy one leaves it
+    soon after warm-up. Collapse: two evaluations in a row still there, the later one past twice the
+    warm-up and 30% of the run, which is what a post-LN BERT does when the lr is too high for its warm-up.
     """
-    if step <= warmup or not ev:
+    if previous is None or step < max(2 * warmup, 0.3 * max_steps) or not (is_stuck(previous) and is_stuck(ev)):
         return None
-    stuck_acc = ev["mlm_acc"] <= ev["mlm_majority_baseline"] + 0.005
-    stuck_loss = ev.get("mlm_unigram_entropy") is not None and ev["mlm_loss"] >= ev["mlm_unigram_entropy"] - 0.05
-    if not (stuck_acc or stuck_loss):
-        return None
-    return (f"collapse: after warm-up (step {step}) held-out MLM accuracy is {ev['mlm_acc']:.3f} against the "
-            f"majority-token baseline {ev['mlm_majority_baseline']:.3f} (loss {ev['mlm_loss']:.2f}): the model "
-            f"predicts token frequencies only. Likely cause: --lr {lr:g} too high for its warm-up ({warmup} steps) "
-            f"in a post-LN BERT. Restart with a lower --lr (e.g. {lr / 4:g}) or a longer --warmup-fraction.")
+    return (f"collapse: at step {step}, well after warm-up, held-out MLM accuracy is {ev['mlm_acc']:.3f} against the "
+            f"majority-token baseline {ev['mlm_majority_baseline']:.3f} and the loss {ev['mlm_loss']:.2f} is not below "
+            f"the unigram entropy {ev['mlm_unigram_entropy']:.2f}: the model predicts token frequencies only. Likely "
+            f"cause: --lr {lr:g} too high for its warm-up ({warmup} steps) in a post-LN BERT; restart with a lower "
+            f"--lr (e.g. {lr / 4:g}) or a longer --warmup-fraction. (A run far too short to leave this stage looks "
+            f"the same: then give it more steps.)")
 
 
 # --------------------------------------------------------------------------- the run
@@ -186,6 +192,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.log = MetricsLog(self.out / "metrics.jsonl" if dist.is_main else None, tensorboard=cfg.tensorboard)
         self.collapsed = False
+        self.last_eval: dict | None = None
 
     # ----------------------------------------------------------------- setup
 
@@ -401,7 +408,8 @@ class Trainer:
         ev = self.evaluate()
         if ev is None:
             return None
-        warning = collapse_warning(ev, step, self.warmup, self.cfg.lr)
+        warning = collapse_warning(self.last_eval, ev, step, self.warmup, self.engine.cfg.max_steps, self.cfg.lr)
+        self.last_eval = ev
         if warning:
             ev["collapsed"] = True
             if not self.collapsed:
