@@ -113,14 +113,23 @@ def resolve_backend(config: EmbedConfig, device: torch.device, onnx: Path | None
     return backend
 
 
-def load_encoder(directory: str | Path, device: torch.device, backend: str = "torch", onnx: Path | None = None):
+def load_encoder(directory: str | Path, device: torch.device, backend: str = "torch", onnx: Path | None = None,
+                 fallback: bool = False):
     """The encoder of any checkpoint directory (heads and pooler dropped), as a PyTorch module
-    or (``backend="onnxruntime"``) an ONNX export of it: ``onnx``, or one cached on first use."""
+    or (``backend="onnxruntime"``) an ONNX export of it: ``onnx``, or one cached on first use.
+    With ``fallback`` (``--backend auto``) a model whose export fails runs on PyTorch, with a note."""
+    config = load_config(directory)
     if backend == "onnxruntime":
         from bertctl.export import OnnxEncoder, cached_encoder
 
-        return OnnxEncoder(onnx, load_config(directory)) if onnx is not None else cached_encoder(directory)
-    config = load_config(directory)
+        if onnx is not None:
+            return OnnxEncoder(onnx, config)
+        try:
+            return cached_encoder(directory)
+        except BertctlError as e:
+            if not fallback:
+                raise
+            stderr.print(f"[yellow]onnxruntime backend unavailable ({e}); embedding with torch")
     model = BertModel(config, add_pooling_layer=False)
     load_state(model, read_state_dict(directory), source=str(directory))
     return model.to(device).eval()

@@ -12,6 +12,7 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
+import bertctl.embed
 import bertctl.export
 from bertctl.checkpoint import save_pretrained
 from bertctl.cli.app import app
@@ -190,6 +191,15 @@ def test_embed_backend_choice_and_errors(tmp_path, minilm_dir, monkeypatch):
         result = runner.invoke(app, [*base, *args])
         assert result.exit_code == 2 and message in result.output, (args, result.output)
     assert not (tmp_path / "o.npy").exists()
+    # A model whose export fails: auto embeds with torch (with a note), onnxruntime stops.
+    def broken(*a, **k):
+        raise BertctlError("export failed")
+
+    monkeypatch.setattr(bertctl.export, "export_onnx", broken)
+    tiny = tiny_dir(tmp_path / "tiny", "BertModel")
+    assert isinstance(bertctl.embed.load_encoder(tiny, cpu, "onnxruntime", fallback=True), torch.nn.Module)
+    with pytest.raises(BertctlError, match="export failed"):
+        bertctl.embed.load_encoder(tiny, cpu, "onnxruntime")
     # Without the onnx packages, auto falls back to torch and onnxruntime says what to install.
     monkeypatch.setattr(bertctl.export, "onnx_missing", lambda export=True: ["onnxruntime"])
     assert resolve_backend(EmbedConfig(), cpu) == "torch"

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         check_writable(output)  # before the model runs, not after
         texts = [t for path in inputs for t in read_texts(path, field)]
         where = resolve_device(config.device)
-        encoder = load_encoder(model, where, resolve_backend(config, where, onnx), onnx)
+        encoder = load_encoder(model, where, resolve_backend(config, where, onnx), onnx, fallback=backend == "auto")
         tokenizer = load_tokenizer(model)
         array = embed_texts(encoder, tokenizer, texts, config)
         write_embeddings(array.astype(np.float32, copy=False), output)
