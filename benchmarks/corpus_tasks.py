@@ -26,9 +26,12 @@ a rewrite of it; which side is which is random.
   meaning-preserving edits so that the amount of change alone does not give the label away; or
   (a quarter of the negatives) another sentence of the same paragraph that shares at least
   three content words with it.
-The rules are blind to context: a "synonym" can be wrong in its sentence and an "antonym" or a
-swap of names can leave the meaning unchanged. Those pairs act as label noise, as the
-disagreements of human annotators do in MRPC.
+The synonym and antonym lists are split by word group: a third of the groups make the dev
+pairs and the rest the training pairs, so dev asks what the model knows of words it was not
+trained on, not whether it memorised the lists. The replacement words come from the split's
+own sentences. The rules are blind to context: a "synonym" can be wrong in its sentence and an
+"antonym" or a swap of names can leave the meaning unchanged. Those pairs act as label noise,
+as the disagreements of human annotators do in MRPC.
 
 acceptability (CoLA-like: 8,551 train / 1,043 dev sentences, 70% acceptable; Matthews
 correlation). Columns ``sentence  label  op``. Label 1: a corpus sentence (5 to 25 words) as
@@ -191,10 +194,15 @@ class Words:
         return out[:1].upper() + out[1:]
 
 
-def _pairs(*groups: str) -> dict[str, list[str]]:
-    """Both directions of each 'a b c' group (every word maps to the others)."""
+def lexicon(groups: tuple[str, ...], split: str, seed: int) -> dict[str, list[str]]:
+    """The word groups ('a b c': every word maps to the others) of one split. A third of the
+    groups (by a hash) serve dev only and the rest train only, so a dev pair is not judged by
+    memorising the training lists but by what the model knows of the words."""
     out: dict[str, list[str]] = collections.defaultdict(list)
     for g in groups:
+        in_dev = hashlib.sha256(f"{seed}:{g}".encode()).digest()[0] % 3 == 0
+        if in_dev != (split == "dev"):
+            continue
         words = g.split()
         for w in words:
             out[w].extend(x for x in words if x != w)
@@ -202,7 +210,7 @@ def _pairs(*groups: str) -> dict[str, list[str]]:
 
 
 # Meaning-preserving substitutions (context-blind: some are wrong in some sentences).
-SYNONYMS = _pairs(
+SYNONYM_GROUPS = (
     "big large", "begin start", "began started", "begins starts", "help assist", "helped assisted",
     "buy purchase", "bought purchased", "show demonstrate", "quick fast", "quickly rapidly",
     "nearly almost", "perhaps maybe", "often frequently", "enough sufficient", "large sizeable",
@@ -232,7 +240,7 @@ SYNONYMS = _pairs(
     "several various", "various diverse", "allow permit", "allowed permitted", "allows permits",
     "want wish", "wanted wished", "understand comprehend", "understood comprehended",
 )
-ANTONYMS = _pairs(
+ANTONYM_GROUPS = (
     "increase decrease", "increased decreased", "increases decreases", "increasing decreasing",
     "more less", "most least", "first last", "before after", "good bad", "better worse", "best worst",
     "rise fall", "rose fell", "rising falling", "win lose", "won lost", "accept reject", "accepted rejected",
@@ -290,14 +298,18 @@ def _candidates(w: Words, pred) -> list[int]:
     return [i for i in range(len(w.tokens)) if w.core(i) and pred(i)]
 
 
-def edit_synonym(s: str, rng: random.Random) -> str | None:
-    w = Words(s)
-    idx = _candidates(w, lambda i: w.lower(i) in SYNONYMS)
-    if not idx:
-        return None
-    i = rng.choice(idx)
-    w.set_core(i, rng.choice(SYNONYMS[w.lower(i)]))
-    return w.text()
+def make_substitution(table: dict[str, list[str]], name: str):
+    """An edit that replaces one word found in ``table`` by one of its partners there."""
+    def edit(s: str, rng: random.Random) -> str | None:
+        w = Words(s)
+        idx = _candidates(w, lambda i: w.lower(i) in table)
+        if not idx:
+            return None
+        i = rng.choice(idx)
+        w.set_core(i, rng.choice(table[w.lower(i)]))
+        return w.text()
+    edit.__name__ = f"edit_{name}"
+    return edit
 
 
 def edit_contraction(s: str, rng: random.Random) -> str | None:
@@ -394,18 +406,8 @@ def edit_drop_opener(s: str, rng: random.Random) -> str | None:
     return " ".join(rest)
 
 
-PRESERVING = (edit_synonym, edit_contraction, edit_drop_adverb, edit_coordination, edit_front_phrase,
-              edit_number_format, edit_drop_opener)
-
-
-def edit_antonym(s: str, rng: random.Random) -> str | None:
-    w = Words(s)
-    idx = _candidates(w, lambda i: w.lower(i) in ANTONYMS)
-    if not idx:
-        return None
-    i = rng.choice(idx)
-    w.set_core(i, rng.choice(ANTONYMS[w.lower(i)]))
-    return w.text()
+PRESERVING = (edit_contraction, edit_drop_adverb, edit_coordination, edit_front_phrase, edit_number_format,
+              edit_drop_opener)  # and the synonyms of the split
 
 
 def edit_negation(s: str, rng: random.Random) -> str | None:
@@ -509,9 +511,12 @@ def _apply_some(s: str, edits, rng: random.Random, k: int) -> tuple[str, list[st
 
 
 def paraphrase_pairs(paras: list[list[Sentence]], n: int, rng: random.Random, vocab: list[str],
+                     synonyms: dict[str, list[str]], antonyms: dict[str, list[str]],
                      positive_share: float = 2 / 3) -> list[tuple[str, str, str, str]]:
-    """``n`` (label, sentence1, sentence2, op) rows from the paragraphs of one split."""
-    changing = (edit_antonym, edit_negation, edit_number, edit_swap_names, edit_pronoun,
+    """``n`` (label, sentence1, sentence2, op) rows from the paragraphs of one split, with the
+    split's own word lists and replacement vocabulary."""
+    preserving = PRESERVING + (make_substitution(synonyms, "synonym"),)
+    changing = (make_substitution(antonyms, "antonym"), edit_negation, edit_number, edit_swap_names, edit_pronoun,
                 make_edit_replace_word(vocab))
     sentences = [s for p in paras for s in p if 10 <= len(s.text.split()) <= 40]
     by_para = collections.defaultdict(list)
@@ -529,7 +534,7 @@ def paraphrase_pairs(paras: list[list[Sentence]], n: int, rng: random.Random, vo
         text = s.text
         want_pos = counts["pos"] < n_pos and (counts["neg"] >= n_neg or rng.random() < positive_share)
         if want_pos:
-            out, names = _apply_some(text, PRESERVING, rng, rng.randint(1, 3))
+            out, names = _apply_some(text, preserving, rng, rng.randint(1, 3))
             if not names:
                 continue
             label, op = "1", "+".join(names)
@@ -541,11 +546,14 @@ def paraphrase_pairs(paras: list[list[Sentence]], n: int, rng: random.Random, vo
             out, label, op = rng.choice(near), "0", "other_sentence"
             counts["other"] += 1
         else:
-            edit = rng.choice(changing)
-            out = edit(text, rng)
-            if out is None or out == text:
+            # antonyms, names and numbers are tried more often: they apply to fewer sentences
+            for edit in rng.choices(changing, weights=(4, 2, 2, 2, 2, 2), k=3):
+                out = edit(text, rng)
+                if out is not None and out != text:
+                    break
+            else:
                 continue
-            out, names = _apply_some(out, PRESERVING, rng, rng.randint(0, 2))
+            out, names = _apply_some(out, preserving, rng, rng.randint(0, 2))
             label, op = "0", "+".join([edit.__name__[5:]] + names)
         counts["pos" if label == "1" else "neg"] += 1
         a, b = (text, out) if rng.random() < 0.5 else (out, text)
@@ -729,14 +737,15 @@ def build(corpus: Path, squad: Path | None, out: Path, seed: int = 13,
           tasks: tuple[str, ...] = ("paraphrase", "acceptability")) -> dict:
     """Write ``out/<task>/{train,dev}.tsv`` for each task; return counts per file and op."""
     pools = sentence_pools(corpus, squad, seed, 5, 40)
-    vocab = sorted({w for p in pools["train"] for s in p for w in re.findall(r"\b[a-z]{6,}\b", s.text)})
     stats: dict = {"seed": seed, "train_paragraphs": len(pools["train"]), "dev_paragraphs": len(pools["dev"])}
     for task in tasks:
         (out / task).mkdir(parents=True, exist_ok=True)
         for split, n in zip(("train", "dev"), SIZES[task]):
             rng = random.Random(f"{seed}:{task}:{split}")
             if task == "paraphrase":
-                rows = paraphrase_pairs(pools[split], n, rng, vocab)
+                vocab = sorted({w for p in pools[split] for s in p for w in re.findall(r"\b[a-z]{6,}\b", s.text)})
+                rows = paraphrase_pairs(pools[split], n, rng, vocab, lexicon(SYNONYM_GROUPS, split, seed),
+                                        lexicon(ANTONYM_GROUPS, split, seed))
                 _write_tsv(out / task / f"{split}.tsv", ("label", "sentence1", "sentence2", "op"), rows)
                 labels = [r[0] for r in rows]
                 ops = collections.Counter(r[3].split("+")[0] if r[0] == "0" else "preserving" for r in rows)

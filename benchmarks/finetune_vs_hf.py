@@ -48,8 +48,10 @@ each call and by ``--merge`` alone. SIGTERM stops the children and keeps finishe
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -97,38 +99,57 @@ TASKS = {
 # ------------------------------------------------------------------------------ inputs
 
 
+def _write_once(path: Path, text: str) -> None:
+    """Write ``path`` unless it exists (atomically: a running child may be reading it)."""
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def _slice_lines(src: Path, dst: Path, n: int) -> None:
     lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
-    dst.write_text("".join(lines[: n + 1]), encoding="utf-8")  # header + n rows
+    _write_once(dst, "".join(lines[: n + 1]))  # header + n rows
 
 
 def _slice_conll(src: Path, dst: Path, n: int) -> None:
     blocks = [b for b in src.read_text(encoding="utf-8").split("\n\n") if b.strip()]
-    dst.write_text("\n\n".join(blocks[:n]) + "\n\n", encoding="utf-8")
+    _write_once(dst, "\n\n".join(blocks[:n]) + "\n\n")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def prepare_inputs(task: str, a) -> dict:
-    """The files of one task for both sides (sliced copies with ``--limit``), made once per work folder."""
+    """The files of one task for both sides (sliced copies with ``--limit``). Files are written
+    once into folders named by what they depend on, and never rewritten while runs read them."""
     base = a.work / "inputs" / (task if not a.limit else f"{task}-limit{a.limit}")
     data = a.data
     if task == "sst2":
         src = data / "glue" / "SST-2" if (data / "glue" / "SST-2").exists() else data / "SST-2"
         if a.limit:
-            base.mkdir(parents=True, exist_ok=True)
             _slice_lines(src / "train.tsv", base / "train.tsv", a.limit)
             _slice_lines(src / "dev.tsv", base / "dev.tsv", max(a.limit // 4, 8))
             src = base
         return {"dir": src, "train": src / "train.tsv", "dev": src / "dev.tsv"}
     if task in ("paraphrase", "acceptability", "rte_size"):
-        built = a.work / "inputs" / "corpus-tasks"
+        version = f"seed{a.data_seed}-{_digest(Path(corpus_tasks.__file__))}"  # the rules' version
+        built = a.work / "inputs" / f"corpus-tasks-{version}"
+        if not (built / "stats.json").exists():
+            tmp = built.with_name(f"{built.name}.{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            stats = corpus_tasks.build(data / "corpus", data / "squad" / "dev-v1.1.json", tmp, seed=a.data_seed)
+            (tmp / "stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+            shutil.rmtree(built, ignore_errors=True)
+            tmp.rename(built)
         name = "paraphrase" if task == "rte_size" else task
-        if not (built / name / "dev.tsv").exists():
-            stats = corpus_tasks.build(data / "corpus", data / "squad" / "dev-v1.1.json", built, seed=a.data_seed)
-            (built / "stats.json").write_text(json.dumps(stats, indent=1) + "\n")
         train, dev = built / name / "train.tsv", built / name / "dev.tsv"
         n_train = a.limit or (RTE_TRAIN if task == "rte_size" else 0)
         if n_train:
-            base.mkdir(parents=True, exist_ok=True)
+            base = base.with_name(f"{base.name}-{version}")
             _slice_lines(train, base / "train.tsv", n_train)
             train = base / "train.tsv"
             if a.limit:
@@ -138,7 +159,6 @@ def prepare_inputs(task: str, a) -> dict:
     if task == "conll":
         src = data / "conll2003"
         if a.limit:
-            base.mkdir(parents=True, exist_ok=True)
             for name in ("train", "valid", "test"):
                 _slice_conll(src / f"{name}.txt", base / f"{name}.txt", a.limit if name == "train" else a.limit // 4)
             src = base
@@ -146,7 +166,6 @@ def prepare_inputs(task: str, a) -> dict:
     if task == "squad":
         src, split = data / "squad" / "dev-v1.1.json", data / "squad" / "split.json"
         if a.limit:  # the first questions of each side of the split, as a smaller file and split
-            base.mkdir(parents=True, exist_ok=True)
             full = json.loads(src.read_text(encoding="utf-8"))
             titles = json.loads(split.read_text(encoding="utf-8"))
             keep: dict[str, int] = {"train": a.limit, "eval": max(a.limit // 4, 8)}
@@ -164,8 +183,8 @@ def prepare_inputs(task: str, a) -> dict:
                         paragraphs.append({**p, "qas": qas})
                 if paragraphs:
                     articles.append({**art, "paragraphs": paragraphs})
-            (base / "dev-v1.1.json").write_text(json.dumps({"version": "1.1", "data": articles}))
-            (base / "split.json").write_text(json.dumps(
+            _write_once(base / "dev-v1.1.json", json.dumps({"version": "1.1", "data": articles}))
+            _write_once(base / "split.json", json.dumps(
                 {k: [t for t in titles[k] if t in {x["title"] for x in articles}] for k in ("train", "eval")}))
             src, split = base / "dev-v1.1.json", base / "split.json"
         return {"json": src, "split": split}
@@ -195,6 +214,26 @@ def bertctl_groups_by_length(help_text: str) -> bool | None:
     return None
 
 
+def has_flag(help_text: str, name: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", help_text) is not None
+
+
+def bertctl_flags(help_text: str) -> dict[str, str]:
+    """The recipe's flags as this bertctl spells them (the first spelling its --help lists)."""
+    spellings = {"epochs": ("--epochs",), "lr": ("--lr",), "batch_size": ("--batch-size",),
+                 "warmup": ("--warmup-fraction", "--warmup", "--warmup-ratio"), "weight_decay": ("--weight-decay",),
+                 "seed": ("--seed",), "device": ("--device",), "max_steps": ("--max-steps",)}
+    flags = {}
+    for key, names in spellings.items():
+        found = [n for n in names if has_flag(help_text, n)]
+        if not found:
+            raise SystemExit(f"bertctl finetune glue --help lists none of {', '.join(names)}")
+        flags[key] = found[0]
+    if has_flag(help_text, "--adam-eps"):
+        flags["adam_eps"] = "--adam-eps"
+    return flags
+
+
 def recipe(a) -> dict:
     return {"epochs": a.epochs, "squad_epochs": a.squad_epochs, "lr": a.lr, "batch_size": a.batch_size,
             "eval_batch_size": 128, "warmup": a.warmup, "schedule": "linear warm-up, linear decay to 0",
@@ -208,18 +247,23 @@ def recipe(a) -> dict:
 def commands(task: str, side: str, seed: int, inputs: dict, out: Path, a) -> list[str]:
     t = TASKS[task]
     epochs = a.squad_epochs if task == "squad" else a.epochs
-    common = ["--model", str(a.model), "--output", str(out), "--epochs", f"{epochs:g}", "--lr", f"{a.lr:g}",
-              "--batch-size", str(a.batch_size), "--warmup", f"{a.warmup:g}", "--weight-decay",
-              f"{a.weight_decay:g}", "--seed", str(seed), "--device", a.device]
+    values = {"epochs": f"{epochs:g}", "lr": f"{a.lr:g}", "batch_size": str(a.batch_size), "warmup": f"{a.warmup:g}",
+              "weight_decay": f"{a.weight_decay:g}", "seed": str(seed), "device": a.device,
+              "adam_eps": f"{a.adam_eps:g}"}
     if a.max_steps:
-        common += ["--max-steps", str(a.max_steps)]
+        values["max_steps"] = str(a.max_steps)
     if side == "bertctl":
         cmd = a.bertctl + ["finetune", t.kind]
-        if a.bertctl_has_adam_eps:
-            common += ["--adam-eps", f"{a.adam_eps:g}"]
+        flags = a.bertctl_flags
     else:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_finetune.py"), t.kind]
-        common += ["--adam-eps", f"{a.adam_eps:g}", "--max-grad-norm", "1.0"]
+        flags = {k: "--" + k.replace("_", "-") for k in values}
+    common = ["--model", str(a.model), "--output", str(out)]
+    for key, value in values.items():
+        if key in flags:
+            common += [flags[key], value]
+    if side == "hf":
+        common += ["--max-grad-norm", "1.0"]
         if a.mode == "speed" and a.hf_group_by_length:
             common += ["--group-by-length"]
     if t.kind == "glue":
@@ -345,12 +389,14 @@ class Run:
 
 
 def run_settings(run: Run, a) -> dict:
-    s = {"recipe": recipe(a), "bertctl_groups_by_length": a.bertctl_groups}
-    if run.side == "hf":
-        s["hf_group_by_length"] = bool(a.mode == "speed" and a.hf_group_by_length)
-        s["hf_padding"] = "dynamic, multiple of 8"
-        s["hf_checkpoints"] = "each epoch end, one kept (NER: the best on valid too)"
-    return s
+    """What a run's result depends on besides the code: the recipe and the side's batch order."""
+    if run.side == "bertctl":
+        order = {"length_grouped_by_default": a.bertctl_groups, "flags": "bertctl's defaults"}
+    else:
+        order = {"group_by_length": bool(a.mode == "speed" and a.hf_group_by_length),
+                 "padding": "dynamic, multiple of 8",
+                 "checkpoints": "each epoch end, one kept (NER: the best on valid too)"}
+    return {"recipe": recipe(a), "side": order}
 
 
 def is_done(path: Path, run: Run, a) -> bool:
@@ -410,8 +456,11 @@ class Runner:
 
     def record(self, run: Run, rc: int, start: float, end: float, out: Path, inputs: dict, cmd: list[str]) -> None:
         a = self.a
+        files = [inputs[k] for k in ("train", "dev", "json", "split") if k in inputs] + \
+            ([Path(inputs["dir"]) / f"{n}.txt" for n in ("train", "valid", "test")] if run.task == "conll" else [])
         r = {"task": run.task, "mode": run.mode, "side": run.side, "seed": run.seed, "rc": rc,
              "command": [str(c) for c in cmd], "concurrent_runs": a.jobs, "environment": a.env,
+             "inputs_sha256": {Path(f).name: _digest(f) for f in files},
              "settings": run_settings(run, a), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))}
         metrics_file = out / "metrics.json"
         if rc == 0 and metrics_file.exists():
@@ -449,12 +498,21 @@ def _stats(values: list[float]) -> dict:
 
 
 def _common_environment(runs: list[dict]) -> dict:
+    """The runs' environment; a key whose runs differ holds the list of their values."""
     envs = [r["environment"] for r in runs]
     out = {}
     for key in envs[0]:
-        values = sorted({str(e.get(key)) for e in envs})
-        out[key] = values[0] if len(values) == 1 else values  # a list: the runs differ (see the flag)
+        values = []
+        for e in envs:
+            if e.get(key) not in values:
+                values.append(e.get(key))
+        out[key] = values[0] if len(values) == 1 else values
     return out
+
+
+def _settings(by_side: dict, seeds: list[int]) -> dict:
+    first = {s: by_side[s][seeds[0]]["settings"] for s in SIDES}
+    return {"recipe": first["bertctl"]["recipe"], **{s: first[s]["side"] for s in SIDES}}
 
 
 def summarise_quality(task: str, runs: list[dict]) -> dict:
@@ -464,10 +522,9 @@ def summarise_quality(task: str, runs: list[dict]) -> dict:
     per_seed = [{"seed": s, **{side: {m: by_side[side][s]["metrics"][m] for m in names} for side in SIDES},
                  "wall_seconds": {side: by_side[side][s]["seconds_to_metrics"] for side in SIDES}} for s in seeds]
     result = {"task": task, "mode": "quality", "metric": names[0], "metrics": list(names),
-              "units": "points (percent; Matthews correlation x 100)", "seeds": seeds,
-              "environment": _common_environment(runs), "settings": {s: by_side[s][seeds[0]]["settings"]
-                                                                     for s in SIDES} if seeds else {},
-              "per_seed": per_seed}
+              "units": "points (percent; Matthews correlation x 100); std: sample std over seeds", "seeds": seeds,
+              "environment": _common_environment(runs), "settings": _settings(by_side, seeds) if seeds else {},
+              "concurrent_runs": max(r["concurrent_runs"] for r in runs), "per_seed": per_seed}
     if not seeds:
         result["incomplete"] = "no seed has both sides"
         return result
@@ -476,6 +533,7 @@ def summarise_quality(task: str, runs: list[dict]) -> dict:
     result["difference"] = {m: _stats([p["bertctl"][m] - p["hf"][m] for p in per_seed]) for m in names}
     result["meets_target"] = {m: result["difference"][m]["mean"] >= PARITY_POINTS for m in names}
     result["target"] = f"mean(bertctl) - mean(HF) >= {PARITY_POINTS} points over >= 5 seeds"
+    result["enough_seeds"] = len(seeds) >= 5
     result["only_one_side"] = sorted((set(by_side["bertctl"]) | set(by_side["hf"])) - set(seeds))
     envs = {(r["environment"]["device"], r["environment"]["commit"]) for r in runs}
     if len(envs) > 1:
@@ -488,7 +546,7 @@ def summarise_speed(task: str, runs: list[dict]) -> dict:
     seeds = sorted(set(by_side["bertctl"]) & set(by_side["hf"]))
     result = {"task": task, "mode": "speed", "seeds": seeds, "environment": _common_environment(runs),
               "measure": "seconds from process start to metrics.json (and to exit), one process at a time",
-              "settings": {s: by_side[s][seeds[0]]["settings"] for s in SIDES} if seeds else {},
+              "settings": _settings(by_side, seeds) if seeds else {},
               "per_seed": [{"seed": s, **{side: {k: by_side[side][s][k] for k in ("seconds_to_metrics",
                                                                                  "seconds_to_exit")}
                                           for side in SIDES},
@@ -597,7 +655,7 @@ def main(argv=None) -> int:
     help_text = bertctl_help(a)
     if "--epochs" not in help_text:
         raise SystemExit(f"{' '.join(a.bertctl)} finetune glue --help did not run: is bertctl importable?")
-    a.bertctl_has_adam_eps = "--adam-eps" in help_text
+    a.bertctl_flags = bertctl_flags(help_text)
     a.bertctl_groups = bertctl_groups_by_length(help_text)
     if a.hf_group_by_length == "match":
         if a.mode == "speed" and a.bertctl_groups is None:
