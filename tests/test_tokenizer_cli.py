@@ -151,7 +151,7 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
         (["tokenize", "decode", "--vocab", VOCAB, str(empty)], "empty.txt: empty file, nothing to decode"),
         (["tokenize", "inspect", "--model", str(tmp_path), "x"], "needs vocab.txt or tokenizer.json"),
         (["tokenize", "train", "--vocab-size", "100", "-o", str(tmp_path / "v.txt"), str(tmp_path / "nope")],
-         "nope: no such file or folder"),
+         "nope: no such input file or folder"),
     ]
     for args, message in cases:
         assert run_main(*args) == 2, args
