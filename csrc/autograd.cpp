@@ -11,7 +11,7 @@
 // a node that raises if it is ever reached, instead of the silently missing
 // second-order terms of an op without an autograd kernel.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <optional>

@@ -1,29 +1,41 @@
-// Operator schemas for the bertctl namespace.  Implementations register per
-// device in csrc/cpu/*.cpp and csrc/cuda/*.cu with TORCH_LIBRARY_IMPL, autograd
-// in csrc/autograd.cpp; the Python side (bertctl/ops) adds register_fake.
+// Operator schemas for the bertctl namespace, and the Python module bertctl._C.
+// Implementations register per device in csrc/cpu/*.cpp and csrc/cuda/*.cu with
+// TORCH_LIBRARY_IMPL, autograd in csrc/autograd.cpp; the Python side (bertctl/ops)
+// adds register_fake.
 //
 // Every forward and every backward is its own op, so torch.compile keeps both
 // in the graph as opaque kernels.
-#include <torch/extension.h>
+//
+// Importing bertctl._C loads this library, whose static initialisers register the
+// ops.  The module itself is plain CPython (no pybind11, no torch/extension.h): those
+// two headers took longer to compile than all the kernels together.
+#include <Python.h>
 #include <torch/library.h>
 
 namespace {
 
-pybind11::dict build_info() {
-  pybind11::dict d;
+// build_info() -> {"cuda": bool}: how this extension was built.
+PyObject* build_info(PyObject*, PyObject*) {
 #ifdef BERTCTL_WITH_CUDA
-  d["cuda"] = true;
+  PyObject* cuda = Py_True;
 #else
-  d["cuda"] = false;
+  PyObject* cuda = Py_False;
 #endif
-  return d;
+  return Py_BuildValue("{s:O}", "cuda", cuda);
 }
+
+PyMethodDef methods[] = {
+    {"build_info", build_info, METH_NOARGS, "How this extension was built."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "bertctl's compiled kernels (torch.ops.bertctl).", -1,
+                          methods};
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("build_info", &build_info, "How this extension was built.");
-}
+// The module is bertctl._C (setup.py), so its init function is PyInit__C.
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module_def); }
 
 TORCH_LIBRARY(bertctl, m) {
   // y = softmax(scale * x + mask) over the last dim.  mask: None, or (B, Sk) bool

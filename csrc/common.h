@@ -2,7 +2,8 @@
 // implementations.  Every op views its input as (rows, cols) with cols = the
 // last dimension; non-contiguous inputs are made contiguous here once.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <string>
 

@@ -1,10 +1,14 @@
 // CPU helpers: rows are converted to the accumulation type (float for
 // fp32/fp16/bf16, double for fp64) and processed with at::vec::Vectorized.
 #pragma once
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <type_traits>
