@@ -259,3 +259,18 @@ def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
     evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["event"] == "final" for r in evals) == 1  # one writer
+
+
+def test_a_short_run_reports_the_epochs_it_trained_and_a_failed_one_leaves_nothing(tiny, sst2, tmp_path):
+    out = tmp_path / "short"
+    r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
+                str(out), "--max-steps", "2", "--batch-size", "16", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "metrics.json").read_text())["epochs"] == pytest.approx(2 / 6, abs=1e-4)  # 96 rows / 16 = 6 steps
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    failed = tmp_path / "failed"
+    r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(bad), "--output",
+                str(failed), "--max-steps", "1", "--no-progress"])
+    assert r.exit_code == 2 and not failed.exists()

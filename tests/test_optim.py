@@ -180,3 +180,38 @@ def test_bad_names_are_user_errors():
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(BertctlError, match="unknown lr schedule"):
         build_scheduler(opt, 1, 10, kind="step")
+
+
+def test_a_replanned_schedule_keeps_its_lr_and_ends_at_zero():
+    """replan(step, total): the multiplier at `step` is kept and decays linearly to 0 at the new total."""
+    from bertctl.train.optim import Schedule
+
+    s = Schedule(10, 100)
+    before = s(50)
+    s.replan(50, 60)
+    assert s(50) == pytest.approx(before) and s(60) == 0.0 and s(55) == pytest.approx(before / 2)
+    assert s(5) == pytest.approx(0.5)  # warm-up untouched
+    s.replan(55, 200)  # slower steps than planned, then faster: a later plan takes over from where it is
+    assert s(55) == pytest.approx(before / 2) and s(200) == 0.0
+    w = Schedule(600, 10_000)  # re-planned during warm-up: the warm-up keeps its 6% of the run
+    w.replan(5, 200)
+    assert w.warmup == 12 and w(12) == 1.0 and w(200) == 0.0
+    w2 = Schedule(600, 10_000)
+    w2.replan(100, 150)  # the new warm-up (9 steps) is already over: decay from the lr reached
+    assert w2(100) == pytest.approx(100 / 600) and w2(150) == 0.0
+
+
+def test_a_time_boxed_run_fits_its_schedule_to_the_time(data_dir, tmp_path):
+    """fit_to_minutes: a plan of far too many steps is re-planned from the measured pace, so the run
+    ends its schedule (lr 0) inside the time box instead of being cut off mid-decay."""
+    import json
+
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=8,
+                             lr=1e-3, max_steps=100_000, minutes=0.25, fit_to_minutes=True, log_every=5,
+                             eval_at_start=False, eval_batches=1, device="cpu", show_progress=False,
+                             save_minutes=1000, tensorboard=False))
+    assert s["stopped"] is None and s["steps"] == s["max_steps"] < 100_000 and s["final_lr"] == 0.0
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "replan" for e in events)

@@ -217,6 +217,43 @@ def test_sigterm_checkpoints_and_exits_zero(data_dir, tmp_path):
     assert json.loads((last.path / "meta.json").read_text())["reason"] == "interrupted"
 
 
+def test_ctrl_c_says_what_happens_and_a_second_aborts_at_once(data_dir, tmp_path):
+    """The first SIGINT is answered at once ("finishing step N, then saving"); a second one ends the
+    process at once (exit 130) and the newest complete checkpoint stays loadable."""
+    import threading
+
+    out = tmp_path / "run"
+    # A step long enough (BERT-mini, batch 64) that the interpreter sits inside torch when the signals come.
+    args = ["pretrain", "--data", str(data_dir), "--output", str(out), "--model-size", "mini", "--batch-size", "64",
+            "--lr", "1e-3", "--device", "cpu", "--no-progress", "--no-tensorboard", "--save-every", "2",
+            "--save-minutes", "1000", "--eval-every", "100000", "--eval-batches", "1", "--max-steps", "100000"]
+    p = subprocess.Popen([sys.executable, "-m", "bertctl", *args], env=ENV, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in p.stderr], daemon=True)
+    reader.start()
+    deadline = time.time() + 240
+    while state.latest_checkpoint(out) is None:
+        assert p.poll() is None, "".join(ln for _, ln in lines)
+        assert time.time() < deadline
+        time.sleep(0.05)
+    first = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    while not any("finishing step" in ln for _, ln in lines):
+        assert time.monotonic() - first < 10, "".join(ln for _, ln in lines)
+        time.sleep(0.01)
+    said = next(t for t, ln in lines if "finishing step" in ln)
+    assert said - first < 2.0  # at once, not after the step (on a loaded machine: within 2 s)
+    second = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=30)
+    assert p.returncode == 130
+    assert time.monotonic() - second < 3.0
+    last = state.latest_checkpoint(out)
+    blob = state.load_checkpoint(last.path)
+    assert blob["step"] == last.step >= 2 and all(torch.isfinite(v).all() for v in blob["model"].values())
+
+
 # --------------------------------------------------------------------------- distributed
 
 
@@ -285,7 +322,10 @@ def test_init_from_a_model_with_another_vocabulary_is_refused(minilm_dir, data_d
     with pytest.raises(BertctlError, match=r"690-token vocabulary, not the 30522-token .*build-data --vocab"):
         pretrain(TrainConfig(output=str(tmp_path / "x"), data=str(data_dir), init_from=str(minilm_dir),
                              batch_size=8, max_steps=1, device="cpu", show_progress=False))
-    assert not (tmp_path / "x" / "model").exists()
+    assert not (tmp_path / "x").exists()
+    r = _cli(*_args(data_dir, tmp_path / "cli", "--init-from", str(minilm_dir), "--max-steps", "1"))
+    assert r.returncode == 2 and "build-data --vocab" in r.stderr
+    assert not (tmp_path / "cli").exists()  # a failed run leaves no half-made folder
 
 
 def test_init_from_hf_directory_with_fresh_heads(minilm_dir, minilm_data_dir, tmp_path):

@@ -58,12 +58,13 @@ def _train_config(v: dict) -> TrainConfig:
 
 
 @contextlib.contextmanager
-def _processes():
-    """Under torchrun: leave the process group when the command ends, whatever happens."""
+def _processes(output: Path):
+    """The output folder as ``opt.run_output`` keeps it; under torchrun, leave the process group at the end."""
     from bertctl.train import distributed
 
     try:
-        yield
+        with opt.run_output(output):
+            yield
     finally:
         import torch.distributed as td
 
@@ -103,7 +104,7 @@ def glue(
     data = g.load_data(task=task, data_dir=data_dir, train=train, dev=dev, text_column=text_column,
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)
-    with _processes():
+    with _processes(output):
         g.run_finetune(data, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
                        dropout=dropout)
 
@@ -141,7 +142,7 @@ def squad(
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     train_data = s.read_squad(train, articles=train_articles, version_2=version_2, training=True)
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
-    with _processes():
+    with _processes(output):
         s.run_finetune(train_data, dev_data, model, output, cfg, scfg, lr_sweep=lr_sweep, resume=resume, dropout=dropout,
                        write_nbest=write_nbest)
 
@@ -165,7 +166,7 @@ def ner(
     from bertctl.tasks import ner as n
 
     cfg = _train_config(locals())
-    with _processes():
+    with _processes(output):
         n.run_finetune(data_dir, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
                        dropout=dropout)
 
@@ -190,7 +191,7 @@ def swag(
     from bertctl.tasks import swag as w
 
     cfg = _train_config(locals())
-    with _processes():
+    with _processes(output):
         w.run_finetune(train, dev, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
                        dropout=dropout)
 

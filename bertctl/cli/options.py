@@ -8,7 +8,11 @@ where the help does not give them a meaning.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional
 
 import typer
 
@@ -116,3 +120,22 @@ def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps
         choice("--attn", attn, ("sdpa", "explicit"))
     if kernels is not None:
         choice("--kernels", kernels, ("auto", "fused", "torch"))
+
+
+@contextlib.contextmanager
+def run_output(output: Path) -> Iterator[None]:
+    """A training command's output folder: a run that fails before its first checkpoint leaves nothing
+    (when the folder is its own); one that fails later keeps its checkpoints and says so."""
+    existed = output.exists()
+    try:
+        yield
+    except Exception:
+        if int(os.environ.get("RANK", "0")) == 0 and not existed and output.is_dir():
+            kept = sorted(output.rglob("step-*"))
+            if not kept:
+                shutil.rmtree(output, ignore_errors=True)
+            else:
+                from bertctl.progress import stderr
+
+                stderr.print(f"kept {output}: checkpoints up to {kept[-1].name} (continue with --resume)")
+        raise

@@ -117,7 +117,8 @@ def pretrain_command(
         common["model_size"] = size
         common["eval_every"] = eval_every or 1000
         cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch, lr=lr or PRESET_LR[size], **common)
-        summary = pretrain(cfg)
+        with opt.run_output(output):
+            summary = pretrain(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 prints
         print(json.dumps(summary, indent=2, default=str))
 

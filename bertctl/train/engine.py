@@ -381,7 +381,7 @@ class Engine:
                     if rec:
                         record = rec
                         if cfg.fit_to_minutes and cfg.minutes is not None:
-                            self._replan(rec, time.monotonic() - t_start, task, bar)
+                            self._replan(self.step - start_step, time.monotonic() - t_start, task, bar)
                         bar.update(task, info=self.objective.info(rec) if hasattr(self.objective, "info")
                                    else f"loss {rec['loss']:.4f} lr {rec['lr']:.2e}")
                 paused = time.perf_counter()
@@ -405,16 +405,20 @@ class Engine:
         distributed.all_reduce_sum(total, self.dist)
         return RunResult(self.step, start_step, stop_reason, train_seconds, int(total.item()), record)
 
-    def _replan(self, rec: dict, elapsed: float, task, bar) -> None:
-        """Fit the remaining steps to the time left at the recent step rate (10% slack for evaluations).
+    def _replan(self, steps_done: int, elapsed: float, task, bar) -> None:
+        """Fit the remaining steps to the time left at the run's own pace so far (evaluations and
+        checkpoints included), aiming at 85% of the time left: re-planned at every log line, the run
+        ends a little early rather than cut off when the pace drops.
 
         The lr keeps its current value and decays linearly to 0 at the new last step, so a run whose
         steps got slower (a busy machine) still completes its schedule instead of stopping mid-decay.
         """
-        rate = rec["seq_per_s"] / max(1.0, self.cfg.batch_size)  # steps per second, this window
+        if self.step >= self.cfg.max_steps:  # the schedule is complete: nothing to stretch
+            return
+        rate = steps_done / max(elapsed, 1e-9)  # steps per second, everything included
         left = self.cfg.minutes * 60 - elapsed
-        total = self.step + max(1, int(0.9 * left * rate))
-        if abs(total - self.cfg.max_steps) <= 0.1 * max(1, self.cfg.max_steps - self.step):
+        total = self.step + max(1, int(0.85 * left * rate))
+        if abs(total - self.cfg.max_steps) < max(2.0, 0.1 * (self.cfg.max_steps - self.step)):
             return
         self.scheduler.lr_lambdas[0].replan(self.step, total)
         self.log.log(event="replan", step=self.step, max_steps=total, previous=self.cfg.max_steps,

@@ -198,7 +198,12 @@ class Schedule:
         return lr_factor(step, self.warmup, self.total, self.kind)
 
     def replan(self, step: int, total_steps: int) -> None:
-        if step >= self.warmup:
+        if step < self.warmup:  # still warming up: the warm-up keeps its share of the new run
+            old = self.warmup
+            self.warmup = max(1, round(old * total_steps / max(1, self.total)))
+            if step >= self.warmup:  # the shorter warm-up is over: decay from the lr reached
+                self.anchor = (step, step / old)
+        else:
             self.anchor = (step, self(step))
         self.total = total_steps
 

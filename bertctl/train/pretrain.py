@@ -190,7 +190,7 @@ class Trainer:
         self.out = Path(cfg.output)
         self.precision = resolve_precision(cfg.precision, self.device)
         self.tokenizer = tokenizer
-        self.log = MetricsLog(self.out / "metrics.jsonl" if dist.is_main else None, tensorboard=cfg.tensorboard)
+        self.log = MetricsLog(None)  # opened in run(), once data and model are known to be good
         self.collapsed = False
         self.last_eval: dict | None = None
 
@@ -449,6 +449,7 @@ class Trainer:
         self._build()
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
+            self.log = self.engine.log = MetricsLog(self.out / "metrics.jsonl", tensorboard=self.cfg.tensorboard)
             self.log.log(event="config", step=self.step, configs=self._configs(), world_size=self.dist.world_size,
                          precision=self.precision, parameters=self.n_params, device=str(self.device))
         eval_start = None
