@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from bertctl.config import BertConfig
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_dir
-from bertctl.model import MODEL_CLASSES, BertModel, BertPreTrainedModel
+from bertctl.model import BertModel, BertPreTrainedModel
 
 M = TypeVar("M", bound=BertPreTrainedModel)
 

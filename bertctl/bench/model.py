@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import statistics
 import time
 from typing import Any, Callable

@@ -649,10 +649,9 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     with atomic_open(output_dir / "vocab.txt", "w", encoding="utf-8", newline="\n") as f:
         f.writelines(t + "\n" for t in tokenizer.ids_to_tokens)
     # A SentencePiece folder also holds the model file, so pretraining tokenises as the data was.
-    tokenizer_files = tokenizer.save_pretrained(output_dir) if tokenizer.kind == "sentencepiece" else []
+    if tokenizer.kind == "sentencepiece":
+        tokenizer.save_pretrained(output_dir)
     write_json(output_dir / "manifest.json", manifest)
-    for name in ("vocab.txt", "manifest.json", *tokenizer_files):  # temporary files are 0600; these are data to share
-        os.chmod(output_dir / name, 0o644)
     shutil.rmtree(output_dir / BUILD_DIR, ignore_errors=True)
 
     seconds = time.perf_counter() - start

@@ -26,7 +26,7 @@ from bertctl.errors import BertctlError
 from bertctl.io import read_json_object, write_json
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
-from bertctl.tasks.metrics import normalize_answer, squad_v1_evaluate, squad_v2_evaluate
+from bertctl.tasks.metrics import squad_v1_evaluate, squad_v2_evaluate
 from bertctl.tasks.trainer import TrainConfig, device_info, predict
 
 NULL_THRESHOLD_KEY = "squad_null_score_diff_threshold"

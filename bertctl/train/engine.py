@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from bertctl.errors import BertctlError
-from bertctl.progress import MetricsLog, progress, stderr
+from bertctl.progress import MetricsLog, progress
 from bertctl.train import distributed, state
 from bertctl.train.optim import build_optimizer, build_scheduler
 
