@@ -161,14 +161,21 @@ def is_stuck(ev: dict) -> bool:
             and ev["mlm_loss"] >= ev["mlm_unigram_entropy"] - 0.05)
 
 
+#: Steps before which no run is called collapsed: a short run (the built-in job on a busy CPU) may
+#: still be at the unigram stage without anything being wrong.
+COLLAPSE_MIN_STEPS = 1000
+
+
 def collapse_warning(previous: dict | None, ev: dict, step: int, warmup: int, max_steps: int, lr: float) -> str | None:
     """One sentence with the fix when a run has collapsed, else None.
 
     Every run starts at the unigram stage (predicting token frequencies); a healthy one leaves it
     soon after warm-up. Collapse: two evaluations in a row still there, the later one past twice the
-    warm-up and 30% of the run, which is what a post-LN BERT does when the lr is too high for its warm-up.
+    warm-up, 30% of the run and ``COLLAPSE_MIN_STEPS``, which is what a post-LN BERT does when the lr is
+    too high for its warm-up.
     """
-    if previous is None or step < max(2 * warmup, 0.3 * max_steps) or not (is_stuck(previous) and is_stuck(ev)):
+    late = step >= max(2 * warmup, 0.3 * max_steps, COLLAPSE_MIN_STEPS)
+    if previous is None or not late or not (is_stuck(previous) and is_stuck(ev)):
         return None
     return (f"collapse: at step {step}, well after warm-up, held-out MLM accuracy is {ev['mlm_acc']:.3f} against the "
             f"majority-token baseline {ev['mlm_majority_baseline']:.3f} and the loss {ev['mlm_loss']:.2f} is not below "
