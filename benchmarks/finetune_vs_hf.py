@@ -30,7 +30,8 @@ Modes:
   metrics of both sides, mean, std (sample), the mean difference (bertctl - HF) with the std of
   the per-seed differences, and whether it meets issue 13's target (difference >= -0.3 points).
   ``--jobs N`` runs N processes at once on the one GPU (quality only; their times are not used).
-- ``--mode speed``: one process at a time; wall time from process start to ``metrics.json``
+- ``--mode speed``: one process at a time, after a throwaway process that warms the file cache
+  and the driver; wall time from process start to ``metrics.json``
   (its modification time) and to exit; ``finetune-speed-<task>.json`` holds both sides, the
   ratio bertctl/HF and whether it meets the target (<= 0.7).
 Metrics are in points: accuracy, F1 and EM in percent, Matthews correlation x 100.
@@ -376,6 +377,17 @@ def environment(a) -> dict:
             "python": sys.version.split()[0], "commit": commit()}
 
 
+def warm_up(a) -> None:
+    """One throwaway process that imports what both sides import and starts the device, so that
+    the first timed run does not pay for a cold file cache or driver alone."""
+    code = ("import torch, transformers, bertctl.cli.app; "
+            "torch.zeros(1, device='cuda').sum().item() if torch.cuda.is_available() else None")
+    t = time.time()
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": _pythonpath()}, cwd=a.work,
+                   check=False, capture_output=True)
+    print(f"warm-up process: {time.time() - t:.1f} s", flush=True)
+
+
 @dataclass
 class Run:
     mode: str
@@ -681,6 +693,8 @@ def main(argv=None) -> int:
     # Seeds outer, so a cut-off call still leaves whole seeds; sides alternate within a seed.
     todo = [Run(a.mode, t, s, seed) for seed in seeds for t in tasks for s in sides]
     todo = [r for r in todo if not is_done(a.out / "finetune-runs" / f"{r.name}.json", r, a)]
+    if a.mode == "speed" and todo:
+        warm_up(a)
     runner = Runner(a)
     t0 = time.time()
     for run in todo:

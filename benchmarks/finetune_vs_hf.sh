@@ -28,17 +28,24 @@
 #    Runs already in benchmarks/results/finetune-runs/ travel with the tree and are skipped there
 #    (same commit and settings), so a chunk cut off by its budget is finished by calling it again.
 #
-# Chunks for one H100 (estimated wall time of the python part, from bertctl's and the Trainer's
-# examples/s measured on an H200 at batch 32; 3-4 min more where the extension must be built):
-#   A  run --tasks paraphrase,acceptability --jobs 4                         ~3-4 min (10 runs)
-#   B  run --mode speed --tasks rte_size,squad --seeds 42,43,44               ~5 min (12 runs, one at a time)
-#   C  run --mode speed --tasks sst2 --seeds 42                               ~6 min (2 runs)
-#   D  run --tasks squad,conll --seeds 42,43,44 --jobs 6                      ~4-6 min (12 runs)
-#   E  run --tasks squad,conll --seeds 45,46 --jobs 4                         ~3-5 min (8 runs)
-#   F  run --tasks sst2 --seeds 42,43,44 --jobs 6                             ~5-8 min (6 runs)
-#   G  run --tasks sst2 --seeds 45,46 --jobs 4                                ~4-6 min (4 runs)
-# (--seeds defaults to 42,43,44,45,46; --mode to quality; --jobs N: N runs at once on the GPU,
-#  quality only.) If a chunk stops at its budget, call it again: finished runs are skipped.
+# Chunks for one H100, each one device call: command "bash benchmarks/finetune_vs_hf.sh run ARGS",
+# carry [".device"] (plus the extension, above), timeout_s 600. Estimated wall time of the python
+# part, from the examples/s of both sides on an H200 (results/finetune-*.json of commit b7874a0,
+# 1 epoch) and the 18-30 s per glue-style run of issue 13: one process takes about paraphrase 25 s,
+# acceptability 30 s, rte_size 20 s, squad 40 s, conll 120 s, sst2 170-190 s; N runs at once
+# (--jobs N) share a GPU that one run leaves mostly idle (MiniLM at batch 32 is launch-bound), so
+# about 3x faster together. Add ~1 min per call for unpacking, and 3-4 min where the extension
+# must be built (not when .device/so.tar.xz or a carried bertctl/_C*.so loads).
+#   A  run --tasks paraphrase,acceptability --jobs 4              ~3 min  (20 runs)
+#   B  run --mode speed --tasks rte_size,squad --seeds 42,43,44    ~6 min  (12 runs, one at a time)
+#   C  run --mode speed --tasks sst2 --seeds 42                    ~6 min  (2 runs)
+#   D  run --tasks squad,conll --seeds 42,43,44 --jobs 6           ~5 min  (12 runs)
+#   E  run --tasks squad,conll --seeds 45,46 --jobs 4              ~4 min  (8 runs)
+#   F  run --tasks sst2 --seeds 42,43 --jobs 4                     ~5 min  (4 runs)
+#   G  run --tasks sst2 --seeds 44,45,46 --jobs 6                  ~6 min  (6 runs)
+# About 35 min of runs in 7 calls, ~50 min of machine time with starts and setup. (--seeds
+# defaults to 42,43,44,45,46; --mode to quality.) A chunk stopped by its budget is finished by
+# calling it again: finished runs are skipped.
 set -uo pipefail
 SRC=${SRC:-.device}
 WORK=${WORK:-/tmp/bertctl-fvh}
