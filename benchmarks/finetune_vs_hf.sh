@@ -29,23 +29,24 @@
 #    (same commit and settings), so a chunk cut off by its budget is finished by calling it again.
 #
 # Chunks for one H100, each one device call: command "bash benchmarks/finetune_vs_hf.sh run ARGS",
-# carry [".device"] (plus the extension, above), timeout_s 600. Estimated wall time of the python
-# part, from the examples/s of both sides on an H200 (results/finetune-*.json of commit b7874a0,
-# 1 epoch) and the 18-30 s per glue-style run of issue 13: one process takes about paraphrase 25 s,
-# acceptability 30 s, rte_size 20 s, squad 40 s, conll 120 s, sst2 170-190 s; N runs at once
-# (--jobs N) share a GPU that one run leaves mostly idle (MiniLM at batch 32 is launch-bound), so
-# about 3x faster together. Add ~1 min per call for unpacking, and 3-4 min where the extension
-# must be built (not when .device/so.tar.xz or a carried bertctl/_C*.so loads).
-#   A  run --tasks paraphrase,acceptability --jobs 4              ~3 min  (20 runs)
-#   B  run --mode speed --tasks rte_size,squad --seeds 42,43,44    ~6 min  (12 runs, one at a time)
-#   C  run --mode speed --tasks sst2 --seeds 42                    ~6 min  (2 runs)
-#   D  run --tasks squad,conll --seeds 42,43,44 --jobs 6           ~5 min  (12 runs)
-#   E  run --tasks squad,conll --seeds 45,46 --jobs 4              ~4 min  (8 runs)
-#   F  run --tasks sst2 --seeds 42,43 --jobs 4                     ~5 min  (4 runs)
-#   G  run --tasks sst2 --seeds 44,45,46 --jobs 6                  ~6 min  (6 runs)
-# About 35 min of runs in 7 calls, ~50 min of machine time with starts and setup. (--seeds
-# defaults to 42,43,44,45,46; --mode to quality.) A chunk stopped by its budget is finished by
-# calling it again: finished runs are skipped.
+# carry [".device"] (plus the extension, above), timeout_s 600. Wall time per process measured on
+# an H100 (runs of 2026-11-26, commits c073ae0 and 95c700d; bertctl / HF):
+#   alone (--mode speed): rte_size 17 / 25 s, squad 27 / 41 s, sst2 135 / 201 s;
+#   with 8-10 runs at once (--jobs): paraphrase 18-26 / 28-37 s, acceptability 26-32 / 33-53 s,
+#   squad 35-42 / 55-60 s, conll 39-45 / 80-87 s, sst2 132-147 / 238-296 s.
+# MiniLM at batch 32 leaves the GPU mostly idle, so 8-10 runs at once take little longer each.
+# paraphrase+acceptability (20 runs, --jobs 10) took 88 s; sst2+conll+squad (30 runs, --jobs 8)
+# took 600 s, too close to the limit for one call, hence two below. Add ~1 min per call for
+# unpacking, and 3-4 min where the extension must be built (not when .device/so.tar.xz or a
+# carried bertctl/_C*.so loads).
+#   A  run --tasks paraphrase,acceptability --jobs 10                ~1.5 min (20 runs)
+#   B  run --tasks sst2,conll,squad --seeds 42,43,44 --jobs 9         ~6 min   (18 runs)
+#   C  run --tasks sst2,conll,squad --seeds 45,46 --jobs 8            ~5 min   (12 runs)
+#   D  run --mode speed --tasks rte_size,squad --seeds 42,43,44       ~6 min   (12 runs, one at a time)
+#   E  run --mode speed --tasks sst2 --seeds 42                       ~6 min   (2 runs; 43 in a call F)
+# About 25 min of runs in 5 calls (6 with F), ~35 min of machine time with starts and setup.
+# (--seeds defaults to 42,43,44,45,46; --mode to quality.) A chunk stopped by its budget is
+# finished by calling it again: finished runs are skipped.
 set -uo pipefail
 SRC=${SRC:-.device}
 WORK=${WORK:-/tmp/bertctl-fvh}
