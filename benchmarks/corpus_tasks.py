@@ -24,8 +24,8 @@ a rewrite of it; which side is which is random.
   removed, a number changed, two capitalised names swapped, a pronoun changed (we/they,
   he/she...), a content word replaced by another word of the corpus), plus zero to two of the
   meaning-preserving edits so that the amount of change alone does not give the label away; or
-  (two negatives in five) another sentence of the same paragraph that shares at least three
-  content words with it, the MRPC-like pairs of different but related sentences.
+  (up to a quarter of the negatives) another sentence of the same paragraph that shares at
+  least three content words with it, the MRPC-like pairs of different but related sentences.
 The synonym and antonym lists are split by word group: a third of the groups make the dev
 pairs and the rest the training pairs, so dev asks what the model knows of words it was not
 trained on, not whether it memorised the lists. The replacement words come from the split's
@@ -42,11 +42,12 @@ they/them...), or a verb form broken after a modal or "to" (will goes, to went).
 corruptions leave a grammatical sentence (a swap of two adjectives, a dropped "that"), and
 archaic prose (Austen) reads as odd: the task is noisy on purpose, as CoLA is hard.
 
-How hard (one CPU run, all-MiniLM-L6-v2, bertctl, 3 epochs, batch 32, lr 5e-5, seed 42, data
-seed 13): paraphrase dev accuracy 90.9 / F1 93.5 (always "1": 66.7 / 80.0), most errors on the
-held-out antonyms, swapped names and replaced words; acceptability accuracy 76.7 / Matthews 39.0
-(always "1": 70.0 / 0), most errors on dropped words, broken agreement and swaps. With a third of
-the paraphrase training set the model stayed at always "1": the tasks need their full size.
+How hard: fine-tuned for 3 epochs (batch 32, lr 5e-5) on an H100 over seeds 42-46, MiniLM-L6
+reached about 86-87% paraphrase accuracy and F1 about 91 (always "1": 66.7 / 80.0), and an
+acceptability Matthews correlation about 41 at 77.6% accuracy (always "1": 0 / 70.0), bertctl and
+transformers alike; errors fall mostly on the held-out antonyms, swapped names and replaced
+words, and on dropped words, broken agreement and swaps. On a third of the paraphrase training
+set the model stayed at always "1": the tasks need their full size.
 
 Everything follows from the inputs and ``--seed`` (Python's ``random.Random`` and sha256 of
 paragraph ids; no dependency on hash seeds, dict order or the platform). The files are written
@@ -532,7 +533,7 @@ def paraphrase_pairs(paras: list[list[Sentence]], n: int, rng: random.Random, vo
     rows = []
     n_pos = round(n * positive_share)
     n_neg = n - n_pos
-    n_other = n_neg * 2 // 5  # negatives that are another sentence of the same paragraph
+    n_other = n_neg // 4  # negatives that are another sentence of the same paragraph
     counts = collections.Counter()
     for s in sentences:
         if len(rows) >= n:
@@ -544,7 +545,7 @@ def paraphrase_pairs(paras: list[list[Sentence]], n: int, rng: random.Random, vo
             if not names:
                 continue
             label, op = "1", "+".join(names)
-        elif counts["other"] < n_other and rng.random() < 0.8:
+        elif counts["other"] < n_other and rng.random() < 0.5:
             mine = content_words(text)
             near = [t for t in by_para[s.paragraph] if t != text and len(mine & content_words(t)) >= 3]
             if not near:
