@@ -125,17 +125,19 @@ def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps
 @contextlib.contextmanager
 def run_output(output: Path) -> Iterator[None]:
     """A training command's output folder: a run that fails before its first checkpoint leaves nothing
-    (when the folder is its own); one that fails later keeps its checkpoints and says so."""
+    (when the folder is its own); one that fails later keeps its checkpoints or trained model and says so."""
     existed = output.exists()
     try:
         yield
     except Exception:
         if int(os.environ.get("RANK", "0")) == 0 and not existed and output.is_dir():
             kept = sorted(output.rglob("step-*"))
-            if not kept:
+            model = output / "model"
+            if not kept and not model.is_dir():
                 shutil.rmtree(output, ignore_errors=True)
             else:
                 from bertctl.progress import stderr
 
-                stderr.print(f"kept {output}: checkpoints up to {kept[-1].name} (continue with --resume)")
+                what = f"checkpoints up to {kept[-1].name} (continue with --resume)" if kept else f"the trained {model}"
+                stderr.print(f"kept {output}: {what}")
         raise
