@@ -362,3 +362,30 @@ def test_curves_draw_without_a_display_or_pyplot(tmp_path):
                           text=True, check=True)
     assert proc.stdout.split() == [str(tmp_path / "curves.png"), "False"]
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_training_command_keeps_only_what_is_worth_keeping(tmp_path):
+    """run_output: a new folder with nothing of value is removed on failure; checkpoints or a trained
+    model/ are kept; a folder that existed before is never removed."""
+    from bertctl.cli.options import run_output
+
+    def fail(out, make=()):
+        with pytest.raises(RuntimeError):
+            with run_output(out):
+                out.mkdir()
+                for rel in make:
+                    (out / rel).mkdir(parents=True)
+                raise RuntimeError("boom")
+
+    fail(tmp_path / "empty", ["work"])
+    assert not (tmp_path / "empty").exists()
+    fail(tmp_path / "ckpt", ["checkpoints/step-00000004"])
+    assert (tmp_path / "ckpt" / "checkpoints" / "step-00000004").is_dir()
+    fail(tmp_path / "model", ["model"])
+    assert (tmp_path / "model" / "model").is_dir()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with pytest.raises(RuntimeError):
+        with run_output(mine):
+            raise RuntimeError("boom")
+    assert mine.is_dir()
