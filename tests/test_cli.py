@@ -106,3 +106,19 @@ def test_input_error_is_one_line_exit_2_and_debug_shows_traceback(tmp_path):
 def test_usage_error_exit_code_2():
     result = runner.invoke(app, ["embed", "--pooling"])
     assert result.exit_code == 2
+
+
+def test_openmp_threads_spin_briefly_unless_the_caller_chose():
+    """GOMP_SPINCOUNT=1000 before torch loads libgomp (long spinning made a step 50x slower beside busy
+    processes); a caller's GOMP_SPINCOUNT or OMP_WAIT_POLICY is left as it is."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import bertctl.cli, os; print(os.environ.get('GOMP_SPINCOUNT'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    run = lambda env: subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,  # noqa: E731
+                                     text=True, check=True).stdout.strip()
+    assert run(base) == "1000"
+    assert run({**base, "GOMP_SPINCOUNT": "7"}) == "7"
+    assert run({**base, "OMP_WAIT_POLICY": "ACTIVE"}) == "None"
