@@ -171,6 +171,9 @@ class TaskObjective:
     def record(self, sums, counts):
         return {"loss": sums["loss"] / max(counts["loss"], 1.0)}
 
+    def info(self, rec):
+        return f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['seq_per_s']:.0f} ex/s"
+
 
 def total_steps(num_features: int, cfg: TrainConfig, world_size: int = 1) -> int:
     per_epoch = steps_per_epoch(num_features, cfg.batch_size, world_size)

@@ -108,6 +108,9 @@ class Objective(Protocol):
     def record(self, sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
         """A log record from a window's summed terms/stats and counts (ranks already summed)."""
 
+    def info(self, rec: dict) -> str:
+        """The progress line's text for a log record."""
+
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
@@ -382,8 +385,7 @@ class Engine:
                         record = rec
                         if cfg.fit_to_minutes and cfg.minutes is not None:
                             self._replan(self.step - start_step, time.monotonic() - t_start, task, bar)
-                        bar.update(task, info=self.objective.info(rec) if hasattr(self.objective, "info")
-                                   else f"loss {rec['loss']:.4f} lr {rec['lr']:.2e}")
+                        bar.update(task, info=self.objective.info(rec))
                 paused = time.perf_counter()
                 if after_step is not None:
                     after_step(self.step)

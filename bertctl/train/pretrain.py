@@ -151,7 +151,8 @@ class PretrainingObjective:
         return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
                 "mlm_acc": sums["mlm_correct"] / masked, "nsp_acc": sums["nsp_correct"] / seqs}
 
-    info = staticmethod(lambda rec: _info(rec))
+    def info(self, rec):
+        return _info(rec)
 
 
 def is_stuck(ev: dict) -> bool:
