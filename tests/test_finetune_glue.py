@@ -274,3 +274,32 @@ def test_a_short_run_reports_the_epochs_it_trained_and_a_failed_one_leaves_nothi
     r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(bad), "--output",
                 str(failed), "--max-steps", "1", "--no-progress"])
     assert r.exit_code == 2 and not failed.exists()
+
+
+def test_from_scratch_keeps_the_architecture_and_draws_every_weight_afresh(tiny, sst2, tmp_path):
+    """--from-scratch: config from --model, weights from the seeded initialiser (no pretrained tensor kept)."""
+    import torch
+
+    from bertctl.checkpoint import read_state_dict
+    from bertctl.model import BertForSequenceClassification
+    from bertctl.tasks.common import load_for_finetuning
+    from bertctl.tasks.trainer import TrainConfig
+
+    pretrained = read_state_dict(tiny)
+    torch.manual_seed(3)
+    scratch = load_for_finetuning(BertForSequenceClassification, tiny, cfg=TrainConfig(from_scratch=True), num_labels=2)
+    loaded = load_for_finetuning(BertForSequenceClassification, tiny, cfg=TrainConfig(), num_labels=2)
+    name, saved = "bert.embeddings.word_embeddings.weight", pretrained["embeddings.word_embeddings.weight"].float()
+    assert torch.equal(loaded.state_dict()[name], saved)
+    fresh = scratch.state_dict()[name]
+    assert fresh.shape == saved.shape and not torch.allclose(fresh, saved)
+    # The initialiser's distribution, N(0, initializer_range), not the checkpoint's.
+    assert fresh.std().item() == pytest.approx(scratch.config.initializer_range, rel=0.05)
+    torch.manual_seed(3)
+    again = load_for_finetuning(BertForSequenceClassification, tiny, cfg=TrainConfig(from_scratch=True), num_labels=2)
+    assert all(torch.equal(a, b) for a, b in zip(scratch.state_dict().values(), again.state_dict().values()))
+    out = tmp_path / "out"
+    r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
+                str(out), "--epochs", "1", "--batch-size", "16", "--no-progress", "--from-scratch"])
+    assert r.exit_code == 0, r.output
+    assert 0.0 <= json.loads((out / "metrics.json").read_text())["accuracy"] <= 1.0

@@ -36,6 +36,8 @@ GROUP = typer.Option(False, "--group-by-length/--no-group-by-length", help="Batc
 MAX_STEPS = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps.",
                          show_default="the --epochs")
 SAVE_EVERY = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: at epoch ends only).")
+FROM_SCRATCH = typer.Option(False, "--from-scratch", help="Take only the architecture from --model and start from "
+                             "random weights (the no-pretraining baseline).")
 LOG_EVERY = typer.Option(50, "--log-every", help="Steps between logged mean training losses (metrics.jsonl).")
 
 
@@ -54,7 +56,8 @@ def _train_config(v: dict) -> TrainConfig:
                        max_grad_norm=v["max_grad_norm"], seed=v["seed"], device=v["device"],
                        precision=v["precision"], group_by_length=v["group_by_length"], compile=v["compile_"],
                        max_steps=v["max_steps"], save_every=v["save_every"], progress=not v["no_progress"],
-                       log_every=v["log_every"], kernels=v["kernels"], attn=v["attn"], tensorboard=v["tensorboard"])
+                       log_every=v["log_every"], kernels=v["kernels"], attn=v["attn"], tensorboard=v["tensorboard"],
+                       from_scratch=v["from_scratch"])
 
 
 @contextlib.contextmanager
@@ -86,7 +89,7 @@ def glue(
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed rows instead of "
                                                                       "stopping."),
     max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per example, specials included."),
-    model: Path = MODEL, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
@@ -124,7 +127,7 @@ def squad(
     n_best_size: int = typer.Option(20, "--n-best-size"),
     max_answer_length: int = typer.Option(30, "--max-answer-length"),
     write_nbest: bool = typer.Option(False, "--write-nbest", help="Also write nbest_predictions.json."),
-    model: Path = MODEL, output: Path = OUTPUT, epochs: float = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."), lr: float = LR, lr_sweep: bool = LR_SWEEP,
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."), lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
@@ -151,7 +154,7 @@ def squad(
 def ner(
     data_dir: Path = typer.Option(..., "--data-dir", help="Folder with train.txt, valid.txt, test.txt (CoNLL)."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
-    model: Path = MODEL, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
@@ -176,7 +179,7 @@ def swag(
     train: Path = typer.Option(..., "--train", help="SWAG training JSONL or CSV."),
     dev: Path = typer.Option(..., "--dev", help="SWAG dev JSONL or CSV."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
-    model: Path = MODEL, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,

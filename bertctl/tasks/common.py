@@ -41,15 +41,19 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     """A pretrained encoder (bertctl's or Hugging Face's) with a freshly initialised task head.
 
     ``head`` sets num_labels / id2label / label2id / problem_type in the config, so the saved
-    model carries its label names. ``dropout`` overrides hidden and attention dropout.
+    model carries its label names. ``dropout`` overrides hidden and attention dropout. With
+    ``cfg.from_scratch`` the directory gives only the architecture (config.json): every weight is
+    initialised afresh, the paper's "no pretraining" baseline.
     """
-    from bertctl.checkpoint import load_pretrained
+    from bertctl.checkpoint import load_config, load_pretrained
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
         overrides.update(kernels=cfg.kernels, attn_implementation=cfg.attn)
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+    if cfg is not None and cfg.from_scratch:
+        return model_cls(load_config(model_dir_of(model_dir), **overrides))
     return load_pretrained(model_cls, model_dir_of(model_dir), fresh_heads=True, **overrides)
 
 

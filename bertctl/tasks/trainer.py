@@ -57,6 +57,7 @@ class TrainConfig:
     kernels: str = "auto"                 # model ops: "auto" (compiled kernels where built), "fused" or "torch"
     attn: str = "sdpa"                    # attention backend: "sdpa" or "explicit"
     max_steps: int | None = None          # stop early (tests, smoke runs)
+    from_scratch: bool = False            # the model's architecture with random weights (no pretraining)
     save_every: int = 0                   # also checkpoint every N optimizer steps (0 = only at epoch ends)
     log_every: int = 50
     select_best: bool = False             # keep the epoch with the best dev score (NER: chosen on valid)
