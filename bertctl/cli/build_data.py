@@ -20,6 +20,10 @@ def register(app: typer.Typer) -> None:
         spm_model: Optional[Path] = typer.Option(None, "--spm-model", show_default=False,
                                                  help="SentencePiece .model file (instead of --vocab)."),
         cased: bool = typer.Option(False, "--cased", help="Keep case and accents (cased vocabularies)."),
+        objective: str = typer.Option("mlm-nsp", "--objective",
+                                      help="mlm-nsp: the paper's sentence pairs with next-sentence labels; mlm: "
+                                           "masked LM only (the paper's No NSP ablation), [CLS] whole sentences of "
+                                           "one document packed to --max-seq-length [SEP], one segment."),
         fmt: str = typer.Option("lines", "--format",
                                 help="lines: one sentence per line, blank line between documents; "
                                      "text: raw prose, one document per file; jsonl: one document per line; "
@@ -58,7 +62,7 @@ def register(app: typer.Typer) -> None:
         resume: bool = typer.Option(False, "--resume", help="Continue an interrupted build in --output."),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar on stderr."),
     ) -> None:
-        """Build BERT pretraining data (masked LM + next sentence) as the paper's create_pretraining_data.
+        """Build BERT pretraining data (masked LM + next sentence, or masked LM only) as the paper's create_pretraining_data.
 
         Writes shards and manifest.json to --output; prints summary statistics as JSON on stdout.
         """
@@ -81,7 +85,7 @@ def register(app: typer.Typer) -> None:
             raise BertctlError(f"{vocab}: --vocab: no such file or folder")
         if unit_mb <= 0:
             raise BertctlError(f"--unit-mb: must be > 0, got {unit_mb}")
-        config = DataConfig(format=fmt, text_field=text_field, doc_separator=doc_separator, pattern=pattern,
+        config = DataConfig(objective=objective, format=fmt, text_field=text_field, doc_separator=doc_separator, pattern=pattern,
                             max_seq_length=max_seq_length, max_predictions_per_seq=max_predictions_per_seq,
                             masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, dupe_factor=dupe_factor,
                             whole_word_mask=whole_word_mask, dynamic_masking=dynamic_masking, seed=seed,

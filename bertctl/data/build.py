@@ -22,6 +22,8 @@ excerpt of ``16 * max_seq_length`` characters per document, at most
 then one unit ahead, so the first unit sees the second's documents too).  The
 sample is a function of the inputs and the seed alone, so it keeps the output
 independent of the workers, and it is part of each unit's hash for ``resume``.
+Data for the masked-LM-only objective (``objective="mlm"``) has no random next
+segments: no sample is kept and units carry no excerpts.
 
 Each unit writes its shards under temporary names, renames them, then writes a
 small completion record (``.build/<unit>.json``); ``resume=True`` skips units
@@ -55,7 +57,8 @@ from bertctl.io import atomic_open, write_json
 
 from .config import DataConfig
 from .documents import Document, ReadStats, known_text_bytes, list_inputs, read_documents
-from .instances import InstanceStats, RandomNextPool, SpecialIds, create_instances_from_document, mask_batch
+from .instances import (InstanceStats, RandomNextPool, SpecialIds, create_instances_from_document,
+                        create_mlm_instances_from_document, mask_batch)
 from .sentences import split_sentences
 from .shards import FORMAT_NAME, FORMAT_VERSION, file_sha256, id_dtype, record_dtype, to_records, vocab_sha256, write_shard
 
@@ -265,8 +268,10 @@ def make_chunks(documents: Iterator[Document], cfg: DataConfig) -> Iterator[Chun
     document goes to "eval" with probability ``holdout_fraction``, decided by a
     hash of (seed, document number), so the split is fixed by the inputs and seed.
     Each unit carries ``random_next_per_unit`` excerpts drawn from its split's
-    reservoir as it is emitted (the module docstring says why this is deterministic).
+    reservoir as it is emitted (the module docstring says why this is deterministic);
+    none without NSP.
     """
+    random_next = cfg.random_next_per_unit if cfg.nsp else 0
     splits = ("train", "eval") if cfg.holdout_fraction > 0 else ("train",)
     current = {s: [] for s in splits}
     size = {s: 0 for s in splits}
@@ -279,8 +284,8 @@ def make_chunks(documents: Iterator[Document], cfg: DataConfig) -> Iterator[Chun
     def emit(split: str, docs: list, nbytes: int) -> Chunk:
         index = counter[split]
         excerpts = []
-        if cfg.random_next_per_unit:
-            excerpts = reservoir[split].sample(cfg.random_next_per_unit,
+        if random_next:
+            excerpts = reservoir[split].sample(random_next,
                                                random.Random(derive_seed(cfg.seed, "random-next", split, index)))
         chunk = Chunk(split, index, docs, nbytes, _hash_docs(docs, excerpts), first[split], excerpts)
         counter[split] += 1
@@ -290,7 +295,7 @@ def make_chunks(documents: Iterator[Document], cfg: DataConfig) -> Iterator[Chun
     for n, doc in enumerate(documents):
         split = "eval" if cfg.holdout_fraction > 0 and _unit_interval(cfg.seed, "holdout", n) < cfg.holdout_fraction else "train"
         current[split].append((doc.pieces, doc.presplit))
-        if cfg.random_next_per_unit:
+        if random_next:
             reservoir[split].offer(doc.pieces, doc.presplit)
         size[split] += doc.nbytes
         if size[split] >= cfg.chunk_bytes and len(current[split]) >= 2:
@@ -321,7 +326,7 @@ class ChunkWorker:
         # WordCache is WordPiece's per-word fast path; SentencePiece encodes whole sentences in C++.
         self.encode = WordCache(tokenizer).encode if tokenizer.kind == "wordpiece" else tokenizer.ids
         self.dtype = record_dtype(cfg.max_seq_length, cfg.max_predictions_per_seq, self.special.vocab_size,
-                                  cfg.dynamic_masking)
+                                  cfg.dynamic_masking, nsp=cfg.nsp)
         # Tokenized excerpts by (split, document): consecutive units share many of them.  The
         # output does not depend on what is cached, only the time does.
         self.excerpts: dict[tuple[str, int], list[list[int]]] = {}
@@ -365,12 +370,14 @@ class ChunkWorker:
         cpu_start = time.process_time()
         cfg, special = self.cfg, self.special
         counts = {"documents_read": len(chunk.docs), "documents": 0, "sentences": 0, "short_documents": 0}
+        # NSP needs two sentences (a one-sentence document only makes random-next pairs); masked LM one.
+        min_sentences = 2 if cfg.nsp else 1
         documents: list[list[list[int]]] = []
         numbers: list[int] = []  # each document's number in its split (the excerpts name them so)
         for k, (pieces, presplit) in enumerate(chunk.docs):
             sentences = pieces if presplit else [s for p in pieces for s in split_sentences(p)]
             doc = [ids for ids in map(self.encode, sentences) if ids]
-            if len(doc) < 2:
+            if len(doc) < min_sentences:
                 counts["short_documents"] += 1
                 continue
             documents.append(doc)
@@ -393,10 +400,15 @@ class ChunkWorker:
         if documents:  # the reference: dupe_factor passes over all documents, then one shuffle
             for _ in range(cfg.dupe_factor):
                 for d in range(len(documents)):
-                    instances.extend(create_instances_from_document(
-                        documents, d, max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob,
-                        special=special, rng=rng, stats=stats, masking=masking, pool=pool,
-                        document_id=numbers[d]))
+                    if cfg.nsp:
+                        instances.extend(create_instances_from_document(
+                            documents, d, max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob,
+                            special=special, rng=rng, stats=stats, masking=masking, pool=pool,
+                            document_id=numbers[d]))
+                    else:
+                        instances.extend(create_mlm_instances_from_document(
+                            documents[d], max_seq_length=cfg.max_seq_length, short_seq_prob=cfg.short_seq_prob,
+                            special=special, rng=rng, stats=stats, masking=masking))
             rng.shuffle(instances)
 
         records = to_records(instances, self.dtype)
@@ -496,6 +508,7 @@ def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
         per_split[r["split"]] = per_split.get(r["split"], 0) + r["stats"]["instances"]
     n = max(stats.instances, 1)
     summary = {
+        "objective": cfg.objective,
         "files": read.files,
         "bytes": read.bytes,
         "documents": counts["documents"],
@@ -505,15 +518,24 @@ def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
         "instances_per_split": per_split,
         "tokens": stats.tokens,
         "mean_length": round(stats.tokens / n, 2),
-        "nsp_random_fraction": round(stats.random_next / n, 4),
-        "nsp_forced_random": stats.forced_random_next,
-        # Where random next segments came from: other documents through the excerpt pool, else
-        # (no pool excerpt of another document) another document of the unit, else the same one.
-        "nsp_random_next_same_document": stats.random_next_same_document,
-        "nsp_random_next_from_unit": stats.random_next_from_unit,
-        "truncation_rate": round(stats.truncated / n, 4),
-        "short_seq_rate": round(stats.short_target / n, 4),
+        # Share of the fixed-width records' token slots that are padding.
+        "padding_share": round(1 - stats.tokens / (n * cfg.max_seq_length), 4),
     }
+    counters = vars(stats)
+    if cfg.nsp:
+        summary.update({
+            "nsp_random_fraction": round(stats.random_next / n, 4),
+            "nsp_forced_random": stats.forced_random_next,
+            # Where random next segments came from: other documents through the excerpt pool, else
+            # (no pool excerpt of another document) another document of the unit, else the same one.
+            "nsp_random_next_same_document": stats.random_next_same_document,
+            "nsp_random_next_from_unit": stats.random_next_from_unit,
+        })
+    else:  # no pairs: the NSP counters do not apply
+        counters = {k: v for k, v in counters.items() if "random_next" not in k}
+    # mlm-nsp: a pair cut to fit; mlm: a sentence longer than max_seq_length - 2 cut.
+    summary["truncation_rate"] = round(stats.truncated / n, 4)
+    summary["short_seq_rate"] = round(stats.short_target / n, 4)
     if cfg.dynamic_masking:
         summary["masking"] = "dynamic (drawn by the loader from seed, epoch and instance index)"
     else:
@@ -528,12 +550,12 @@ def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
     summary["skipped"] = {
         "inputs": read.skipped_inputs,
         "lines": read.skipped_lines,
-        "documents_with_fewer_than_2_sentences": counts["short_documents"],
+        ("documents_with_fewer_than_2_sentences" if cfg.nsp else "documents_without_text"): counts["short_documents"],
     }
     summary["documents_cut_at_max_bytes"] = read.cut_documents
     summary["non_utf8_files"] = read.non_utf8_files
     summary["encoding_policy"] = "utf-8 per line, else cp1252, else latin-1"
-    summary["counters"] = vars(stats)
+    summary["counters"] = counters
     return summary
 
 
@@ -624,7 +646,8 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
 
     summary = _summarize(records, read, cfg)
     if summary["instances"] == 0:
-        raise BertctlError(f"no instances: the inputs hold no document with two or more non-empty sentences "
+        need = "two or more non-empty sentences" if cfg.nsp else "text"
+        raise BertctlError(f"no instances: the inputs hold no document with {need} "
                            f"({summary['documents_read']} documents read; format {cfg.format!r})")
     records.sort(key=lambda r: (r["split"] != "train", r["index"]))
     splits: dict[str, dict] = {}
@@ -639,6 +662,7 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
         "max_seq_length": cfg.max_seq_length,
         "max_predictions": cfg.max_predictions_per_seq,
         "dynamic_masking": cfg.dynamic_masking,
+        "objective": cfg.objective,
         "input_ids_dtype": id_dtype(tok["vocab_size"]).name,
         "data_config": cfg.to_dict(),
         "tokenizer": tok,

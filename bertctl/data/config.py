@@ -12,6 +12,11 @@ from bertctl.errors import BertctlError
 
 from .documents import FORMATS
 
+#: Pretraining objectives the data is built for: the paper's masked LM + next-sentence prediction
+#: (pairs of segments), or masked LM alone (its "No NSP" ablation, section 5.1: one segment of whole
+#: sentences packed to length, RoBERTa's DOC-SENTENCES).
+OBJECTIVES = ("mlm-nsp", "mlm")
+
 
 def default_max_predictions(max_seq_length: int) -> int:
     """15% of the sequence rounded up to a multiple of 4: 20 at 128 and 80 at 512, the
@@ -21,6 +26,7 @@ def default_max_predictions(max_seq_length: int) -> int:
 
 @dataclass
 class DataConfig:
+    objective: str = "mlm-nsp"  # one of OBJECTIVES
     format: str = "lines"  # lines | text | jsonl | wikiextractor | parquet | arrow (see bertctl.data.documents)
     text_field: str = "text"  # jsonl, parquet, arrow: the field holding the document text
     doc_separator: str | None = None  # text: a line equal to this ends a document
@@ -38,11 +44,16 @@ class DataConfig:
     # Random next segments (NSP label 1) come from excerpts of other documents: a uniform sample of
     # up to random_next_pool documents per split is kept (one excerpt of 16 * max_seq_length
     # characters each), and random_next_per_unit of them go to each work unit (0: the unit's own
-    # documents, the earlier behaviour).
+    # documents, the earlier behaviour).  Unused for the mlm objective.
     random_next_pool: int = 4096
     random_next_per_unit: int = 32
     holdout_fraction: float = 0.0  # share of documents written to the "eval" split
     max_document_bytes: int = 16 << 20  # longer documents are cut at a sentence/paragraph break
+
+    @property
+    def nsp(self) -> bool:
+        """Whether instances are NSP pairs (and random next segments are needed)."""
+        return self.objective == "mlm-nsp"
 
     def resolved(self) -> "DataConfig":
         """A copy with the ``None`` defaults filled in, validated."""
@@ -58,6 +69,8 @@ class DataConfig:
         def bad(name: str, why: str) -> BertctlError:
             return BertctlError(f"--{name.replace('_', '-')}: {why}")
 
+        if self.objective not in OBJECTIVES:
+            raise bad("objective", f"unknown objective {self.objective!r} (choose from {', '.join(OBJECTIVES)})")
         if self.format not in FORMATS:
             raise bad("format", f"unknown format {self.format!r} (choose from {', '.join(FORMATS)})")
         if not 8 <= self.max_seq_length <= 65535:

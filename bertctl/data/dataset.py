@@ -8,6 +8,11 @@ before it.  Shards built with dynamic masking are masked here, from
 ``(seed, epoch, instance index)``: new masks every epoch, the same masks on
 every rerun.
 
+The data's objective (``objective``: ``"mlm-nsp"`` pairs with NSP labels, or ``"mlm"``
+one-segment instances without them) comes from the manifest; folders built before
+objectives existed are ``"mlm-nsp"``.  Batches of ``"mlm"`` data have no
+``next_sentence_label``.
+
 Held-out data: ``build_data(..., holdout_fraction=f)`` writes a separate "eval"
 split (whole documents, never in "train"); open it with
 ``PretrainingData(dir, split="eval")`` for periodic evaluation.
@@ -32,6 +37,7 @@ import torch
 from bertctl.errors import BertctlError
 
 from .build import derive_seed
+from .config import OBJECTIVES
 from .instances import SpecialIds, mask_batch, mask_tokens, mix64
 from .shards import FORMAT_NAME, FORMAT_VERSION, file_sha256, record_dtype, vocab_sha256
 
@@ -84,12 +90,17 @@ class PretrainingData:
         self.max_predictions = int(m["max_predictions"])
         self.vocab_size = int(tok["vocab_size"])
         self.dynamic_masking = bool(m["dynamic_masking"])
+        self.objective = str(m.get("objective", "mlm-nsp"))
+        if self.objective not in OBJECTIVES:
+            raise BertctlError(f"{manifest_path}: unknown objective {self.objective!r} (this bertctl knows "
+                               f"{', '.join(OBJECTIVES)})")
         self.pad_token_id = int(tok.get("pad_token_id", 0))
         cfg = m["data_config"]
         self._masking = dict(masked_lm_prob=cfg["masked_lm_prob"], max_predictions=self.max_predictions,
                              whole_word_mask=cfg["whole_word_mask"])
         self._special = None
-        self._dtype = record_dtype(self.max_seq_length, self.max_predictions, self.vocab_size, self.dynamic_masking)
+        self._dtype = record_dtype(self.max_seq_length, self.max_predictions, self.vocab_size, self.dynamic_masking,
+                                   nsp=self.nsp)
 
         self._shards = m["splits"][split]["shards"]
         for shard in self._shards:
@@ -110,6 +121,11 @@ class PretrainingData:
         if verify == "eager" or (verify == "auto" and total <= self.eager_verify_bytes):
             for i in range(len(self._shards)):
                 self._verify(i)
+
+    @property
+    def nsp(self) -> bool:
+        """Whether instances are NSP pairs with labels (objective mlm-nsp)."""
+        return self.objective == "mlm-nsp"
 
     def __len__(self) -> int:
         return self.num_instances
@@ -219,11 +235,13 @@ class PretrainingData:
         attention_mask = (np.arange(S)[None, :] < lengths[:, None]).astype(np.int64)
         if self.pad_token_id != 0:
             input_ids[attention_mask == 0] = self.pad_token_id
-        return {
+        batch = {
             "input_ids": torch.from_numpy(np.ascontiguousarray(input_ids[:, :S])),
             "token_type_ids": torch.from_numpy(np.ascontiguousarray(rec["token_type_ids"][:, :S].astype(np.int64))),
             "attention_mask": torch.from_numpy(np.ascontiguousarray(attention_mask[:, :S])),
             "masked_positions": torch.from_numpy(positions),
             "masked_lm_labels": torch.from_numpy(labels),
-            "next_sentence_label": torch.from_numpy(rec["next_sentence_label"].astype(np.int64)),
         }
+        if self.nsp:
+            batch["next_sentence_label"] = torch.from_numpy(rec["next_sentence_label"].astype(np.int64))
+        return batch

@@ -26,6 +26,12 @@ Deliberate deviations from the reference, each for a stated reason:
   of short instances depend on document lengths.
 - Documents with fewer than two sentences are skipped (counted in the
   summary): they can only make "random next" pairs and bias the NSP labels.
+
+The masked-LM-only objective (the paper's "No NSP" ablation, section 5.1) makes
+one-segment instances instead, ``create_mlm_instances_from_document``: whole
+consecutive sentences of one document packed to length, as RoBERTa's
+DOC-SENTENCES; no pairs, no random next segments, and one-sentence documents
+are kept.
 """
 from __future__ import annotations
 
@@ -51,9 +57,9 @@ class SpecialIds:
 
 @dataclass
 class Instance:
-    tokens: list[int]  # [CLS] A [SEP] B [SEP], masked when masking is static
+    tokens: list[int]  # [CLS] A [SEP] B [SEP] ([CLS] A [SEP] for masked LM only), masked when masking is static
     len_a: int  # tokens in segment A (without specials)
-    is_random_next: bool  # NSP label 1 (google-research convention: 1 = random B)
+    is_random_next: bool  # NSP label 1 (google-research convention: 1 = random B); False without NSP
     masked_positions: list[int]
     masked_labels: list[int]
 
@@ -313,6 +319,47 @@ def create_instances_from_document(documents: list[list[list[int]]], document_in
             current_chunk = []
             current_length = 0
         i += 1
+    return instances
+
+
+def create_mlm_instances_from_document(document: list[list[int]], *, max_seq_length: int, short_seq_prob: float,
+                                       special: SpecialIds, rng: random.Random, stats: InstanceStats,
+                                       masking: dict | None) -> list[Instance]:
+    """Masked-LM-only instances from one document (a list of sentences, each a list of token ids).
+
+    Each instance is ``[CLS] sentences [SEP]``, one segment: whole consecutive sentences, in
+    order, added while the total stays within the target length, ``max_seq_length - 2``
+    tokens, or with probability ``short_seq_prob`` a target drawn uniformly from
+    2..max_seq_length - 2 as for NSP pairs (RoBERTa's DOC-SENTENCES, with BERT's short
+    sequences).  An instance holds at least one sentence, so a sentence longer than the
+    target starts an instance of its own, and one longer than ``max_seq_length - 2`` is cut
+    to that length from a random end (``truncate_seq_pair``'s rule); no other sentence is
+    ever cut.  Instances never cross documents; the last of a document may be short.
+    ``masking`` as for ``create_instances_from_document``.
+    """
+    max_num_tokens = max_seq_length - 2  # [CLS], [SEP]
+    random_ = rng.random
+    instances: list[Instance] = []
+    i, n = 0, len(document)
+    while i < n:
+        short = random_() < short_seq_prob
+        target = 2 + int(random_() * (max_num_tokens - 1)) if short else max_num_tokens
+        body = list(document[i])
+        i += 1
+        while i < n and len(body) + len(document[i]) <= target:
+            body += document[i]
+            i += 1
+        truncated = truncate_seq_pair(body, [], max_num_tokens, rng)
+        tokens = [special.cls, *body, special.sep]
+        if masking is not None:
+            tokens, positions, labels = mask_tokens(tokens, rng, special, stats=stats, **masking)
+        else:
+            positions, labels = [], []
+        instances.append(Instance(tokens, len(body), False, positions, labels))
+        stats.instances += 1
+        stats.tokens += len(tokens)
+        stats.truncated += truncated
+        stats.short_target += short
     return instances
 
 

@@ -15,6 +15,9 @@ field                  dtype, shape                  meaning
 =====================  ============================  ==========================================
 
 Shards built with dynamic masking have no ``masked_*`` fields: the loader masks.
+Shards built for the masked-LM-only objective (``--objective mlm``) hold
+``[CLS] A [SEP]``, one segment (``token_type_ids`` all 0), and no
+``next_sentence_label`` field.
 A ``.npy`` file is memory-mappable (``np.load(mmap_mode="r")``) with no extra
 dependency, and one file per shard makes the "write to a temporary name,
 rename when complete" rule a single rename.  ``manifest.json`` lists every
@@ -41,7 +44,8 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size < 65536 else np.dtype("<i4")
 
 
-def record_dtype(max_seq_length: int, max_predictions: int, vocab_size: int, dynamic: bool) -> np.dtype:
+def record_dtype(max_seq_length: int, max_predictions: int, vocab_size: int, dynamic: bool,
+                 nsp: bool = True) -> np.dtype:
     ids = id_dtype(vocab_size)
     fields = [
         ("input_ids", ids, (max_seq_length,)),
@@ -50,7 +54,8 @@ def record_dtype(max_seq_length: int, max_predictions: int, vocab_size: int, dyn
     ]
     if not dynamic:
         fields += [("masked_positions", "<u2", (max_predictions,)), ("masked_lm_labels", ids, (max_predictions,))]
-    fields.append(("next_sentence_label", "u1"))
+    if nsp:
+        fields.append(("next_sentence_label", "u1"))
     return np.dtype(fields)
 
 
@@ -70,7 +75,8 @@ def to_records(instances: list[Instance], dtype: np.dtype) -> np.ndarray:
     out["input_ids"] = ids
     out["token_type_ids"] = (col >= len_a[:, None] + 2) & real
     out["length"] = lengths
-    out["next_sentence_label"] = [i.is_random_next for i in instances]
+    if "next_sentence_label" in dtype.names:
+        out["next_sentence_label"] = [i.is_random_next for i in instances]
     if "masked_positions" in dtype.names:
         for r, inst in enumerate(instances):
             k = len(inst.masked_positions)
