@@ -31,7 +31,9 @@ def pretrain_command(
                                         "optimizer moments (the new --lr and schedule still apply)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps.",
                                             show_default="one epoch of the data; the built-in job fits its time"),
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="Time box: checkpoint and export after this long.",
+    minutes: Optional[float] = typer.Option(None, "--minutes", help="Time box: checkpoint and export after this long; "
+                                            "without --max-steps the lr schedule is planned (from the measured pace) "
+                                            "to end then.",
                                             show_default="none; 2 for the built-in job"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Global batch (sequences per step).",
                                              show_default="256 on a GPU, 32 on a CPU, 8 for the built-in job"),
@@ -116,7 +118,8 @@ def pretrain_command(
         size, batch = _size_and_batch(model_size, batch_size, config or init_from, device)
         common["model_size"] = size
         common["eval_every"] = eval_every or 1000
-        cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch, lr=lr or PRESET_LR[size], **common)
+        cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch, lr=lr or PRESET_LR[size],
+                          fit_to_minutes=minutes is not None and max_steps is None, **common)
         with opt.run_output(output):
             summary = pretrain(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 prints

@@ -347,6 +347,7 @@ class Engine:
         sequences = 0
         record: dict = {}
         stop_reason = None
+        pace_from = None  # (step, time) from which the time-boxed plan measures the pace
         sync_every = max(1, cfg.log_every) if self.dist.enabled else 1
         bar = progress(disable=not (self.dist.is_main and cfg.show_progress))
         what_next = lambda: f"finishing step {self.step + 1}, {on_interrupt}"  # noqa: E731
@@ -384,7 +385,11 @@ class Engine:
                     if rec:
                         record = rec
                         if cfg.fit_to_minutes and cfg.minutes is not None:
-                            self._replan(self.step - start_step, time.monotonic() - t_start, task, bar)
+                            if pace_from is None:  # the first window holds compilation and warm-up: not the pace
+                                pace_from = (self.step, time.monotonic())
+                            else:
+                                self._replan(self.step - pace_from[0], time.monotonic() - pace_from[1],
+                                             time.monotonic() - t_start, task, bar)
                         bar.update(task, info=self.objective.info(rec))
                 paused = time.perf_counter()
                 if after_step is not None:
@@ -407,17 +412,18 @@ class Engine:
         distributed.all_reduce_sum(total, self.dist)
         return RunResult(self.step, start_step, stop_reason, train_seconds, int(total.item()), record)
 
-    def _replan(self, steps_done: int, elapsed: float, task, bar) -> None:
-        """Fit the remaining steps to the time left at the run's own pace so far (evaluations and
-        checkpoints included), aiming at 85% of the time left: re-planned at every log line, the run
-        ends a little early rather than cut off when the pace drops.
+    def _replan(self, steps_done: int, seconds: float, elapsed: float, task, bar) -> None:
+        """Fit the remaining steps to the time left at the run's own pace (``steps_done`` in
+        ``seconds`` since the first log line, evaluations and checkpoints included), aiming at 85% of
+        the time left: re-planned at every log line, the run ends a little early rather than cut off
+        when the pace drops.
 
         The lr keeps its current value and decays linearly to 0 at the new last step, so a run whose
         steps got slower (a busy machine) still completes its schedule instead of stopping mid-decay.
         """
         if self.step >= self.cfg.max_steps:  # the schedule is complete: nothing to stretch
             return
-        rate = steps_done / max(elapsed, 1e-9)  # steps per second, everything included
+        rate = steps_done / max(seconds, 1e-9)  # steps per second, everything included
         left = self.cfg.minutes * 60 - elapsed
         total = self.step + max(1, int(0.85 * left * rate))
         if abs(total - self.cfg.max_steps) < max(2.0, 0.1 * (self.cfg.max_steps - self.step)):
