@@ -129,11 +129,15 @@ def load_state(model: M, state: dict[str, torch.Tensor], *, fresh_heads: bool = 
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("decoder.weight")}
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    # Tensors the caller may initialise fresh: this class's head (e.g. a classifier on a base model).
+    pooler = "pooler." if isinstance(model, BertModel) else "bert.pooler."
+    # Tensors the caller may initialise fresh: this class's head (e.g. a classifier on a base model),
+    # and the pooler when the checkpoint has none at all (a masked-LM-only model, bertctl's or
+    # transformers' BertForMaskedLM: nothing trained one), as transformers does.
     if fresh_heads:
         missing = [k for k in missing if not k.startswith(model.head_prefixes)]
+        if not any(k.startswith(pooler) for k in state):
+            missing = [k for k in missing if not k.startswith(pooler)]
     # Tensors safe to drop: another class's head, or a pooler this class does not have.
-    pooler = "pooler." if isinstance(model, BertModel) else "bert.pooler."
     unexpected = [
         k for k in unexpected
         if not (k.startswith(ALL_HEAD_PREFIXES) and not k.startswith(model.head_prefixes))

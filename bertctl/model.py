@@ -88,7 +88,7 @@ class PreTrainingOutput:
     mlm_loss: torch.Tensor | None
     nsp_loss: torch.Tensor | None
     prediction_logits: torch.Tensor  # (B, P, V) at masked_positions, else (B, S, V)
-    seq_relationship_logits: torch.Tensor  # (B, 2)
+    seq_relationship_logits: torch.Tensor | None  # (B, 2); None for BertForMaskedLM (no NSP head)
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
@@ -371,20 +371,70 @@ class BertForPreTraining(BertPreTrainedModel):
         so its cost is P rather than S per sequence); masked_lm_labels (B, P), or (B, S) without
         positions, with -100 in slots that carry no prediction; next_sentence_label (B,), 0 = IsNext."""
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
-        hidden = out.last_hidden_state
-        if masked_positions is not None:
-            index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-            hidden = hidden.gather(1, index)  # (B, P, H)
-        mlm_logits = self.cls.predictions(hidden)
+        mlm_logits, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
         nsp_logits = self.cls.seq_relationship(out.pooler_output)
-        mlm_loss = nsp_loss = loss = None
-        if masked_lm_labels is not None:
-            mlm_loss = F.cross_entropy(mlm_logits.flatten(0, 1).float(), masked_lm_labels.flatten(), ignore_index=IGNORE_INDEX)
-            loss = mlm_loss
+        nsp_loss = None
+        loss = mlm_loss
         if next_sentence_label is not None:
             nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
             loss = nsp_loss if loss is None else loss + nsp_loss
         return PreTrainingOutput(loss, mlm_loss, nsp_loss, mlm_logits, nsp_logits, out.hidden_states)
+
+
+def _masked_lm(head: BertLMPredictionHead, hidden: torch.Tensor, masked_positions: torch.Tensor | None,
+               labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """MLM logits (B, P, V) at ``masked_positions`` (gathered before the V-way projection, so its cost
+    is P rather than S per sequence), else (B, S, V); and the mean cross-entropy when ``labels`` is given."""
+    if masked_positions is not None:
+        index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        hidden = hidden.gather(1, index)  # (B, P, H)
+    logits = head(hidden)
+    loss = None
+    if labels is not None:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+    return logits, loss
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+
+
+class BertForMaskedLM(BertPreTrainedModel):
+    """Masked LM alone: the paper's "No NSP" ablation (§5.1), RoBERTa's objective.
+
+    No pooler and no NSP head (nothing would train them), so a checkpoint holds exactly what
+    ``transformers.BertForMaskedLM`` has. The output is a ``PreTrainingOutput`` without the
+    NSP fields, so pretraining code reads both classes alike.
+    """
+
+    head_prefixes = ("cls.predictions.",)
+    has_pooler = False
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        masked_positions: torch.Tensor | None = None,
+        masked_lm_labels: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> PreTrainingOutput:
+        """As ``BertForPreTraining.forward`` without next-sentence prediction."""
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        mlm_logits, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
+        return PreTrainingOutput(mlm_loss, mlm_loss, None, mlm_logits, None, out.hidden_states)
 
 
 def _classifier_dropout(config: BertConfig) -> float:
@@ -501,6 +551,7 @@ MODEL_CLASSES = {
     for cls in (
         BertModel,
         BertForPreTraining,
+        BertForMaskedLM,
         BertForSequenceClassification,
         BertForTokenClassification,
         BertForQuestionAnswering,

@@ -93,20 +93,25 @@ def plot_curves(metrics_path: str | Path, png_path: str | Path) -> Path | None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
     steps = [r["step"] for r in train]
+    nsp = any("nsp_loss" in r for r in train + evals)  # no NSP curves for masked-LM-only runs
     axes[0].plot(steps, [r["loss"] for r in train], label="train loss")
     axes[0].plot(steps, [r["mlm_loss"] for r in train], label="train MLM loss", alpha=0.7)
-    axes[0].plot(steps, [r["nsp_loss"] for r in train], label="train NSP loss", alpha=0.7)
+    if nsp:
+        axes[0].plot(steps, [r["nsp_loss"] for r in train], label="train NSP loss", alpha=0.7)
     if evals:
-        axes[0].plot([r["step"] for r in evals], [r["mlm_loss"] + r["nsp_loss"] for r in evals], "o-", label="eval loss")
+        axes[0].plot([r["step"] for r in evals], [r["mlm_loss"] + r.get("nsp_loss", 0.0) for r in evals], "o-",
+                     label="eval loss")
     axes[0].set_xlabel("step")
     axes[0].set_ylabel("loss")
     axes[0].legend()
     axes[1].plot(steps, [r["mlm_acc"] for r in train], label="train MLM acc")
-    axes[1].plot(steps, [r["nsp_acc"] for r in train], label="train NSP acc")
+    if nsp:
+        axes[1].plot(steps, [r["nsp_acc"] for r in train], label="train NSP acc")
     if evals:
         es = [r["step"] for r in evals]
         axes[1].plot(es, [r["mlm_acc"] for r in evals], "o-", label="eval MLM acc")
-        axes[1].plot(es, [r["nsp_acc"] for r in evals], "o-", label="eval NSP acc")
+        if nsp:
+            axes[1].plot(es, [r["nsp_acc"] for r in evals], "o-", label="eval NSP acc")
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("accuracy")
     axes[1].legend()

@@ -1,5 +1,10 @@
 """BERT pretraining: masked LM + next-sentence prediction (paper §3.1, §A.2), one CPU to many GPUs.
 
+The objective comes from the data: ``build-data --objective mlm-nsp`` (the default) trains
+``BertForPreTraining`` on both tasks; ``--objective mlm`` data (the paper's "No NSP" ablation,
+§5.1) trains ``BertForMaskedLM``, masked LM alone, with no pooler or NSP head to train, and the
+exported model is a ``BertForMaskedLM`` that ``transformers`` loads as such.
+
 ``pretrain(TrainConfig(...))`` is the whole job: build or load the model, resume from the
 run's newest checkpoint if asked, train on the one engine (``bertctl.train.engine``: DDP under
 ``torchrun``, accumulation to the global batch, precision, checkpoints, logging), evaluate on
@@ -118,38 +123,50 @@ def pretraining_sums(model, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """Forward one micro-batch; return summed losses and correct counts (fp32 scalars).
 
     The MLM head runs at masked_positions only (the model gathers (B, P, H) before
-    the V-way projection).  Cross-entropy is in fp32 on the (B·P, V) logits.
+    the V-way projection).  Cross-entropy is in fp32 on the (B·P, V) logits.  A model
+    without an NSP head (``BertForMaskedLM``) gives no ``nsp_*`` entries.
     """
     out = model(mb["input_ids"], mb["token_type_ids"], mb["attention_mask"],
                 masked_positions=mb["masked_positions"])
     logits = out.prediction_logits.flatten(0, 1).float()            # (B·P, V)
     labels = mb["masked_lm_labels"].flatten()                        # (B·P,)
     mlm_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    nsp_logits = out.seq_relationship_logits.float()                # (B, 2)
-    nsp_labels = mb["next_sentence_label"]
-    nsp_sum = F.cross_entropy(nsp_logits, nsp_labels, reduction="sum")
     valid = labels != IGNORE_INDEX
     mlm_correct = ((logits.argmax(-1) == labels) & valid).sum()
-    nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).sum()
-    return {"mlm_sum": mlm_sum, "nsp_sum": nsp_sum, "mlm_correct": mlm_correct, "nsp_correct": nsp_correct}
+    sums = {"mlm_sum": mlm_sum, "mlm_correct": mlm_correct}
+    if out.seq_relationship_logits is not None:
+        nsp_logits = out.seq_relationship_logits.float()                # (B, 2)
+        nsp_labels = mb["next_sentence_label"]
+        sums["nsp_sum"] = F.cross_entropy(nsp_logits, nsp_labels, reduction="sum")
+        sums["nsp_correct"] = (nsp_logits.argmax(-1) == nsp_labels).sum()
+    return sums
 
 
 class PretrainingObjective:
-    """Masked LM + next-sentence prediction (§3.1): two loss terms, normalised by masked tokens and sequences."""
+    """Masked LM + next-sentence prediction (§3.1): two loss terms, normalised by masked tokens and
+    sequences; with ``nsp=False`` masked LM alone (the "No NSP" ablation, §5.1)."""
 
-    loss_terms = ("mlm", "nsp")
-    stat_names = ("mlm_correct", "nsp_correct")
+    def __init__(self, nsp: bool = True):
+        self.nsp = nsp
+        self.loss_terms = ("mlm", "nsp") if nsp else ("mlm",)
+        self.stat_names = ("mlm_correct", "nsp_correct") if nsp else ("mlm_correct",)
 
     def sums(self, model, mb):
         s = pretraining_sums(model, mb)
-        return {"mlm": s["mlm_sum"], "nsp": s["nsp_sum"], "mlm_correct": s["mlm_correct"],
-                "nsp_correct": s["nsp_correct"]}
+        out = {"mlm": s["mlm_sum"], "mlm_correct": s["mlm_correct"]}
+        if self.nsp:
+            out.update(nsp=s["nsp_sum"], nsp_correct=s["nsp_correct"])
+        return out
 
     def record(self, sums, counts):
-        masked, seqs = max(counts["mlm"], 1.0), max(counts["nsp"], 1.0)
-        mlm_loss, nsp_loss = sums["mlm"] / masked, sums["nsp"] / seqs
+        masked = max(counts["mlm"], 1.0)
+        mlm_loss, mlm_acc = sums["mlm"] / masked, sums["mlm_correct"] / masked
+        if not self.nsp:
+            return {"loss": mlm_loss, "mlm_loss": mlm_loss, "mlm_acc": mlm_acc}
+        seqs = max(counts["nsp"], 1.0)
+        nsp_loss = sums["nsp"] / seqs
         return {"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
-                "mlm_acc": sums["mlm_correct"] / masked, "nsp_acc": sums["nsp_correct"] / seqs}
+                "mlm_acc": mlm_acc, "nsp_acc": sums["nsp_correct"] / seqs}
 
     def info(self, rec):
         return _info(rec)
@@ -222,6 +239,12 @@ class Trainer:
             self.eval_data = PretrainingData(self.cfg.data, split="eval")
         else:
             self.eval_data = None
+        # The objective is the data's (build-data --objective): NSP pairs or masked-LM-only instances.
+        self.objective = self.data.objective
+        if self.eval_data is not None and self.eval_data.objective != self.objective:
+            raise BertctlError(f"--eval-data {self.cfg.eval_data}: built with --objective {self.eval_data.objective}, "
+                               f"but --data {self.cfg.data} with --objective {self.objective}: evaluate on data "
+                               f"built with the same --objective")
         G, W = self.cfg.batch_size, self.dist.world_size
         if G < 1:
             raise BertctlError(f"--batch-size must be at least 1, not {G}")
@@ -281,9 +304,10 @@ class Trainer:
 
     def _build(self) -> None:
         from bertctl import checkpoint
-        from bertctl.model import BertForPreTraining
+        from bertctl.model import BertForMaskedLM, BertForPreTraining
 
         cfg = self.cfg
+        model_cls = BertForPreTraining if self.data.nsp else BertForMaskedLM
         resume_from = state.latest_checkpoint(self.out) if cfg.resume else None
         if not cfg.resume and state.latest_checkpoint(self.out) is not None:
             raise BertctlError(f"{self.out} already holds checkpoints: pass --resume to continue that run, "
@@ -305,13 +329,20 @@ class Trainer:
         # Same initial weights on every rank: seed before construction.
         torch.manual_seed(cfg.seed)
         if hf_dir is not None and init_state is None:
-            model = checkpoint.load_pretrained(BertForPreTraining, hf_dir, fresh_heads=True,
+            model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True,
                                                attn_implementation=cfg.attn, kernels=cfg.kernels,
                                                **cfg.model_overrides)
         else:
-            model = BertForPreTraining(mconf)
+            model = model_cls(mconf)
         if init_state is not None and resume_from is None:
-            model.load_state_dict(init_state["model"])
+            # A previous run's weights: with another objective, the heads this one lacks are dropped
+            # and the ones it adds (NSP head, pooler) start fresh.
+            before = init_state["configs"].get("objective", "mlm-nsp")
+            if before != self.objective and cfg.keep_optimizer:
+                raise BertctlError(f"--keep-optimizer: {cfg.init_from} was trained with --objective {before}, this "
+                                   f"data with {self.objective}: the optimizer state does not fit the model; drop "
+                                   f"--keep-optimizer")
+            checkpoint.load_state(model, init_state["model"], fresh_heads=True, source=str(cfg.init_from))
         self.model_config = model.config
         self.warmup = warmup_steps(self.max_steps, cfg.warmup_steps, cfg.warmup_fraction)
         ecfg = EngineConfig(batch_size=cfg.batch_size, max_steps=self.max_steps, micro_batch_size=self.micro,
@@ -324,7 +355,7 @@ class Trainer:
                             description="pretrain")
         n_params = sum(p.numel() for p in model.parameters())
         self.n_params = n_params
-        self.engine = Engine(ecfg, model, PretrainingObjective(), dist=self.dist, run_dir=self.out, log=self.log,
+        self.engine = Engine(ecfg, model, PretrainingObjective(nsp=self.data.nsp), dist=self.dist, run_dir=self.out, log=self.log,
                              flops=lambda c: train_flops_6nt(self.model_config, n_params, c["tokens"], c["attn_pairs"]))
         self.model = self.engine.model
         if resume_from is None and init_state is not None and cfg.keep_optimizer:
@@ -368,7 +399,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict | None:
-        """MLM / NSP accuracy and perplexity on the first ``eval_batches`` held-out batches (fixed masks)."""
+        """MLM accuracy and perplexity (and NSP accuracy, with NSP) on the first ``eval_batches`` held-out
+        batches (fixed masks)."""
         if self.eval_data is None:
             return None
         W = self.dist.world_size
@@ -389,9 +421,10 @@ class Trainer:
             valid = labels[labels != IGNORE_INDEX]
             h = torch.bincount(valid, minlength=self.model_config.vocab_size).double()
             label_hist = h if label_hist is None else label_hist + h
-            sums += torch.stack([s["mlm_sum"].double(), s["nsp_sum"].double(), s["mlm_correct"].double(),
-                                 s["nsp_correct"].double(), valid.numel() * torch.ones((), dtype=torch.float64,
-                                                                                       device=self.device),
+            zero = torch.zeros((), device=self.device)
+            sums += torch.stack([s["mlm_sum"].double(), s.get("nsp_sum", zero).double(), s["mlm_correct"].double(),
+                                 s.get("nsp_correct", zero).double(),
+                                 valid.numel() * torch.ones((), dtype=torch.float64, device=self.device),
                                  torch.tensor(float(labels.shape[0]), dtype=torch.float64, device=self.device)])
         self.model.train()
         distributed.all_reduce_sum(sums, self.dist)
@@ -401,9 +434,9 @@ class Trainer:
         mlm_loss = mlm_sum / max(n_masked, 1)
         p = label_hist / label_hist.sum().clamp(min=1)
         entropy = float(-(p[p > 0] * p[p > 0].log()).sum())
+        nsp = {"nsp_loss": nsp_sum / max(n_seq, 1), "nsp_acc": nsp_ok / max(n_seq, 1)} if self.data.nsp else {}
         return {
-            "mlm_loss": mlm_loss, "nsp_loss": nsp_sum / max(n_seq, 1),
-            "mlm_acc": mlm_ok / max(n_masked, 1), "nsp_acc": nsp_ok / max(n_seq, 1),
+            "mlm_loss": mlm_loss, "mlm_acc": mlm_ok / max(n_masked, 1), **nsp,
             "perplexity": math.exp(min(mlm_loss, 80.0)),
             # Always guessing the most frequent masked token: the floor MLM accuracy must clear;
             # the masked tokens' unigram entropy: the loss of predicting token frequencies only.
@@ -437,7 +470,8 @@ class Trainer:
         return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"]}, reason)
 
     def _configs(self) -> dict:
-        return {"model": self.model_config.to_dict(), "data_manifest_id": _manifest_id(self.data.manifest),
+        return {"model": self.model_config.to_dict(), "objective": self.objective,
+                "data_manifest_id": _manifest_id(self.data.manifest),
                 "data": str(self.cfg.data), "training": self.cfg.to_dict()}
 
     def export(self) -> Path | None:
@@ -455,6 +489,9 @@ class Trainer:
         cfg = self.cfg
         self._load_data()
         self._build()
+        self._say(f"objective {self.objective} (from the data's manifest): "
+                  + ("masked LM + next-sentence prediction, BertForPreTraining" if self.data.nsp else
+                     "masked LM only, no NSP (the paper's section 5.1 ablation), BertForMaskedLM"))
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = self.engine.log = MetricsLog(self.out / "metrics.jsonl", tensorboard=self.cfg.tensorboard)
@@ -491,7 +528,7 @@ class Trainer:
         png = self._curves()
         elapsed = time.monotonic() - t_start
         summary = {
-            "output": str(self.out), "steps": self.step, "start_step": start_step, "max_steps": self.max_steps,
+            "output": str(self.out), "objective": self.objective, "steps": self.step, "start_step": start_step, "max_steps": self.max_steps,
             "stopped": stop_reason, "resumed_from": self.resumed_from,
             "checkpoint": str(ckpt) if ckpt else None, "model": str(model_dir) if model_dir else None,
             "curves": str(png) if png else None, "metrics": str(self.out / "metrics.jsonl"),
@@ -516,7 +553,8 @@ class Trainer:
 def _info(rec: dict) -> str:
     if not rec:
         return ""
-    s = (f"loss {rec['loss']:.3f} mlm_acc {rec['mlm_acc']:.3f} nsp_acc {rec['nsp_acc']:.3f} "
+    nsp = f"nsp_acc {rec['nsp_acc']:.3f} " if "nsp_acc" in rec else ""
+    s = (f"loss {rec['loss']:.3f} mlm_acc {rec['mlm_acc']:.3f} {nsp}"
          f"lr {rec['lr']:.2e} {rec['seq_per_s']:.0f} seq/s {rec['tokens_per_s'] / 1e3:.1f}k tok/s")
     if "mfu" in rec:
         s += f" {rec['tflops']:.0f} TFLOP/s MFU {100 * rec['mfu']:.1f}%"
