@@ -1,0 +1,425 @@
+"""The convergence benchmark: pretrain a BERT from scratch with bertctl, show it is worth fine-tuning.
+
+Stages (each resumable: a finished step is skipped when its record exists, ``--force`` redoes it):
+
+- ``prepare``: a WordPiece vocabulary trained on the corpus (``bertctl tokenize train``) and the
+  pretraining data (``bertctl build-data``): ``data-nsp`` (MLM + NSP, ``--max-seq-length`` of the
+  main run), ``data-mlm`` (``--objective mlm``, the paper's "No NSP" ablation) and ``data-nsp128``
+  (sequence length 128, for the preset check).
+- ``pretrain --name main|mlm``: ``bertctl pretrain --compile`` on one GPU; ``main`` is time-boxed
+  (``--minutes``), ``mlm`` trains the same number of steps as ``main`` did, on ``data-mlm``.
+- ``finetune``: SST-2 (dev accuracy), CoNLL-2003 (test F1, epoch chosen on valid) and the SQuAD v1.1
+  article split (F1 on the ``eval`` articles), ``--seeds``, from (a) ``pretrained``: the main
+  checkpoint, (b) ``scratch``: the same architecture from random initialisation
+  (``finetune --from-scratch``), and ``mlm``: the ablation's checkpoint. The paper's recipe
+  (batch 32, lr 5e-5, 3 epochs, warm-up 10%) for every init; ``--jobs`` processes share the GPU.
+  Scores are recomputed from the prediction files with the official metrics
+  (``finetune_vs_hf.score``).
+- ``race``: transformers' BertForPreTraining (``hf_pretrain.py``) for ``--race-minutes`` and
+  ``bertctl pretrain`` for 0.6 times that, same shards, model, recipe and seed, one process at a
+  time; wall-clock from process start. The target: bertctl's final held-out MLM accuracy at least
+  HF's.
+- ``presets``: every ``--model-size`` preset at its default lr and warm-up, batch 256 and 2048,
+  ``--preset-steps`` steps at sequence length 128: held-out MLM accuracy against the majority-token
+  baseline and bertctl's collapse warning.
+- ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus) and
+  ``convergence-curves.png`` in ``--results``.
+
+    python benchmarks/convergence/gather_corpus.py --out build/convergence-corpus
+    python benchmarks/convergence/run.py prepare pretrain finetune --work /tmp/conv --data ../shared/data
+    python benchmarks/convergence/run.py report --work /tmp/conv --results benchmarks/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import finetune_vs_hf  # noqa: E402  (scoring from prediction files, commit and environment)
+
+BERTCTL = [sys.executable, "-m", "bertctl"]
+TASKS = ("sst2", "conll", "squad")
+INITS = ("pretrained", "scratch", "mlm")
+METRIC = {"sst2": "accuracy", "conll": "test_f1", "squad": "f1"}
+TARGET_GAP = {"sst2": 5.0, "conll": 10.0, "squad": 10.0}  # (a) - (b), points
+RACE_SHARE = 0.6
+PRESET_SIZES = ("tiny", "mini", "small", "medium", "base", "large")
+
+
+def log_path(a, name: str) -> Path:
+    (a.work / "logs").mkdir(parents=True, exist_ok=True)
+    return a.work / "logs" / f"{name}.log"
+
+
+def run(cmd: list[str], a, name: str, *, cwd: Path | None = None) -> dict:
+    """Run ``cmd``; stdout (a JSON summary for bertctl commands) and stderr go to the log. Raises on failure."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    t0, w0 = time.perf_counter(), time.time()
+    with open(log_path(a, name), "w", encoding="utf-8") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=cwd or ROOT)
+        log.write(proc.stdout)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: exit {proc.returncode} after {seconds:.0f} s; see {log_path(a, name)}")
+    out = proc.stdout
+    summary = json.loads(out[out.index("{"):]) if "{" in out else None
+    return {"command": shlex.join(cmd), "seconds": round(seconds, 2), "started": w0, "summary": summary}
+
+
+def record(a, name: str, make) -> dict:
+    """``make()`` once: its result is kept in ``work/records/name.json``."""
+    path = a.work / "records" / f"{name}.json"
+    if path.is_file() and not a.force:
+        return json.loads(path.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = make()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    return rec
+
+
+# ------------------------------------------------------------------------------ stages
+
+
+def prepare(a) -> None:
+    corpus = [str(a.corpus), "--format", "jsonl", "--pattern", "*.jsonl"]
+    vocab = a.work / "vocab.txt"
+    record(a, "vocab", lambda: run(BERTCTL + ["tokenize", "train", *corpus, "--vocab-size", str(a.vocab_size),
+                                              "-o", str(vocab)], a, "vocab"))
+    builds = {"data-nsp": ["--max-seq-length", str(a.seq)],
+              "data-mlm": ["--max-seq-length", str(a.seq), "--objective", "mlm"],
+              "data-nsp128": ["--max-seq-length", "128"]}
+    for name, extra in builds.items():
+        if name == "data-mlm" and "mlm" not in a.inits:
+            continue
+        record(a, name, lambda name=name, extra=extra: run(
+            BERTCTL + ["build-data", *corpus, "--vocab", str(vocab), "-o", str(a.work / name), *extra,
+                       "--dupe-factor", str(a.dupe), "--dynamic-masking", "--holdout-fraction", str(a.holdout),
+                       "--workers", str(a.workers), "--no-progress"], a, name))
+
+
+def pretrain_cmd(a, data: str, out: Path, *, minutes: float | None = None, max_steps: int | None = None,
+                 size: str | None = None, batch: int | None = None, eval_every: int | None = None) -> list[str]:
+    cmd = BERTCTL + ["pretrain", "--data", str(a.work / data), "-o", str(out), "--model-size", size or a.model_size,
+                     "--batch-size", str(batch or a.batch), "--eval-every", str(eval_every or a.eval_every),
+                     "--eval-batches", str(a.eval_batches), "--seed", str(a.seed), "--no-progress", "--resume",
+                     "--save-minutes", "3"]
+    if a.compile:
+        cmd.append("--compile")
+    if minutes is not None:
+        cmd += ["--minutes", f"{minutes:g}"]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    return cmd
+
+
+def pretrain(a, name: str) -> dict:
+    if name == "main":
+        return record(a, "pretrain-main", lambda: run(
+            pretrain_cmd(a, "data-nsp", a.work / "pretrain-main", minutes=a.minutes), a, "pretrain-main"))
+    main = json.loads((a.work / "records" / "pretrain-main.json").read_text())
+    steps = main["summary"]["steps"]
+    return record(a, "pretrain-mlm", lambda: run(
+        pretrain_cmd(a, "data-mlm", a.work / "pretrain-mlm", max_steps=steps), a, "pretrain-mlm"))
+
+
+def task_inputs(a) -> dict:
+    d = a.data
+    return {"sst2": {"dir": d / "glue" / "SST-2"}, "conll": {"dir": d / "conll2003"},
+            "squad": {"json": d / "squad" / "dev-v1.1.json", "split": d / "squad" / "split.json"}}
+
+
+def finetune_cmd(a, task: str, init: str, seed: int, out: Path) -> list[str]:
+    model = a.work / ("pretrain-mlm" if init == "mlm" else "pretrain-main") / "model"
+    inputs = task_inputs(a)[task]
+    if task == "sst2":
+        cmd = BERTCTL + ["finetune", "glue", "--task", "sst2", "--data-dir", str(inputs["dir"])]
+    elif task == "conll":
+        cmd = BERTCTL + ["finetune", "ner", "--data-dir", str(inputs["dir"])]
+    else:  # windows as long as the pretraining sequences: positions beyond were never trained
+        split = str(inputs["split"])
+        cmd = BERTCTL + ["finetune", "squad", "--train", str(inputs["json"]), "--dev", str(inputs["json"]),
+                         "--train-articles", f"{split}:train", "--dev-articles", f"{split}:eval",
+                         "--max-seq-length", str(a.seq), "--doc-stride", str(a.seq // 2)]
+    cmd += ["--model", str(model), "-o", str(out), "--seed", str(seed), "--no-progress", "--no-tensorboard"]
+    return cmd + (["--from-scratch"] if init == "scratch" else [])
+
+
+def finetune(a) -> list[dict]:
+    jobs = [(task, init, seed) for init in a.inits for task in a.tasks for seed in a.seeds]
+
+    def one(job):
+        task, init, seed = job
+        name = f"ft-{init}-{task}-{seed}"
+        out = a.work / "finetune" / name
+
+        def make():
+            rec = run(finetune_cmd(a, task, init, seed, out), a, name)
+            rec.update(task=task, init=init, seed=seed, **finetune_vs_hf.score(task, task_inputs(a)[task], out))
+            return rec
+        try:
+            return record(a, name, make)
+        except Exception as e:  # one failed run must not stop the others; it is reported
+            print(f"{name}: {e}", file=sys.stderr)
+            return {"task": task, "init": init, "seed": seed, "error": str(e)}
+
+    with ThreadPoolExecutor(a.jobs) as pool:
+        return list(pool.map(one, jobs))
+
+
+def race(a) -> dict:
+    hf = record(a, "race-hf", lambda: run(
+        [sys.executable, str(ROOT / "benchmarks" / "convergence" / "hf_pretrain.py"), "--data",
+         str(a.work / "data-nsp"), "-o", str(a.work / "race-hf"), "--model-size", a.model_size, "--batch-size",
+         str(a.batch), "--minutes", f"{a.race_minutes:g}", "--eval-every", str(a.race_eval_every), "--eval-batches",
+         str(a.eval_batches), "--seed", str(a.seed)], a, "race-hf"))
+    ours = record(a, "race-bertctl", lambda: run(
+        pretrain_cmd(a, "data-nsp", a.work / "race-bertctl", minutes=RACE_SHARE * a.race_minutes,
+                     eval_every=a.race_eval_every), a, "race-bertctl"))
+    return {"hf": hf, "bertctl": ours}
+
+
+def presets(a) -> list[dict]:
+    out = []
+    for size in a.preset_sizes:
+        for batch in (256, 2048):
+            name = f"preset-{size}-{batch}"
+            cmd = pretrain_cmd(a, "data-nsp128", a.work / name, max_steps=a.preset_steps, size=size, batch=batch,
+                               eval_every=max(1, a.preset_steps // 4))
+            cmd.remove("--compile") if "--compile" in cmd else None
+            try:
+                out.append(record(a, name, lambda cmd=cmd, name=name: {**run(cmd, a, name), "size": size,
+                                                                        "batch": batch}))
+            except Exception as e:
+                print(f"{name}: {e}", file=sys.stderr)
+                out.append({"size": size, "batch": batch, "error": str(e)})
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def curve(run_dir: Path, started: float) -> list[dict]:
+    """Held-out evaluations of a run: step, seconds since its process started, MLM/NSP accuracy."""
+    return [{"step": e["step"], "wall_seconds": round(e["time"] - started, 2), "mlm_acc": e["mlm_acc"],
+             "nsp_acc": e.get("nsp_acc"), "mlm_loss": e["mlm_loss"], "perplexity": e.get("perplexity")}
+            for e in events(run_dir / "metrics.jsonl") if e["event"] == "eval"]
+
+
+def stats(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "values": values}
+
+
+def load_records(a) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((a.work / "records").glob("*.json"))}
+
+
+def report(a) -> dict:
+    recs = load_records(a)
+    res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(), "settings": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("stages", "force")}}
+    try:
+        import torch
+
+        res["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        res["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+        import transformers
+
+        res["versions"]["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    prov = a.corpus / "provenance.json"
+    if prov.is_file():
+        res["corpus"] = json.loads(prov.read_text())
+    res["prepare"] = {k: {"seconds": v["seconds"], "summary": v["summary"]} for k, v in recs.items()
+                      if k == "vocab" or k.startswith("data-")}
+    for name in ("main", "mlm"):
+        r = recs.get(f"pretrain-{name}")
+        if r:
+            s = r["summary"]
+            res[f"pretrain_{name}"] = {"command": r["command"], "seconds": r["seconds"], "steps": s.get("steps"),
+                                       "eval_start": s.get("eval_start"), "eval_end": s.get("eval_end"),
+                                       "summary": s, "curve": curve(a.work / f"pretrain-{name}", r["started"])}
+    runs = [r for k, r in recs.items() if k.startswith("ft-")]
+    table: dict = {}
+    for task in TASKS:
+        for init in INITS:
+            vals = [r["metrics"][METRIC[task]] for r in runs if r["task"] == task and r["init"] == init]
+            if vals:
+                table.setdefault(task, {})[init] = stats(vals)
+        t = table.get(task, {})
+        if "pretrained" in t and "scratch" in t:
+            gap = t["pretrained"]["mean"] - t["scratch"]["mean"]
+            t["gap_pretrained_minus_scratch"] = gap
+            t["target_gap"] = TARGET_GAP[task]
+            t["meets_target"] = gap >= TARGET_GAP[task]
+        if "pretrained" in t and "mlm" in t:
+            t["gap_nsp_minus_mlm_only"] = t["pretrained"]["mean"] - t["mlm"]["mean"]
+    res["finetune"] = {"metrics": {t: METRIC[t] for t in TASKS}, "table": table,
+                       "runs": [{k: r.get(k) for k in ("task", "init", "seed", "metrics", "seconds", "command")}
+                                for r in runs]}
+    end = (res.get("pretrain_main") or {}).get("eval_end") or {}
+    if end:
+        res["pretrain_targets"] = {"heldout_nsp_acc": end.get("nsp_acc"), "nsp_target": 0.85,
+                                   "nsp_meets_target": (end.get("nsp_acc") or 0) >= 0.85,
+                                   "heldout_mlm_acc": end.get("mlm_acc"), "heldout_perplexity": end.get("perplexity")}
+    if "race-hf" in recs and "race-bertctl" in recs:
+        hf, ours = recs["race-hf"], recs["race-bertctl"]
+        hf_curve, our_curve = curve(a.work / "race-hf", hf["started"]), curve(a.work / "race-bertctl", ours["started"])
+        target = hf_curve[-1]["mlm_acc"]
+        reached = next((p for p in our_curve if p["mlm_acc"] >= target), None)
+        res["race"] = {
+            "hf": {"command": hf["command"], "wall_seconds": hf["seconds"], "summary": hf["summary"], "curve": hf_curve},
+            "bertctl": {"command": ours["command"], "wall_seconds": ours["seconds"], "summary": ours["summary"],
+                        "curve": our_curve},
+            "hf_final_mlm_acc": target, "bertctl_final_mlm_acc": our_curve[-1]["mlm_acc"],
+            "bertctl_reaches_hf_final_at_seconds": reached and reached["wall_seconds"],
+            "time_ratio": reached and reached["wall_seconds"] / hf["seconds"],
+            "target_ratio": RACE_SHARE,
+            "meets_target": bool(reached) and reached["wall_seconds"] <= RACE_SHARE * hf["seconds"]}
+    pre = [r for k, r in recs.items() if k.startswith("preset-")]
+    if pre:
+        res["presets"] = []
+        for r in pre:
+            s = r.get("summary") or {}
+            end = s.get("eval_end") or {}
+            base = end.get("mlm_majority_baseline")
+            train = {}
+            if s.get("metrics") and Path(s["metrics"]).is_file():
+                train = next(e for e in events(Path(s["metrics"])) if e["event"] == "config")["configs"]["training"]
+            res["presets"].append({"size": r.get("size"), "batch": r.get("batch"), "lr": train.get("lr"),
+                                   "warmup_fraction": train.get("warmup_fraction"), "steps": s.get("steps"),
+                                   "mlm_acc": end.get("mlm_acc"), "majority_baseline": base,
+                                   "nsp_acc": end.get("nsp_acc"), "collapsed": bool(s.get("collapsed")),
+                                   "learns": bool(base is not None and end.get("mlm_acc", 0) > 1.5 * base),
+                                   "seconds": r.get("seconds"), "error": r.get("error")})
+    a.results.mkdir(parents=True, exist_ok=True)
+    path = a.results / "convergence.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    plot(res, a.results / "convergence-curves.png")
+    return res
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    ax = axes[0]
+    for name, style in (("main", "-"), ("mlm", "--")):
+        p = res.get(f"pretrain_{name}")
+        if p and p["curve"]:
+            c = p["curve"]
+            ax.plot([x["step"] for x in c], [x["mlm_acc"] for x in c], style, label=f"{name}: MLM accuracy")
+            if name == "main":
+                ax.plot([x["step"] for x in c], [x["nsp_acc"] for x in c], ":", label="main: NSP accuracy")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title("bertctl pretraining (held out)")
+    ax.legend()
+    ax = axes[1]
+    r = res.get("race")
+    if r:
+        for side in ("hf", "bertctl"):
+            c = r[side]["curve"]
+            ax.plot([x["wall_seconds"] / 60 for x in c], [x["mlm_acc"] for x in c], "o-", ms=3,
+                    label="transformers BertForPreTraining" if side == "hf" else "bertctl pretrain")
+        ax.axhline(r["hf_final_mlm_acc"], color="grey", lw=0.8)
+        ax.set_xlabel("wall-clock minutes from process start (same GPU)")
+        ax.set_ylabel("held-out MLM accuracy")
+        ax.set_title("same shards, model and recipe")
+        ax.legend()
+    ax = axes[2]
+    t = (res.get("finetune") or {}).get("table") or {}
+    labels = [k for k in TASKS if k in t]
+    width = 0.27
+    for j, init in enumerate(INITS):
+        ys = [t[k][init]["mean"] if init in t[k] else 0 for k in labels]
+        es = [t[k][init]["std"] if init in t[k] else 0 for k in labels]
+        ax.bar([i + (j - 1) * width for i in range(len(labels))], ys, width, yerr=es,
+               label={"pretrained": "(a) pretrained", "scratch": "(b) random init", "mlm": "MLM only (no NSP)"}[init])
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels([f"{k}\n{METRIC[k]}" for k in labels])
+    ax.set_title("fine-tuned, mean ± std over seeds")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("stages", nargs="+", choices=("prepare", "pretrain", "pretrain-mlm", "finetune", "race",
+                                                  "presets", "report"))
+    p.add_argument("--work", type=Path, default=ROOT / "build" / "conv")
+    p.add_argument("--corpus", type=Path, default=ROOT / "build" / "convergence-corpus")
+    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data", help="shared task data")
+    p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--vocab-size", type=int, default=30522)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--dupe", type=int, default=5)
+    p.add_argument("--holdout", type=float, default=0.02)
+    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument("--model-size", default="medium")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--minutes", type=float, default=9.0)
+    p.add_argument("--eval-every", type=int, default=1000)
+    p.add_argument("--eval-batches", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
+    p.add_argument("--inits", type=lambda s: s.split(","), default=list(INITS))
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42, 43, 44])
+    p.add_argument("--jobs", type=int, default=9)
+    p.add_argument("--race-minutes", type=float, default=5.0)
+    p.add_argument("--race-eval-every", type=int, default=500)
+    p.add_argument("--preset-sizes", type=lambda s: s.split(","), default=list(PRESET_SIZES))
+    p.add_argument("--preset-steps", type=int, default=300)
+    p.add_argument("--force", action="store_true", help="redo finished steps")
+    a = p.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    for stage in a.stages:
+        t0 = time.perf_counter()
+        if stage == "prepare":
+            prepare(a)
+        elif stage == "pretrain":
+            pretrain(a, "main")
+        elif stage == "pretrain-mlm":
+            pretrain(a, "mlm")
+        elif stage == "finetune":
+            finetune(a)
+        elif stage == "race":
+            race(a)
+        elif stage == "presets":
+            presets(a)
+        else:
+            report(a)
+        print(f"[{stage}] {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
