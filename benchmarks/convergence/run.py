@@ -75,7 +75,30 @@ def run(cmd: list[str], a, name: str, *, cwd: Path | None = None) -> dict:
         raise RuntimeError(f"{name}: exit {proc.returncode} after {seconds:.0f} s; see {log_path(a, name)}")
     out = proc.stdout
     summary = json.loads(out[out.index("{"):]) if "{" in out else None
-    return {"command": shlex.join(cmd), "seconds": round(seconds, 2), "started": w0, "summary": summary}
+    return {"command": shlex.join(cmd), "seconds": round(seconds, 2), "started": w0, "summary": summary,
+            "device": device_name(), "versions": versions(), "commit": finetune_vs_hf.commit()}
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for dist in ("torch", "transformers", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def device_name() -> str:
+    """The GPU's name (``nvidia-smi``), else ``cpu``: the report is written where the runs were not."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "cpu"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
 
 
 def record(a, name: str, make) -> dict:
@@ -236,16 +259,10 @@ def report(a) -> dict:
     recs = load_records(a)
     res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(), "settings": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("stages", "force")}}
-    try:
-        import torch
-
-        res["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        res["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
-        import transformers
-
-        res["versions"]["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    # where the runs ran (the report may be written elsewhere)
+    res["devices"] = sorted({r.get("device", "?") for r in recs.values()})
+    res["run_versions"] = sorted({json.dumps(r.get("versions"), sort_keys=True) for r in recs.values()})
+    res["run_commits"] = sorted({str(r.get("commit")) for r in recs.values()})
     prov = a.corpus / "provenance.json"
     if prov.is_file():
         res["corpus"] = json.loads(prov.read_text())
