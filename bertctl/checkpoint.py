@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TypeVar
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING, TypeVar
 
 from bertctl.config import BertConfig
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_dir
-from bertctl.model import BertModel, BertPreTrainedModel
 
-M = TypeVar("M", bound=BertPreTrainedModel)
+if TYPE_CHECKING:  # torch and the model load with the weights: reading a config (embed on ONNX Runtime) needs neither
+    import torch
+
+    from bertctl.model import BertPreTrainedModel
+
+M = TypeVar("M", bound="BertPreTrainedModel")
 
 WEIGHTS = "model.safetensors"
 LEGACY_WEIGHTS = "pytorch_model.bin"
@@ -79,6 +79,10 @@ def check_vocabulary_fits(directory: str | Path, config: BertConfig) -> None:
 
 def read_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     """Tensors of ``model.safetensors`` (preferred) or ``pytorch_model.bin``."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     directory = Path(directory)
     path = directory / WEIGHTS
     try:
@@ -105,6 +109,8 @@ def _normalise_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _match(model: BertPreTrainedModel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename checkpoint tensors to ``model``'s parameter names (adding or removing ``bert.``)."""
+    from bertctl.model import BertModel
+
     wants_prefix = not isinstance(model, BertModel)
     out = {}
     for name, tensor in state.items():
@@ -125,6 +131,8 @@ def _match(model: BertPreTrainedModel, state: dict[str, torch.Tensor]) -> dict[s
 
 def load_state(model: M, state: dict[str, torch.Tensor], *, fresh_heads: bool = False, source: str = "checkpoint") -> M:
     """Copy ``state`` into ``model`` with full checking; one error lists every problem."""
+    from bertctl.model import BertModel
+
     state = _match(model, _normalise_names(state))
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("decoder.weight")}
     missing = [k for k in own if k not in state]
@@ -177,6 +185,8 @@ def load_pretrained(model_cls: type[M], directory: str | Path, *, fresh_heads: b
 
 def save_pretrained(model: BertPreTrainedModel, directory: str | Path, tokenizer=None) -> None:
     """Write ``config.json``, ``model.safetensors`` (and tokenizer files) as one atomic directory."""
+    from safetensors.torch import save_file
+
     config = model.config
     architectures = [type(model).__name__]
     state = {

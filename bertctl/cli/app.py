@@ -3,6 +3,10 @@
 Each command lives in ``bertctl/cli/<command>.py`` as a thin function that
 parses options and calls the library.  ``BertctlError`` (bad input) becomes one
 line on stderr and exit code 2; ``--debug`` shows the traceback instead.
+
+``main`` imports only the module of the command it runs (``bertctl embed ...`` never loads the
+training code, nor torch when ONNX Runtime embeds); ``bertctl --help``, an unknown command and
+``from bertctl.cli.app import app`` get every command.
 """
 from __future__ import annotations
 
@@ -13,14 +17,6 @@ import sys
 import typer
 
 from bertctl.errors import BertctlError
-
-app = typer.Typer(
-    name="bertctl",
-    help="BERT pretraining, fine-tuning and embeddings, with fused kernels.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
 
 _state = {"debug": False}
 
@@ -66,26 +62,54 @@ def _plain_help_types() -> None:
 
 _plain_help_types()
 
-# Command modules; each defines ``register(app)``.
-COMMANDS = ("env", "tokenize", "embed", "build_data", "pretrain", "finetune", "eval", "export", "bench")
+# Command name -> its module in bertctl/cli/; each module defines ``register(app)``.
+COMMANDS = {"env": "env", "tokenize": "tokenize", "embed": "embed", "build-data": "build_data",
+            "pretrain": "pretrain", "finetune": "finetune", "eval": "eval", "export": "export", "bench": "bench"}
 
 
-@app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors.")) -> None:
     _state["debug"] = debug
 
 
-for _name in COMMANDS:
-    try:
-        _module = importlib.import_module(f"bertctl.cli.{_name}")
-    except ModuleNotFoundError as _e:  # a command not written yet is simply absent
-        if _e.name != f"bertctl.cli.{_name}":
-            raise
-        continue
-    except BertctlError as _e:  # at import: BERTCTL_REQUIRE_EXT=1 and the compiled kernels did not load
-        print(f"bertctl: error: {_e}", file=sys.stderr)
-        sys.exit(2)
-    _module.register(app)
+def build_app(commands=None) -> typer.Typer:
+    """The application with ``commands`` (names in ``COMMANDS``; default all of them)."""
+    app = typer.Typer(
+        name="bertctl",
+        help="BERT pretraining, fine-tuning and embeddings, with fused kernels.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    app.callback()(_root)
+    for name in commands or COMMANDS:
+        module_name = f"bertctl.cli.{COMMANDS[name]}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:  # a command not written yet is simply absent
+            if e.name != module_name:
+                raise
+            continue
+        except BertctlError as e:  # at import: BERTCTL_REQUIRE_EXT=1 and the compiled kernels did not load
+            print(f"bertctl: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        module.register(app)
+    _guard(app)
+    return app
+
+
+def __getattr__(name: str):
+    """``app``: the whole application, built on first use (``from bertctl.cli.app import app``)."""
+    if name == "app":
+        globals()["app"] = build_app()
+        return globals()["app"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The command ``argv`` runs (its first word that is not an option), if it is one of ``COMMANDS``.
+    The root's only option, ``--debug``, takes no value."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
 
 
 def _fail(message: str) -> None:
@@ -109,6 +133,8 @@ def _one_line(e: BaseException) -> str | None:
 
 def _guarded(callback):
     """Run a command; turn input and operating-system errors into one line on stderr and exit code 2."""
+    if getattr(callback, "_bertctl_guarded", False):  # a sub-application registered by an earlier build_app
+        return callback
 
     @functools.wraps(callback)
     def run(*args, **kwargs):
@@ -121,6 +147,7 @@ def _guarded(callback):
             typer.echo(f"bertctl: error: {message}", err=True)
             raise typer.Exit(2) from None
 
+    run._bertctl_guarded = True
     return run
 
 
@@ -131,13 +158,13 @@ def _guard(typer_app: typer.Typer) -> None:
         _guard(group.typer_instance)
 
 
-_guard(app)
-
 
 def main(argv: list[str] | None = None) -> None:
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    command = command_of(args)
     try:
-        app(args=argv, standalone_mode=True)
+        build_app([command] if command else None)(args=args, standalone_mode=True)
     except (BertctlError, OSError) as e:
         message = _one_line(e)
         if debug or message is None:

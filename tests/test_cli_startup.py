@@ -1,0 +1,58 @@
+"""Start-up: a command imports what it needs; ``bertctl embed`` on ONNX Runtime never loads torch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from bertctl.cli.app import COMMANDS, build_app
+from bertctl.export import cached_encoder
+
+
+def run_main(*args: str) -> dict:
+    """``bertctl ARGS`` in a fresh interpreter: exit code, output, and whether torch got imported."""
+    code = ("import json, sys\n"
+            "from bertctl.cli.app import main\n"
+            "try:\n"
+            f"    main({list(args)!r})\n"
+            "except SystemExit as e:\n"
+            "    code = e.code\n"
+            "else:\n"
+            "    code = 0\n"
+            "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules}), file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    report = json.loads(r.stderr.strip().splitlines()[-1])
+    return {**report, "stdout": r.stdout, "stderr": r.stderr}
+
+
+def test_embed_help_does_not_import_torch():
+    r = run_main("embed", "--help")
+    assert r["code"] == 0 and "--batch-tokens" in r["stdout"], r["stderr"]
+    assert not r["torch"]
+
+
+def test_embed_on_onnxruntime_does_not_import_torch(tmp_path, minilm_dir):
+    cached_encoder(minilm_dir)  # the export (made with torch) is cached first, in this session's cache
+    texts = tmp_path / "in.txt"
+    texts.write_text("a first sentence\nand a second one , longer than the first\n", encoding="utf-8")
+    r = run_main("embed", "--model", str(minilm_dir), "--normalize", "-o", str(tmp_path / "o.npy"), str(texts))
+    assert r["code"] == 0 and "onnxruntime" in r["stderr"], r["stderr"]
+    assert not r["torch"]
+
+
+def test_root_help_lists_every_command():
+    r = run_main("--help")
+    assert r["code"] == 0
+    listed = {line.split()[1] for line in r["stdout"].splitlines() if line.startswith("│ ") and len(line.split()) > 2}
+    assert set(COMMANDS) <= listed, (set(COMMANDS) - listed, r["stdout"])
+
+
+def test_each_module_registers_its_command():
+    """COMMANDS maps each name to the module that registers it (main imports only that module)."""
+    import typer
+
+    for name in COMMANDS:
+        app = build_app([name])
+        command = typer.main.get_command(app)
+        assert list(command.commands) == [name], (name, list(command.commands))
