@@ -1,23 +1,28 @@
 """Feature extraction: the paper's feature-based use of BERT (§5.3, Table 7).
 
-Texts are encoded in batches of similar length (less padding), the chosen layers
-are combined, pooled over real tokens, optionally L2-normalised, and written in
-input order.
+Texts are tokenised, sorted by token count and cut into batches of at most ``batch_size`` texts
+and ``batch_tokens`` padded tokens (short texts go many to a batch, long ones few, and little is
+padding); the chosen layers are combined, pooled over real tokens, optionally L2-normalised, and
+written in input order.
+
+Two backends run the encoder: PyTorch (``BertModel``, any device and dtype) and ONNX Runtime on the
+CPU (``bertctl.export.OnnxEncoder``).  The ONNX Runtime path imports no torch: numpy arrays in and
+out, pooled here with numpy (``pool`` and friends take either kind of array).
 """
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from bertctl.checkpoint import load_config, load_state, read_state_dict
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, atomic_path, parse_json_line
-from bertctl.model import BertModel
 from bertctl.progress import stderr, track
 from bertctl.tokenizer import iter_lines
 
@@ -28,6 +33,11 @@ OUTPUT_SUFFIXES = (".npy", ".jsonl", ".safetensors")
 # auto: onnxruntime on the CPU in fp32 when installed (faster there:
 # benchmarks/results/embed-backends-cpu.json), else torch.
 BACKEND_CHOICES = ("auto", "torch", "onnxruntime")
+# Padded tokens per forward pass, by device type. On the 2-core CPU (AMD EPYC, 1 MB of L2 a core) the
+# whole `embed` of 4,000 SST-2 sentences with MiniLM took 3.87 s at 1024 (batches of 512 and 768 the
+# same), 4.05 s at 2048, 4.33 s at 4096 and 4.79 s at 8192 (medians of 3): small batches stay in cache.
+# A GPU wants large ones; there the limit of 256 texts binds first for sentences.
+BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
 
 
 @dataclass
@@ -35,7 +45,8 @@ class EmbedConfig:
     layers: str = "last"
     pooling: str = "mean"
     normalize: bool = False
-    batch_size: int = 64
+    batch_size: int = 256  # texts per forward pass, at most
+    batch_tokens: int | None = None  # padded tokens per forward pass, at most (one text always fits); None: BATCH_TOKENS
     max_length: int | None = None  # default and upper bound: the model's max_position_embeddings
     dtype: str = "fp32"  # or "bf16"
     device: str = "auto"
@@ -52,11 +63,32 @@ class EmbedConfig:
             raise BertctlError(f"--dtype must be fp32 or bf16, not {self.dtype!r}")
         if self.batch_size < 1:
             raise BertctlError(f"--batch-size must be at least 1, not {self.batch_size}")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise BertctlError(f"--batch-tokens must be at least 1, not {self.batch_tokens}")
         if self.max_length is not None and self.max_length < 2:
             raise BertctlError(f"--max-length must be at least 2 (room for [CLS] and [SEP]), not {self.max_length}")
 
 
-def resolve_device(name: str) -> torch.device:
+def cuda_possible() -> bool:
+    """False where torch cannot see a GPU, told without importing torch (0.8 s on the CPU machine):
+    a CPU-only torch build, or on Linux no NVIDIA (``/dev/nvidiactl``) or ROCm (``/dev/kfd``) device."""
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        return False
+    if torch_version.endswith("+cpu"):
+        return False
+    if sys.platform.startswith("linux"):
+        return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
+    return True
+
+
+def resolve_device(name: str):
+    """``"cpu"`` (a string: torch stays unloaded) or a ``torch.device`` for any other device."""
+    if name == "cpu" or (name == "auto" and not cuda_possible()):
+        return "cpu"
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -66,6 +98,11 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BertctlError("--device cuda: no CUDA device is available")
     return device
+
+
+def device_type(device) -> str:
+    """``"cpu"``, ``"cuda"``, ...: of a device name or a ``torch.device``."""
+    return getattr(device, "type", None) or str(device).split(":")[0]
 
 
 def read_texts(path: str | Path, field: str | None = None) -> list[str]:
@@ -91,13 +128,13 @@ def read_texts(path: str | Path, field: str | None = None) -> list[str]:
     return texts
 
 
-def resolve_backend(config: EmbedConfig, device: torch.device, onnx: Path | None = None) -> str:
+def resolve_backend(config: EmbedConfig, device, onnx: Path | None = None) -> str:
     """``torch`` or ``onnxruntime``: what ``config.backend`` (and an ``--onnx`` file) ask for on ``device``."""
     from bertctl.export import onnx_missing
 
     backend = "onnxruntime" if onnx is not None and config.backend == "auto" else config.backend
     if backend == "onnxruntime":
-        if device.type != "cpu":
+        if device_type(device) != "cpu":
             raise BertctlError(f"--backend onnxruntime runs on the CPU, not --device {device}")
         if config.dtype != "fp32":
             raise BertctlError("--backend onnxruntime runs fp32; --dtype bf16 needs --backend torch")
@@ -108,35 +145,39 @@ def resolve_backend(config: EmbedConfig, device: torch.device, onnx: Path | None
     if onnx is not None:
         raise BertctlError("--onnx runs under onnxruntime; it cannot go with --backend torch")
     if backend == "auto":
-        fits = device.type == "cpu" and config.dtype == "fp32" and not onnx_missing(export=True)
+        fits = device_type(device) == "cpu" and config.dtype == "fp32" and not onnx_missing(export=True)
         return "onnxruntime" if fits else "torch"
     return backend
 
 
-def load_encoder(directory: str | Path, device: torch.device, backend: str = "torch", onnx: Path | None = None,
+def load_encoder(directory: str | Path, device, backend: str = "torch", onnx: Path | None = None,
                  fallback: bool = False):
     """The encoder of any checkpoint directory (heads and pooler dropped), as a PyTorch module
     or (``backend="onnxruntime"``) an ONNX export of it: ``onnx``, or one cached on first use.
     With ``fallback`` (``--backend auto``) a model whose export fails runs on PyTorch, with a note."""
-    config = load_config(directory)
+    from bertctl.checkpoint import load_config
+
     if backend == "onnxruntime":
         from bertctl.export import OnnxEncoder, cached_encoder
 
         if onnx is not None:
-            return OnnxEncoder(onnx, config)
+            return OnnxEncoder(onnx, load_config(directory))
         try:
             return cached_encoder(directory)
         except BertctlError as e:
             if not fallback:
                 raise
             stderr.print(f"[yellow]onnxruntime backend unavailable ({e}); embedding with torch")
-    model = BertModel(config, add_pooling_layer=False)
+    from bertctl.checkpoint import load_state, read_state_dict
+    from bertctl.model import BertModel
+
+    model = BertModel(load_config(directory), add_pooling_layer=False)
     load_state(model, read_state_dict(directory), source=str(directory))
     return model.to(device).eval()
 
 
-def combine_layers(hidden_states: tuple[torch.Tensor, ...], layers: str) -> torch.Tensor:
-    """hidden_states: L+1 tensors (B, S, H), embeddings first.  Returns (B, S, H) or (B, S, 4H)."""
+def combine_layers(hidden_states, layers: str):
+    """hidden_states: L+1 arrays (B, S, H), embeddings first (numpy or torch).  Returns (B, S, H) or (B, S, 4H)."""
     if layers == "last":
         return hidden_states[-1]
     if layers == "second-to-last":
@@ -145,62 +186,109 @@ def combine_layers(hidden_states: tuple[torch.Tensor, ...], layers: str) -> torc
         return hidden_states[0]
     if len(hidden_states) < 5:
         raise BertctlError(f"--layers {layers} needs at least 4 layers; the model has {len(hidden_states) - 1}")
-    last4 = hidden_states[-4:]  # layers L-3, L-2, L-1, L in that order
-    return torch.stack(last4).sum(0) if layers == "sum-last-4" else torch.cat(last4, dim=-1)
+    last4 = list(hidden_states[-4:])  # layers L-3, L-2, L-1, L in that order
+    if layers == "sum-last-4":
+        return last4[0] + last4[1] + last4[2] + last4[3]
+    if isinstance(last4[0], np.ndarray):
+        return np.concatenate(last4, axis=-1)
+    import torch
+
+    return torch.cat(last4, dim=-1)
 
 
-def pool(x: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """x (B, S, D), mask (B, S) 1 = real token -> (B, D); padding never contributes."""
+def pool(x, mask, pooling: str):
+    """x (B, S, D) float, mask (B, S) 1 = real token -> (B, D); padding never contributes.
+    numpy arrays or torch tensors (both of one kind)."""
     if pooling == "cls":
         return x[:, 0]
+    if isinstance(x, np.ndarray):
+        m = mask[:, :, None].astype(x.dtype)
+        if pooling == "mean":
+            return (x * m).sum(1) / np.maximum(m.sum(1), 1)
+        return np.where(m > 0, x, -np.inf).max(1)
     m = mask.unsqueeze(-1).to(x.dtype)
     if pooling == "mean":
         return (x * m).sum(1) / m.sum(1).clamp(min=1)
     return x.masked_fill(m == 0, float("-inf")).amax(1)
 
 
-@torch.no_grad()
-def embed_texts(model: BertModel, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True) -> np.ndarray:
-    """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``."""
-    device = model.device if hasattr(model, "runtime") else next(model.parameters()).device
+def normalize(x):
+    """Rows scaled to unit L2 norm (as ``torch.nn.functional.normalize``: norms below 1e-12 count as 1e-12)."""
+    if isinstance(x, np.ndarray):
+        return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    import torch
+
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+def length_batches(lengths: np.ndarray, batch_size: int, batch_tokens: int) -> list[np.ndarray]:
+    """Indices into ``lengths``, longest first, cut into batches of at most ``batch_size`` texts whose
+    padded size (texts x longest) is at most ``batch_tokens``; a text longer than that goes alone."""
+    order = np.argsort(-lengths, kind="stable")
+    batches, start = [], 0
+    while start < len(order):
+        fit = max(1, min(batch_size, batch_tokens // int(lengths[order[start]])))  # the first is the longest
+        batches.append(order[start:start + fit])
+        start += fit
+    return batches
+
+
+def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
+    import torch
+
+    device = next(model.parameters()).device
     all_layers = config.layers != "last"
+    ids_t, mask_t = (torch.from_numpy(a).to(device, non_blocking=True) for a in (ids, mask))
+    types = torch.zeros_like(ids_t)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bf16"):
+        encoded = model(ids_t, types, mask_t, output_hidden_states=all_layers)
+    states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
+    feats = pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)
+    if config.normalize:
+        feats = normalize(feats)
+    return feats.cpu().numpy()
+
+
+def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
+    states = model.hidden_states(ids, mask, np.zeros_like(ids), all_layers=config.layers != "last")
+    feats = pool(combine_layers(states, config.layers), mask, config.pooling)
+    return normalize(feats) if config.normalize else feats
+
+
+def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True) -> np.ndarray:
+    """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``."""
+    onnx = getattr(model, "runtime", "torch") == "onnxruntime"
+    features = _features_onnx if onnx else _features_torch
+    device = model.device if onnx else next(model.parameters()).device
     limit = model.config.max_position_embeddings
     max_length = limit if config.max_length is None else min(config.max_length, limit)
     vocab_size = model.config.vocab_size
-    # Sort by length so each batch pads little; restore input order at the end.
-    lengths = [len(t) for t in texts]
-    order = sorted(range(len(texts)), key=lengths.__getitem__, reverse=True)
-    out: np.ndarray | None = None
-    tokens = truncated = 0
+    batch_tokens = config.batch_tokens or BATCH_TOKENS.get(device_type(device), BATCH_TOKENS["cuda"])
     start = time.perf_counter()
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bf16")
+    rows = [tokenizer.encode(t, max_length=max_length, truncation="longest_first").input_ids for t in texts]
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    tokenized = time.perf_counter() - start
+    out: np.ndarray | None = None
     with track("embed", len(texts), disable=not progress) as advance:
-        for b in range(0, len(order), config.batch_size):
-            index = order[b : b + config.batch_size]
-            batch = tokenizer.encode_batch([texts[i] for i in index], max_length=max_length, truncation="longest_first")
-            top = int(batch["input_ids"].max())
+        for index in length_batches(lengths, config.batch_size, batch_tokens):
+            width = int(lengths[index[0]])
+            mask = np.arange(width)[None, :] < lengths[index, None]  # (B, S) bool
+            ids = np.full(mask.shape, tokenizer.pad_token_id, dtype=np.int64)
+            ids[mask] = np.fromiter((i for r in index for i in rows[r]), dtype=np.int64, count=int(mask.sum()))
+            top = int(ids.max())
             if top >= vocab_size:  # an index past the embedding table: a tokenizer of another model
                 raise BertctlError(f"token id {top} from the tokenizer is past the model's {vocab_size:,} word "
                                    "embeddings: use the tokenizer saved with this model")
-            ids = batch["input_ids"].to(device, non_blocking=True)
-            mask = batch["attention_mask"].to(device, non_blocking=True)
-            types = batch["token_type_ids"].to(device, non_blocking=True)
-            with autocast:
-                encoded = model(ids, types, mask, output_hidden_states=all_layers)
-            states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
-            feats = pool(combine_layers(states, config.layers).float(), mask, config.pooling)
-            if config.normalize:
-                feats = torch.nn.functional.normalize(feats, dim=-1)
+            feats = features(model, ids, mask.astype(np.int64), config)
             if out is None:
                 out = np.empty((len(texts), feats.shape[-1]), dtype=np.float32)
-            out[index] = feats.cpu().numpy()
-            tokens += int(mask.sum())
-            truncated += int((mask.sum(1) == max_length).sum())
+            out[index] = feats
             advance(len(index))
     seconds = time.perf_counter() - start
     if progress:
+        tokens, truncated = int(lengths.sum()), int((lengths == max_length).sum())
         stderr.print(
-            f"embedded {len(texts)} texts ({tokens} tokens) in {seconds:.2f} s: "
+            f"embedded {len(texts)} texts ({tokens} tokens) in {seconds:.2f} s ({tokenized:.2f} s tokenising): "
             f"{len(texts) / seconds:.1f} texts/s, {tokens / seconds:.0f} tokens/s on {device}"
             f" ({getattr(model, 'runtime', 'torch')})"
             + (f"; {truncated} filled the {max_length}-token limit (longer texts are truncated)" if truncated else "")

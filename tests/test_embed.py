@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
-from bertctl.embed import EmbedConfig, embed_texts, load_encoder
+from bertctl.embed import EmbedConfig, embed_texts, length_batches, load_encoder
 from bertctl.tokenizer import BertTokenizer
 
 runner = CliRunner()
@@ -68,16 +68,35 @@ def test_sst2_dev_mean_normalised_matches_transformers(tmp_path, minilm_dir, sst
     assert cos.min() >= 0.99999, f"worst sentence {cos.argmin()}: cosine {cos.min():.7f}"
 
 
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 @pytest.mark.parametrize("layers", ["second-to-last", "sum-last-4", "concat-last-4", "embeddings"])
-@pytest.mark.parametrize("pooling", ["cls", "max"])
-def test_layer_and_pooling_choices(minilm_dir, sst2_dev, reference, layers, pooling):
+@pytest.mark.parametrize("pooling", ["cls", "max", "mean"])
+def test_layer_and_pooling_choices(minilm_dir, sst2_dev, reference, layers, pooling, backend):
+    """Both backends (torch tensors and numpy arrays through the same pooling code) against transformers."""
     texts = sst2_dev[:24]
-    model = load_encoder(minilm_dir, torch.device("cpu"))
+    model = load_encoder(minilm_dir, torch.device("cpu"), backend)
     tokenizer = BertTokenizer.from_pretrained(minilm_dir)
-    ours = embed_texts(model, tokenizer, texts, EmbedConfig(layers=layers, pooling=pooling, batch_size=5), progress=False)
+    config = EmbedConfig(layers=layers, pooling=pooling, batch_size=5, batch_tokens=64)
+    ours = embed_texts(model, tokenizer, texts, config, progress=False)
     ref = reference_features(reference, texts, layers, pooling, normalize=False)
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_length_batches():
+    """Longest first, every text once, at most batch_size texts and batch_tokens padded tokens a batch,
+    a text longer than the budget alone."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 60, 500)
+    lengths[7] = 300
+    batches = length_batches(lengths, 16, 256)
+    flat = np.concatenate(batches)
+    assert sorted(flat) == list(range(500))
+    assert (np.diff(lengths[flat]) <= 0).all()  # longest first, so each batch's first is its longest
+    assert all(len(b) <= 16 and (len(b) * lengths[b].max() <= 256 or len(b) == 1) for b in batches)
+    assert batches[0].tolist() == [7]
+    # Greedy: each batch takes as many texts as fit (the next one would break a limit).
+    assert all(len(b) == 16 or (len(b) + 1) * lengths[b[0]] > 256 for b in batches[:-1])
 
 
 def test_output_formats_keep_input_order(tmp_path, minilm_dir):

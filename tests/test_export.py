@@ -19,7 +19,7 @@ from bertctl.cli.app import app
 from bertctl.config import BertConfig
 from bertctl.embed import EmbedConfig, resolve_backend
 from bertctl.errors import BertctlError
-from bertctl.export import HEADS, cached_encoder, cached_encoder_path, export_onnx
+from bertctl.export import HEADS, cached_encoder, cached_encoder_path, export_onnx, fuse_attention, optimized_path
 from bertctl.model import MODEL_CLASSES
 
 runner = CliRunner()
@@ -141,8 +141,20 @@ def minilm_onnx(minilm_dir):
     return cached_encoder(minilm_dir)
 
 
+def op_counts(path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in onnx.load(str(path)).graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
 def test_minilm_export_matches_transformers(minilm_dir, minilm_onnx, sst2_dev):
-    assert minilm_onnx.path == cached_encoder_path(minilm_dir) and minilm_onnx.has_hidden_states
+    """embed serves the fused copy of the export: one Attention and one BiasGelu per layer, no SkipLayerNorm."""
+    assert minilm_onnx.path == optimized_path(cached_encoder_path(minilm_dir)) and minilm_onnx.has_hidden_states
+    assert cached_encoder_path(minilm_dir).exists()  # the export stays beside it
+    ops = op_counts(minilm_onnx.path)
+    assert ops["Attention"] == ops["BiasGelu"] == 6 and "Softmax" not in ops and "Erf" not in ops, ops
+    assert "SkipLayerNormalization" not in ops, ops
     tok = transformers.AutoTokenizer.from_pretrained(str(minilm_dir))
     enc = tok(sst2_dev[:48], padding=True, return_tensors="np")
     feeds = {k: enc[k].astype(np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
@@ -210,10 +222,45 @@ def test_embed_backend_choice_and_errors(tmp_path, minilm_dir, monkeypatch):
 def test_cache_is_reused_and_replaced_when_the_weights_change(tmp_path, monkeypatch):
     model_dir = tiny_dir(tmp_path / "model", "BertModel")
     first = cached_encoder(model_dir).path
-    calls = []
-    real = bertctl.export.export_onnx
-    monkeypatch.setattr(bertctl.export, "export_onnx", lambda *a, **k: calls.append(a) or real(*a, **k))
-    assert cached_encoder(model_dir).path == first and calls == []
+    export = cached_encoder_path(model_dir)
+    calls, fusions = [], []
+    real_export, real_optimize = bertctl.export.export_onnx, bertctl.export.optimize_encoder
+    monkeypatch.setattr(bertctl.export, "export_onnx", lambda *a, **k: calls.append(a) or real_export(*a, **k))
+    monkeypatch.setattr(bertctl.export, "optimize_encoder", lambda *a, **k: fusions.append(a) or real_optimize(*a, **k))
+    assert cached_encoder(model_dir).path == first and calls == [] and fusions == []
+    # Another onnxruntime: the fused copy is made again from the same export, the old copy removed.
+    real_version = bertctl.export._version
+    monkeypatch.setattr(bertctl.export, "_version", lambda p: "0.0-other" if p == "onnxruntime" else real_version(p))
+    refused = cached_encoder(model_dir).path
+    assert refused != first and calls == [] and len(fusions) == 1 and not first.exists() and export.exists()
     tiny_dir(model_dir, "BertModel", hidden_act="gelu_new")  # rewritten: a new key, the old export removed
     second = cached_encoder(model_dir).path
-    assert second != first and len(calls) == 1 and second.exists() and not first.exists()
+    assert second != refused and len(calls) == 1 and second.exists() and not refused.exists() and not export.exists()
+    export = cached_encoder_path(model_dir)
+    same_directory = export.parent.glob(export.name.rsplit("-", 1)[0] + "-*")  # the folder is the session's
+    assert sorted(p.name for p in same_directory) == sorted([second.name, export.name])
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new"])
+def test_fused_encoder_matches_transformers(tmp_path, hidden_act):
+    """The fused copy of a tiny encoder (2 layers, 4 heads) against transformers, padded rows included."""
+    model_dir = tiny_dir(tmp_path / "model", "BertModel", hidden_act=hidden_act)
+    encoder = cached_encoder(model_dir)
+    assert op_counts(encoder.path)["Attention"] == 2
+    feeds = inputs((5, 23), 99, 3)
+    model = transformers.BertModel.from_pretrained(str(model_dir), attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = model(**{k: torch.from_numpy(v) for k, v in feeds.items()}, output_hidden_states=True).hidden_states
+    got = encoder.hidden_states(feeds["input_ids"], feeds["attention_mask"], feeds["token_type_ids"], all_layers=True)
+    np.testing.assert_allclose(np.stack(got), torch.stack(want).numpy(), rtol=0, atol=1e-4)
+
+
+def test_fusion_leaves_a_graph_it_does_not_recognise(tmp_path):
+    """Without the exporter's module scopes there is no attention block to find: nothing changes."""
+    model_dir = tiny_dir(tmp_path / "model", "BertModel")
+    export_onnx(model_dir, tmp_path / "m.onnx")
+    proto = onnx.load(str(tmp_path / "m.onnx"))
+    for node in proto.graph.node:
+        del node.metadata_props[:]
+    before = proto.SerializeToString()
+    assert fuse_attention(proto, 4) == 0 and proto.SerializeToString() == before

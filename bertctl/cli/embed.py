@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES
+from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES, EmbedConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +18,10 @@ def register(app: typer.Typer) -> None:
         layers: str = typer.Option("last", help=f"Hidden states to use: {', '.join(LAYER_CHOICES)}."),
         normalize: bool = typer.Option(False, "--normalize", help="L2-normalise each embedding."),
         field: str = typer.Option(None, "--field", help="JSONL field holding the text (default 'text')."),
-        batch_size: int = typer.Option(64, "--batch-size", help="Texts per forward pass."),
+        batch_size: int = typer.Option(EmbedConfig.batch_size, "--batch-size", help="Texts per forward pass, at most."),
+        batch_tokens: int = typer.Option(None, "--batch-tokens", show_default="1024 on the CPU, 65536 on a GPU",
+                                         help="Padded tokens (texts x longest) per forward pass, at most; texts are "
+                                              "sorted by length first, so short ones go many to a batch."),
         max_length: int = typer.Option(None, "--max-length", show_default=False,
                                        help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2 "
                                             "(default and upper bound: the model's max_position_embeddings)."),
@@ -27,22 +30,22 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("auto", "--backend",
                                     help=f"{', '.join(BACKEND_CHOICES)}: auto runs onnxruntime on the CPU in fp32 "
                                          "when installed (faster there), torch otherwise. The ONNX export of the "
-                                         "encoder is cached on first use."),
+                                         "encoder (and a copy with fused attention and GELU) is cached on first "
+                                         "use."),
         onnx: Path = typer.Option(None, "--onnx", show_default=False,
                                   help="An exported encoder (.onnx) to run under onnxruntime instead of the cache."),
     ) -> None:
         """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order."""
         import numpy as np
 
-        from bertctl.embed import (EmbedConfig, embed_texts, load_encoder, read_texts, resolve_backend, resolve_device,
-                                   write_embeddings)
+        from bertctl.embed import embed_texts, load_encoder, read_texts, resolve_backend, resolve_device, write_embeddings
+        from bertctl.errors import BertctlError
+        from bertctl.io import check_writable
         from bertctl.tokenizer import load_tokenizer
 
         config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
-                             max_length=max_length, dtype=dtype, device=device, backend=backend)
-        from bertctl.errors import BertctlError
-        from bertctl.io import check_writable
-
+                             batch_tokens=batch_tokens, max_length=max_length, dtype=dtype, device=device,
+                             backend=backend)
         if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
         check_writable(output)  # before the model runs, not after
