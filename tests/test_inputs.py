@@ -314,3 +314,18 @@ def test_vocab_from_compressed_and_columnar_inputs(tmp_path, texts):
     assert train_vocab([tmp_path], parquet) == train_vocab([plain], config)
     with pytest.raises(BertctlError, match="--sample-bytes: stdin"):
         train_vocab(["-"], VocabConfig(sample_bytes=1000))
+
+
+def test_gzip_input_needs_no_zstandard(tmp_path):
+    """zstandard is imported only for .zst inputs: a machine without it still reads gzip (a subprocess where
+    importing zstandard fails)."""
+    src = tmp_path / "a.txt.gz"
+    with gzip.open(src, "wt", encoding="utf-8") as f:
+        f.write("First line.\nSecond line.\n")
+    code = ("import sys; sys.modules['zstandard'] = None\n"
+            "from pathlib import Path\n"
+            "from bertctl.data.documents import ReadStats, read_lines\n"
+            f"print(list(read_lines([Path({str(src)!r})], 'text', ReadStats())))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "First line." in out.stdout and "Second line." in out.stdout

@@ -19,8 +19,8 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   ``bertctl pretrain`` for 0.6 times that, same shards, model, recipe and seed, one process at a
   time; wall-clock from process start. The target: bertctl's final held-out MLM accuracy at least
   HF's.
-- ``presets``: every ``--model-size`` preset at its default lr and warm-up, batch 256 and 2048,
-  ``--preset-steps`` steps at sequence length 128: held-out MLM accuracy against the majority-token
+- ``presets``: every ``--model-size`` preset at its default lr and warm-up (6% of the steps), batch
+  256 for ``--preset-steps`` steps and batch 2048 for half as many, at sequence length 128: held-out MLM accuracy against the majority-token
   baseline and bertctl's collapse warning.
 - ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus) and
   ``convergence-curves.png`` in ``--results``.
@@ -220,8 +220,9 @@ def presets(a) -> list[dict]:
     for size in a.preset_sizes:
         for batch in (256, 2048):
             name = f"preset-{size}-{batch}"
-            cmd = pretrain_cmd(a, "data-nsp128", a.work / name, max_steps=a.preset_steps, size=size, batch=batch,
-                               eval_every=max(1, a.preset_steps // 4))
+            steps = a.preset_steps if batch == 256 else a.preset_steps // 2  # 2048: 4x the sequences all the same
+            cmd = pretrain_cmd(a, "data-nsp128", a.work / name, max_steps=steps, size=size, batch=batch,
+                               eval_every=max(1, steps // 4))
             cmd.remove("--compile") if "--compile" in cmd else None
             try:
                 out.append(record(a, name, lambda cmd=cmd, name=name: {**run(cmd, a, name), "size": size,

@@ -177,11 +177,14 @@ def _decompressor(codec: str):
     return zstandard.ZstdDecompressor().decompressobj()
 
 
-def _codec_errors() -> tuple[type[Exception], ...]:
-    """What the decompressors raise on bad data (bz2 raises OSError)."""
-    import zstandard
+def _codec_errors(codec: str) -> tuple[type[Exception], ...]:
+    """What the decompressors raise on bad data (bz2 raises OSError); zstandard only for zstd."""
+    errors = (zlib.error, OSError, EOFError, lzma.LZMAError)
+    if codec == "zstd":
+        import zstandard
 
-    return zlib.error, OSError, EOFError, lzma.LZMAError, zstandard.ZstdError
+        errors += (zstandard.ZstdError,)
+    return errors
 
 
 def _decompress(source: BinaryIO, prefix: bytes, codec: str, name: str) -> Iterator[bytes]:
@@ -190,7 +193,7 @@ def _decompress(source: BinaryIO, prefix: bytes, codec: str, name: str) -> Itera
     ``prefix``: bytes already read from ``source`` (the magic bytes).  Errors name
     the input and the compressed byte offset at which they were detected.
     """
-    errors = _codec_errors()
+    errors = _codec_errors(codec)
     consumed = len(prefix)  # compressed bytes read so far
 
     def read() -> bytes:
