@@ -258,8 +258,11 @@ def load_records(a) -> dict[str, dict]:
 
 def report(a) -> dict:
     recs = load_records(a)
-    res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(), "settings": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("stages", "force")}}
+    # The recipe; each record keeps the exact command it ran.
+    keep = ("vocab_size", "seq", "dupe", "holdout", "model_size", "batch", "minutes", "eval_every", "eval_batches",
+            "seed", "compile", "tasks", "seeds")
+    res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(),
+                 "settings": {k: getattr(a, k) for k in keep}}
     # where the runs ran (the report may be written elsewhere)
     res["devices"] = sorted({r.get("device", "?") for r in recs.values()})
     res["run_versions"] = sorted({json.dumps(r.get("versions"), sort_keys=True) for r in recs.values()})
@@ -313,6 +316,8 @@ def report(a) -> dict:
             "time_ratio": reached and reached["wall_seconds"] / hf["seconds"],
             "target_ratio": RACE_SHARE,
             "meets_target": bool(reached) and reached["wall_seconds"] <= RACE_SHARE * hf["seconds"]}
+    elif (a.work / "race-hf" / "metrics.jsonl").is_file() and "pretrain-main" in recs:
+        res["race_incomplete"] = partial_race(a, recs["pretrain-main"])
     pre = [r for k, r in recs.items() if k.startswith("preset-")]
     if pre:
         res["presets"] = []
@@ -320,11 +325,11 @@ def report(a) -> dict:
             s = r.get("summary") or {}
             end = s.get("eval_end") or {}
             base = end.get("mlm_majority_baseline")
-            train = {}
-            if s.get("metrics") and Path(s["metrics"]).is_file():
-                train = next(e for e in events(Path(s["metrics"])) if e["event"] == "config")["configs"]["training"]
-            res["presets"].append({"size": r.get("size"), "batch": r.get("batch"), "lr": train.get("lr"),
-                                   "warmup_fraction": train.get("warmup_fraction"), "steps": s.get("steps"),
+            from bertctl.train.pretrain import PRESET_LR
+
+            lr = PRESET_LR.get(r.get("size")) if "--lr" not in r.get("command", "") else None
+            res["presets"].append({"size": r.get("size"), "batch": r.get("batch"), "lr": lr,
+                                   "warmup_fraction": 0.06, "steps": s.get("steps"),
                                    "mlm_acc": end.get("mlm_acc"), "majority_baseline": base,
                                    "nsp_acc": end.get("nsp_acc"), "collapsed": bool(s.get("collapsed")),
                                    "learns": bool(base is not None and end.get("mlm_acc", 0) > 1.5 * base),
@@ -336,6 +341,32 @@ def report(a) -> dict:
     tmp.replace(path)
     plot(res, a.results / "convergence-curves.png")
     return res
+
+
+def partial_race(a, main: dict) -> dict:
+    """An HF race run that did not finish: its evaluations so far against the main bertctl run's, both timed
+    from their config event (imports and data loading excluded on both sides, compilation included for
+    bertctl). The schedules differ (the main run's warm-up and decay span its own, longer time box), so
+    this compares progress, not final models."""
+    ev = events(a.work / "race-hf" / "metrics.jsonl")
+    t_hf = next(e for e in ev if e["event"] == "config")["time"]
+    plan = next((e for e in ev if e["event"] == "plan"), {})
+    hf = [{"step": e["step"], "seconds": round(e["time"] - t_hf, 2), "mlm_acc": e["mlm_acc"], "nsp_acc": e.get("nsp_acc")}
+          for e in ev if e["event"] == "eval"]
+    ours_ev = events(a.work / "pretrain-main" / "metrics.jsonl")
+    t_b = next(e for e in ours_ev if e["event"] == "config")["time"]
+    ours = [{"step": e["step"], "seconds": round(e["time"] - t_b, 2), "mlm_acc": e["mlm_acc"], "nsp_acc": e.get("nsp_acc")}
+            for e in ours_ev if e["event"] == "eval"]
+    points = []
+    for h in hf[1:]:
+        hit = next((o for o in ours if o["mlm_acc"] >= h["mlm_acc"]), None)
+        points.append({"hf_step": h["step"], "hf_seconds": h["seconds"], "hf_mlm_acc": h["mlm_acc"],
+                       "bertctl_step": hit and hit["step"], "bertctl_seconds": hit and hit["seconds"],
+                       "time_ratio": hit and round(hit["seconds"] / h["seconds"], 3)})
+    return {"complete": False, "hf_planned_steps": plan.get("max_steps"), "hf_seconds_per_step": plan.get("seconds_per_step"),
+            "hf_curve": hf, "bertctl_main_curve": ours, "bertctl_reaches_hf_accuracy": points,
+            "note": "the HF run stopped before its planned end (the GPU machine was lost); bertctl's curve is the "
+                    "main run's (a longer schedule), so this compares progress at equal accuracy, not final models"}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -358,7 +389,16 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title("bertctl pretraining (held out)")
     ax.legend()
     ax = axes[1]
-    r = res.get("race")
+    r, partial = res.get("race"), res.get("race_incomplete")
+    if partial and not r:
+        for key, label in (("hf_curve", "transformers BertForPreTraining (stopped early)"),
+                           ("bertctl_main_curve", "bertctl pretrain (main run)")):
+            c = [x for x in partial[key] if x["seconds"] <= 1.3 * partial["hf_curve"][-1]["seconds"]]
+            ax.plot([x["seconds"] / 60 for x in c], [x["mlm_acc"] for x in c], "o-", ms=3, label=label)
+        ax.set_xlabel("wall-clock minutes from the config event (same GPU model)")
+        ax.set_ylabel("held-out MLM accuracy")
+        ax.set_title("same shards, model, batch and seed")
+        ax.legend()
     if r:
         for side in ("hf", "bertctl"):
             c = r[side]["curve"]
@@ -374,6 +414,8 @@ def plot(res: dict, path: Path) -> None:
     labels = [k for k in TASKS if k in t]
     width = 0.27
     for j, init in enumerate(INITS):
+        if not any(init in t[k] for k in labels):
+            continue
         ys = [t[k][init]["mean"] if init in t[k] else 0 for k in labels]
         es = [t[k][init]["std"] if init in t[k] else 0 for k in labels]
         ax.bar([i + (j - 1) * width for i in range(len(labels))], ys, width, yerr=es,
