@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from bertctl.cli.app import COMMANDS, build_app
 from bertctl.export import cached_encoder
 
@@ -56,3 +58,13 @@ def test_each_module_registers_its_command():
         app = build_app([name])
         command = typer.main.get_command(app)
         assert list(command.commands) == [name], (name, list(command.commands))
+
+
+@pytest.mark.parametrize("args, shown", [((), "finetune"), (("finetune", "--help"), "glue"),
+                                         (("finetune", "glue", "--help"), "--from-scratch"),
+                                         (("eval", "--help"), "squad"), (("pretrain", "--help"), "--minutes")])
+def test_help_does_not_import_torch(args, shown):
+    """Help pages come up at once: no command module imports torch at import time."""
+    r = run_main(*args, "--help") if not args else run_main(*args)
+    assert r["code"] == 0 and shown in r["stdout"], r["stderr"]
+    assert not r["torch"]

@@ -3,13 +3,15 @@ predictions file against gold with the official rules. Metrics JSON goes to stdo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from bertctl.errors import BertctlError
 from bertctl.io import check_writable
-from bertctl.tasks.trainer import TrainConfig
+
+if TYPE_CHECKING:  # torch loads only when a command runs, not for --help
+    from bertctl.tasks.trainer import TrainConfig
 
 eval_app = typer.Typer(help="Evaluate a fine-tuned model, or score SQuAD predictions with the official rules.",
                        no_args_is_help=True)
@@ -22,6 +24,8 @@ QUIET = typer.Option(False, "--quiet", "-q", help="No progress bars.")
 
 
 def _cfg(batch_size: int, device: str, quiet: bool) -> TrainConfig:
+    from bertctl.tasks.trainer import TrainConfig
+
     return TrainConfig(eval_batch_size=batch_size, device=device, progress=not quiet)
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from bertctl.cli import options as opt
-from bertctl.tasks.trainer import TrainConfig
+
+if TYPE_CHECKING:  # torch loads only when a command runs, not for --help
+    from bertctl.tasks.trainer import TrainConfig
 
 finetune_app = typer.Typer(help="Fine-tune a pretrained BERT (bertctl's or Hugging Face's) on GLUE, SQuAD, NER "
                                 "or SWAG.", no_args_is_help=True)
@@ -43,6 +45,8 @@ LOG_EVERY = typer.Option(50, "--log-every", help="Steps between logged mean trai
 
 def _train_config(v: dict) -> TrainConfig:
     """A TrainConfig from a command's locals (old flag spellings folded in, every number checked)."""
+    from bertctl.tasks.trainer import TrainConfig
+
     v = opt.merge_aliases(v, attention=v.get("attention"), no_bf16=v.get("no_bf16"), quiet=v.get("quiet"),
                           save_steps=v.get("save_steps"), log_steps=v.get("log_steps"), warmup=v.get("warmup"))
     opt.check_training(batch_size=v["batch_size"], micro_batch_size=v["micro_batch_size"], lr=v["lr"],
