@@ -234,7 +234,21 @@ def test_pretrain_minutes_without_max_steps_plans_the_schedule_to_the_time_box(d
     # Planned to end in time: lr 0 at the end (on a machine that got much busier mid-run the hard time box may
     # cut the last few steps, but never far from the end of the decay).
     assert s["final_lr"] == 0.0 if s["stopped"] is None else s["final_lr"] < 0.1 * 1e-3
+    data = json.loads((data_dir / "manifest.json").read_text())
+    per_epoch = data["splits"]["train"]["num_instances"] // 8
+    assert s["epochs"] == pytest.approx(s["steps"] / per_epoch, abs=1e-3)
+    assert s["passes_over_text"] == pytest.approx(s["epochs"] * data["data_config"]["dupe_factor"], abs=0.01)
     r = CliRunner().invoke(app, common + ["-o", str(tmp_path / "cut"), "--minutes", "0.05", "--max-steps", "100000"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout[r.stdout.index("{"):])
     assert s["stopped"] == "time limit" and s["max_steps"] == 100_000 and s["final_lr"] > 0
+
+
+def test_memorising_note_names_the_gap_and_the_passes():
+    from bertctl.train.pretrain import memorising_note
+
+    note = memorising_note({"mlm_acc": 0.64}, {"mlm_acc": 0.47}, 24.0)
+    assert note is not None and "0.170" in note and "24 passes" in note
+    assert memorising_note({"mlm_acc": 0.64}, {"mlm_acc": 0.60}, 24.0) is None  # small gap
+    assert memorising_note({"mlm_acc": 0.64}, {"mlm_acc": 0.47}, 1.0) is None  # first pass: not memorising
+    assert memorising_note({"mlm_acc": 0.64}, None, 24.0) is None

@@ -184,6 +184,21 @@ def is_stuck(ev: dict) -> bool:
 COLLAPSE_MIN_STEPS = 1000
 
 
+MEMORISING_GAP = 0.1  # training minus held-out MLM accuracy
+
+
+def memorising_note(train: dict | None, held_out: dict | None, passes: float) -> str | None:
+    """A note when the model has started to memorise its text: training MLM accuracy well above the held-out
+    one after several passes over the text. More (different) text then helps more than more steps."""
+    if not train or not held_out or "mlm_acc" not in train or passes < 2:
+        return None
+    gap = train["mlm_acc"] - held_out["mlm_acc"]
+    if gap < MEMORISING_GAP:
+        return None
+    return (f"training MLM accuracy {train['mlm_acc']:.3f} is {gap:.3f} above held-out {held_out['mlm_acc']:.3f} after "
+            f"{passes:g} passes over the text: the model is memorising it; more text will help more than more steps")
+
+
 def collapse_warning(previous: dict | None, ev: dict, step: int, warmup: int, max_steps: int, lr: float) -> str | None:
     """One sentence with the fix when a run has collapsed, else None.
 
@@ -527,6 +542,11 @@ class Trainer:
         model_dir = self.export() if stop_reason is None or stop_reason == "time limit" else None
         png = self._curves()
         elapsed = time.monotonic() - t_start
+        passes = self.text_passes()
+        memorising = memorising_note(result.last_record, eval_end, passes)
+        if memorising:
+            self._say(f"[yellow]{memorising}")
+            self.log.log(event="note", step=self.step, message=memorising)
         summary = {
             "output": str(self.out), "objective": self.objective, "steps": self.step, "start_step": start_step, "max_steps": self.max_steps,
             "stopped": stop_reason, "resumed_from": self.resumed_from,
@@ -535,10 +555,17 @@ class Trainer:
             "seconds": round(elapsed, 2), "world_size": self.dist.world_size, "precision": self.precision,
             "parameters": self.n_params, "train": result.last_record, "eval_start": eval_start, "eval_end": eval_end,
             "final_lr": self.engine.scheduler.get_last_lr()[0], "collapsed": self.collapsed,
+            "epochs": round(self.step / self.steps_per_epoch, 3), "passes_over_text": passes, "note": memorising,
         }
         self.log.log(event="end", **{k: v for k, v in summary.items() if k not in ("train",)})
         self.log.close()
         return summary
+
+    def text_passes(self) -> float:
+        """How often the run has seen each sentence of the raw text: epochs over the built data times the
+        build's ``--dupe-factor`` (each copy holds every sentence once)."""
+        dupe = (self.data.manifest.get("data_config") or {}).get("dupe_factor") or 1
+        return round(self.step / self.steps_per_epoch * dupe, 2)
 
     def _curves(self) -> Path | None:
         if not self.dist.is_main or not (self.out / "metrics.jsonl").is_file():
