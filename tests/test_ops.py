@@ -222,8 +222,9 @@ def test_layer_norm_many_rows(device, dtype, H, param_dtype):
     close(db, db_ref, pt, "layer_norm dbias", scale=N**0.5)
 
 
-# The CPU kernel writes y and dx with streaming stores (and prefetches the backward's rows into L2)
-# once the bytes an op moves reach these sizes (kStreamTraffic* in csrc/cpu/layer_norm.cpp).
+# The CPU kernels write y and dx with streaming stores (and LayerNorm prefetches the backward's rows
+# into L2) once the bytes an op moves reach these sizes (kStreamTraffic* in csrc/cpu/layer_norm.cpp
+# and csrc/cpu/bias_gelu.cpp).
 CPU_STREAM_TRAFFIC_FWD, CPU_STREAM_TRAFFIC_BWD = 32 * 2**20, 16 * 2**20
 
 
@@ -340,6 +341,29 @@ def test_bias_gelu_matches_float64(device, dtype, H, approximate):
     dx_ref, db_ref = torch.autograd.grad(F.gelu(xd + bd, approximate=approximate), (xd, bd), dy.double())
     close(dx, dx_ref, dtype, "bias_gelu dx")
     close(db, db_ref, dtype, "bias_gelu dbias", scale=N**0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("H", [3072, 1037])  # 1037: rows start off the vector boundaries
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_cpu_streamed_outputs(dtype, H, approximate):
+    """Tensors large enough for the CPU kernel's streaming-store path (forward reads x, writes y;
+    backward reads dy, x, writes dx), against torch's GELU in float64."""
+    gen = torch.Generator().manual_seed(H)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    N = -(-CPU_STREAM_TRAFFIC_FWD // (2 * H * itemsize)) + 3
+    x = rand(N, H, dtype=dtype, device="cpu", std=2.0, gen=gen).requires_grad_()
+    b = rand(H, dtype=dtype, device="cpu", gen=gen).requires_grad_()
+    y = ops.bias_gelu(x, b, approximate)
+    xd, bd = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    y_ref = F.gelu(xd + bd, approximate=approximate)
+    # fp64 has no entry in TOL: it is compared at fp32 tolerance, far looser than it needs.
+    close(y, y_ref.detach(), torch.float32, "bias_gelu forward, streamed")
+    dy = rand(N, H, dtype=dtype, device="cpu", gen=gen)
+    dx, db = torch.autograd.grad(y, (x, b), dy)
+    dx_ref, db_ref = torch.autograd.grad(y_ref, (xd, bd), dy.double())
+    close(dx, dx_ref, torch.float32, "bias_gelu dx, streamed")
+    close(db, db_ref, torch.float32, "bias_gelu dbias, streamed", scale=N**0.5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -39,6 +39,26 @@ def test_bench_ops_cli_writes_report(tmp_path):
     assert len(report["summary"]) == 6 and all("vs_eager" in s for s in report["summary"])
 
 
+@pytest.mark.usefixtures("fused_kernels")
+def test_bench_ops_cli_times_only_the_ops_asked_for(tmp_path):
+    out = tmp_path / "ops.json"
+    result = CliRunner().invoke(app, ["bench", "ops", "--device", "cpu", "--tiny", "--reps", "2", "--rounds", "2",
+                                      "--op", "layer_norm", "--provider", "fused", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert {(r["op"], r["mode"]) for r in report["rows"]} == {("layer_norm", "fwd"), ("layer_norm", "fwdbwd")}
+    assert all(r["runs"] == 4 for r in report["rows"])  # 2 rounds x 2 calls
+    assert report["config"]["rounds"] == 2
+    for key in ("loadavg_before", "loadavg_after"):  # how busy the (shared) machine was
+        assert len(report["device"][key]) == 3
+
+
+def test_bench_ops_rejects_unknown_op():
+    result = CliRunner().invoke(app, ["bench", "ops", "--device", "cpu", "--op", "attention"])
+    assert result.exit_code == 2
+    assert "--op" in result.output
+
+
 def test_bench_ops_rejects_bad_device():
     result = CliRunner().invoke(app, ["bench", "ops", "--device", "tpu"])
     assert result.exit_code == 2

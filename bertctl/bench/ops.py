@@ -9,6 +9,8 @@ the device-to-device copy bandwidth measured in the same run.  On CUDA the time 
 with CUDA events around the queued call (``median_ms``: kernel time plus the device's launch
 latency, about 3 us), and again from the profiler's kernel timestamps (``kernel_ms``: the span
 from the call's first kernel start to its last kernel end), each with its own GB/s and speedups.
+On CPU the providers are timed in alternating rounds, and the report keeps the load average
+before and after the run (a shared machine's other work shows there).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from bertctl.bench import harness
 
 PROVIDERS = ("fused", "eager", "compile")
 MODES = ("fwd", "fwdbwd")
+OPS = ("softmax", "layer_norm", "bias_gelu")
 # CPU: rounds of `reps` calls per provider, the providers alternating (harness.measure_interleaved).
 CPU_ROUNDS = 5
 
@@ -50,10 +53,11 @@ CUDA_CASES = [
     Case("bias_gelu", (32768, 4096), "large 32768 tok"),
 ]
 # CPU: one BERT-Base batch of 8 x 128 tokens (attention scores 8 x 12 x 128 x 128; 1024 tokens
-# through LayerNorm and the FFN), and 4096 tokens, where a 4096 x 3072 fp32 tensor (50 MB) is past
+# through LayerNorm and the FFN), and 4096 tokens (32 x 128: scores 32 x 12 x 128 x 128), where a 4096 x 3072 fp32 tensor (50 MB) is past
 # glibc's mmap threshold, so every fresh output is page-faulted in and that cost dominates.
 CPU_CASES = [
     Case("softmax", (8, 12, 128, 128), "base s128 b8", quick=True),
+    Case("softmax", (32, 12, 128, 128), "base s128 b32"),  # 4096 tokens
     Case("layer_norm", (1024, 768), "base s128 b8", quick=True),
     Case("bias_gelu", (1024, 3072), "base s128 b8", quick=True),
     Case("layer_norm", (4096, 768), "base 4096 tok"),
@@ -163,6 +167,8 @@ class OpsBenchConfig:
     tiny: bool = False
     providers: tuple[str, ...] = PROVIDERS
     modes: tuple[str, ...] = MODES
+    ops: tuple[str, ...] = OPS  # a subset times only those ops
+    rounds: int = CPU_ROUNDS  # CPU: alternating rounds per measurement
     reps: int = 0            # 0: 100 on CUDA, 20 per round on CPU (10 / 5 with quick)
     seed: int = 0
     copy_gbps: float | None = None  # measured when None
@@ -179,11 +185,13 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
         copy = harness.copy_bandwidth(device, nbytes=16 * 2**20, reps=5)
     block = harness.device_block(device, copy)
     block["fused_kernels"] = ops.fused_available()
+    block["loadavg_before"] = _loadavg()
     copy_gbps = block["copy_gbps"]
     log(f"device: {block['name']}  copy bandwidth {copy_gbps:.0f} GB/s  torch {block['torch']}  commit {block['commit']}")
     cases = TINY_CASES if cfg.tiny else (CUDA_CASES if device.type == "cuda" else CPU_CASES)
     if cfg.quick:
         cases = [c for c in cases if c.quick]
+    cases = [c for c in cases if c.op in cfg.ops]
     reps = cfg.reps or ((10 if cfg.quick else 100) if device.type == "cuda" else (5 if cfg.quick else 20))
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     # One static graph per shape and mode, never a silent fall-back to eager after many shapes.
@@ -206,7 +214,7 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                     sets.append((args, wrt, dy))
                 runs = {p: _runner(fns[p], mode, len(sets[0][1])) for p in cfg.providers}
                 if device.type == "cpu":  # providers alternate in rounds (a shared machine's slow spells hit all)
-                    timings = harness.measure_interleaved(runs, sets, rounds=CPU_ROUNDS, reps=reps)
+                    timings = harness.measure_interleaved(runs, sets, rounds=cfg.rounds, reps=reps)
                 else:
                     timings = {p: harness.measure(run, sets, device, reps=reps, warmup=3 if p == "compile" else 5)
                                for p, run in runs.items()}
@@ -240,8 +248,21 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
     if any("kernel_pct_of_copy_bw" in line for line in summary):
         columns += ["kernel_pct_of_copy_bw", "kernel_vs_eager", "kernel_vs_compile"]
     log(harness.format_table(summary, columns))
-    return {"device": block, "config": {"quick": cfg.quick, "reps": reps, "seed": cfg.seed}, "rows": rows,
-            "summary": summary}
+    block["loadavg_after"] = _loadavg()
+    log(f"load average (1, 5, 15 min) before {block['loadavg_before']}, after {block['loadavg_after']}")
+    config = {"quick": cfg.quick, "reps": reps, "seed": cfg.seed}
+    if device.type == "cpu":
+        config["rounds"] = cfg.rounds
+    return {"device": block, "config": config, "rows": rows, "summary": summary}
+
+
+def _loadavg() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (Linux), which say how busy a shared machine was."""
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(v) for v in f.read().split()[:3]]
+    except (OSError, ValueError):
+        return None
 
 
 def _sig(x: float) -> float:

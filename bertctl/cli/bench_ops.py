@@ -20,14 +20,18 @@ def register(bench_app: typer.Typer) -> None:
         quick: bool = typer.Option(False, "--quick", help="BERT-Base shapes only, fewer repetitions."),
         tiny: bool = typer.Option(False, "--tiny", hidden=True, help="Tiny shapes (tests)."),
         provider: list[str] = typer.Option(None, "--provider", help="fused, eager, compile (repeatable; default all)."),
-        reps: int = typer.Option(0, "--reps", help="Timed calls per measurement; on CPU per round of 5, the providers alternating (0: default for the device)."),
+        op: list[str] = typer.Option(None, "--op", help="softmax, layer_norm, bias_gelu (repeatable; default all)."),
+        reps: int = typer.Option(0, "--reps", help="Timed calls per measurement; on CPU per round, the providers "
+                                                   "alternating (0: default for the device)."),
+        rounds: int = typer.Option(0, "--rounds", help="CPU: rounds per measurement, the providers' order "
+                                                       "rotated each round (0: 5)."),
         threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
         output: Path = typer.Option(None, "--output", "-o", help="Write the JSON report here (else to stdout)."),
     ) -> None:
         """Time softmax, LayerNorm+residual and bias+GELU (fwd and fwd+bwd): median ms, GB/s, % of copy bandwidth."""
         import torch
 
-        from bertctl.bench.ops import MODES, PROVIDERS, OpsBenchConfig, run_ops_bench
+        from bertctl.bench.ops import CPU_ROUNDS, MODES, OPS, PROVIDERS, OpsBenchConfig, run_ops_bench
         from bertctl.io import write_json
 
         if threads > 0:
@@ -46,8 +50,15 @@ def register(bench_app: typer.Typer) -> None:
         for p in providers:
             if p not in PROVIDERS:
                 raise BertctlError(f"--provider must be one of {', '.join(PROVIDERS)}, not {p!r}")
+        op_names = tuple(op) if op else OPS
+        for o in op_names:
+            if o not in OPS:
+                raise BertctlError(f"--op must be one of {', '.join(OPS)}, not {o!r}")
+        if rounds < 0:
+            raise BertctlError(f"--rounds must be 0 (the default, 5) or more, not {rounds}")
         cfg = OpsBenchConfig(device=device, dtypes=dtypes, quick=quick, tiny=tiny, providers=providers,
-                             modes=MODES, reps=reps)
+                             modes=MODES, ops=op_names, reps=reps,
+                             rounds=rounds or CPU_ROUNDS)
         report = run_ops_bench(cfg)
         if output is None:
             json.dump(report, sys.stdout, indent=1)

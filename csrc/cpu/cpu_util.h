@@ -6,8 +6,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -183,6 +183,64 @@ inline int64_t to_boundary(const T* p, uintptr_t bytes) {
 template <typename acc_t>
 inline int64_t to_vector_boundary(const acc_t* p) {
   return to_boundary(p, at::vec::Vectorized<acc_t>::size() * sizeof(acc_t));
+}
+
+// A row-sized scratch buffer aligned to 64 bytes (a cache line and an AVX-512 vector), so that
+// vector loads and stores on it never straddle two lines.
+template <typename acc_t>
+struct RowBuffer {
+  explicit RowBuffer(int64_t n) : storage(n + 64 / sizeof(acc_t)) {}
+  acc_t* get(int64_t offset = 0) {
+    auto* p = storage.data();
+    return p + to_boundary(p, 64) + offset;
+  }
+  std::vector<acc_t> storage;
+};
+
+// Runs body(j, load, store) over the vectors of a row of n columns; load(p, j) reads the vector
+// at column j of row p, store(v, p, j) writes one.  Full vectors, then one zero-padded partial
+// vector for the tail.  With Stream, stores are streaming and the vectors are laid on the
+// boundaries of `out` (the row stores write): a partial head vector runs up to its first
+// boundary, so that every full vector stored is aligned.
+template <bool Stream, typename acc_t, typename Body>
+inline void for_each_vector(const acc_t* out, int64_t n, Body&& body) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  auto full_load = [](const acc_t* p, int64_t j) { return Vec::loadu(p + j); };
+  auto full_store = [](const Vec& v, acc_t* p, int64_t j) {
+    if constexpr (Stream) {
+      stream_store(v, p + j);
+    } else {
+      v.store(p + j);
+    }
+  };
+  auto part = [&](int64_t j, int64_t count) {
+    body(j, [count](const acc_t* p, int64_t k) { return Vec::loadu(p + k, count); },
+         [count](const Vec& v, acc_t* p, int64_t k) { v.store(p + k, count); });
+  };
+  int64_t j = 0;
+  if constexpr (Stream) {
+    j = std::min(n, to_vector_boundary(out));
+    if (j > 0) part(0, j);
+  }
+  for (; j + W <= n; j += W) body(j, full_load, full_store);
+  if (j < n) part(j, n - j);
+}
+
+// Column sums of per-chunk partials: out[j] = sum over c of part[c * stride + j], added in chunk
+// order in double and rounded once into out (a 1-D tensor of cols elements of any floating
+// dtype: the parameter's), so that the result does not depend on scheduling.
+template <typename acc_t>
+void sum_partials(const acc_t* part, int64_t chunks, int64_t stride, at::Tensor& out) {
+  const int64_t cols = out.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "bertctl_sum_partials", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < cols; ++j) {
+      double s = 0;
+      for (int64_t c = 0; c < chunks; ++c) s += static_cast<double>(part[c * stride + j]);
+      o[j] = static_cast<scalar_t>(s);
+    }
+  });
 }
 
 inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)); }

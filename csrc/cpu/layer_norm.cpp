@@ -97,48 +97,6 @@ inline acc_t lane_sum(const at::vec::Vectorized<acc_t>& v) {
   return s;
 }
 
-// A row-sized scratch buffer aligned to 64 bytes (a cache line and an AVX-512 vector), so that
-// vector loads and stores on it never straddle two lines.
-template <typename acc_t>
-struct RowBuffer {
-  explicit RowBuffer(int64_t n) : storage(n + 64 / sizeof(acc_t)) {}
-  acc_t* get(int64_t offset = 0) {
-    auto* p = storage.data();
-    return p + to_boundary(p, 64) + offset;
-  }
-  std::vector<acc_t> storage;
-};
-
-// Runs body(j, load, store) over the vectors of a row of n columns; load(p, j) reads the vector
-// at column j of row p, store(v, p, j) writes one.  Full vectors, then one zero-padded partial
-// vector for the tail.  With Stream, stores are streaming and the vectors are laid on the
-// boundaries of `out` (the row stores write): a partial head vector runs up to its first
-// boundary, so that every full vector stored is aligned.
-template <bool Stream, typename acc_t, typename Body>
-inline void for_each_vector(const acc_t* out, int64_t n, Body&& body) {
-  using Vec = at::vec::Vectorized<acc_t>;
-  constexpr int64_t W = Vec::size();
-  auto full_load = [](const acc_t* p, int64_t j) { return Vec::loadu(p + j); };
-  auto full_store = [](const Vec& v, acc_t* p, int64_t j) {
-    if constexpr (Stream) {
-      stream_store(v, p + j);
-    } else {
-      v.store(p + j);
-    }
-  };
-  auto part = [&](int64_t j, int64_t count) {
-    body(j, [count](const acc_t* p, int64_t k) { return Vec::loadu(p + k, count); },
-         [count](const Vec& v, acc_t* p, int64_t k) { v.store(p + k, count); });
-  };
-  int64_t j = 0;
-  if constexpr (Stream) {
-    j = std::min(n, to_vector_boundary(out));
-    if (j > 0) part(0, j);
-  }
-  for (; j + W <= n; j += W) body(j, full_load, full_store);
-  if (j < n) part(j, n - j);
-}
-
 template <bool Large, typename scalar_t, typename acc_t>
 void layer_norm_chunk(const scalar_t* x, const scalar_t* res, const acc_t* w_in, const acc_t* b_in, acc_t eps,
                       scalar_t* y, acc_t* mean_out, acc_t* rstd_out, int64_t cols, int64_t begin, int64_t end) {
@@ -281,7 +239,7 @@ void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scal
 template <typename scalar_t>
 void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& res_,
                               const at::Tensor& w_, const at::Tensor& mean_, const at::Tensor& rstd_, at::Tensor& dx_,
-                              double* dw_sum, double* db_sum) {
+                              at::Tensor& dw, at::Tensor& db) {
   using acc_t = acc_type<scalar_t>;
   const int64_t cols = last_dim(x_), rows = rows_of(x_);
   const auto w = param_acc<acc_t>(w_);
@@ -306,13 +264,8 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
         layer_norm_backward_chunk<false>(dy, x, res, w.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
     }
   });
-  for (int64_t c = 0; c < chunks; ++c) {
-    const acc_t *dwp = part.data() + 2 * c * cols, *dbp = dwp + cols;
-    for (int64_t j = 0; j < cols; ++j) {
-      dw_sum[j] += dwp[j];
-      db_sum[j] += dbp[j];
-    }
-  }
+  sum_partials(part.data(), chunks, 2 * cols, dw);
+  sum_partials(part.data() + cols, chunks, 2 * cols, db);
 }
 
 // y, and with stats the mean and rstd (undefined without).
@@ -367,13 +320,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
   auto mc = mean.contiguous().to(stats_dtype(x)), rc = rstd.contiguous().to(stats_dtype(x));
   auto dx = at::empty_like(xc);
   const int64_t cols = last_dim(x);
-  auto dw = at::zeros({cols}, x.options().dtype(at::kDouble)), db = at::zeros({cols}, x.options().dtype(at::kDouble));
-  if (x.numel() > 0) {
+  // Both in the weight's dtype (the autograd node casts dbias to the bias's).
+  auto dw = at::empty({cols}, weight.options()), db = at::empty({cols}, weight.options());
+  if (x.numel() == 0) {
+    dw.zero_();
+    db.zero_();
+  } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_layer_norm_backward_cpu", [&] {
-      layer_norm_backward_rows<scalar_t>(dyc, xc, res, weight, mc, rc, dx, dw.data_ptr<double>(), db.data_ptr<double>());
+      layer_norm_backward_rows<scalar_t>(dyc, xc, res, weight, mc, rc, dx, dw, db);
     });
   }
-  return {dx, dw.to(weight.scalar_type()), db.to(weight.scalar_type())};
+  return {dx, dw, db};
 }
 
 }  // namespace
