@@ -24,7 +24,8 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "large": (24, 1024, 16),
 }
 
-ATTENTION_BACKENDS = ("sdpa", "explicit")
+ATTENTION_BACKENDS = ("sdpa", "explicit", "unpadded")
+EXPORTABLE_ATTENTION = ("sdpa", "explicit")  # unpadded packs by data-dependent indices: no static graph
 KERNEL_CHOICES = ("auto", "fused", "torch")
 # hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertctl.config import ATTENTION_BACKENDS
+from bertctl.config import EXPORTABLE_ATTENTION
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_path
 from bertctl.progress import stderr
@@ -232,8 +232,9 @@ def export_onnx(directory: str | Path, output: str | Path, *, architecture: str 
     Nothing is written under ``output`` unless every output matches within ``tolerance``.
     """
     require_onnx()
-    if attn_implementation not in ATTENTION_BACKENDS:
-        raise BertctlError(f"--attn must be one of {', '.join(ATTENTION_BACKENDS)}, not {attn_implementation!r}")
+    if attn_implementation not in EXPORTABLE_ATTENTION:
+        raise BertctlError(f"--attn must be one of {', '.join(EXPORTABLE_ATTENTION)} for an exported graph, "
+                           f"not {attn_implementation!r}")
     if opset < 17:
         raise BertctlError(f"--opset must be at least 17 (LayerNormalization), not {opset}")
     import torch

@@ -6,8 +6,9 @@ Module and parameter names are Hugging Face's (``bert.encoder.layer.N.attention.
 between bertctl and ``transformers`` unchanged.
 
 Two choices are made per config, over the same weights:
-- ``attn_implementation``: ``sdpa`` (torch's scaled_dot_product_attention) or ``explicit``
-  (materialised scores, the path the fused softmax serves);
+- ``attn_implementation``: ``sdpa`` (torch's scaled_dot_product_attention), ``explicit``
+  (materialised scores, the path the fused softmax serves) or ``unpadded`` (the encoder runs on
+  the batch's real tokens only, (T, H) with T = the sum of the lengths; see ``Packed``);
 - ``kernels``: ``fused`` (bertctl's softmax / LayerNorm+residual / bias+GELU ops),
   ``torch`` (plain PyTorch), or ``auto`` (fused when the compiled module loaded).
 
@@ -136,6 +137,35 @@ class BertEmbeddings(nn.Module):
         return self.dropout(x)  # (B, S, H)
 
 
+class Packed:
+    """A padded batch's real tokens, packed: ``index`` (T,) into the flattened (B * S) positions,
+    ``cu_seqlens`` (B + 1,) the offsets of each sequence's tokens (FlashAttention's varlen layout).
+
+    With ``attn_implementation="unpadded"`` the encoder runs on (T, H): the projections, the FFN,
+    LayerNorm, GELU and dropout do no work for padding. Attention scatters Q, K and V back to
+    (B, nh, S, hs) and runs SDPA with the key mask (the real positions' results equal the padded
+    model's); its padded work is the one part left.
+    """
+
+    def __init__(self, attention_mask: torch.Tensor):
+        self.shape = tuple(attention_mask.shape)  # (B, S)
+        mask = attention_mask.bool()
+        self.key_mask = mask
+        self.index = mask.flatten().nonzero().squeeze(1)
+        lengths = mask.sum(1)
+        self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (T, ...)"""
+        return x.flatten(0, 1).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, ...) -> (B, S, ...), zeros at the padding."""
+        B, S = self.shape
+        out = x.new_zeros((B * S, *x.shape[1:]))
+        return out.index_copy(0, self.index, x).view(B, S, *x.shape[1:])
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -147,18 +177,23 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_probs_dropout_prob
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """x (B, S, H); key_mask (B, S) bool, True = a real token that may be attended to."""
-        B, S, H = x.shape
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | Packed | None) -> torch.Tensor:
+        """x (B, S, H); key_mask (B, S) bool, True = a real token that may be attended to.
+        Or x (T, H) and ``key_mask`` the batch's ``Packed`` layout."""
         # One (H -> 3H) matmul instead of three: the same weights (HF's query/key/value names),
         # concatenated per call; a wider GEMM keeps the GPU busier than three narrow ones.
         weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
         bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-        qkv = F.linear(x, weight, bias).view(B, S, 3, self.num_heads, self.head_dim)
+        qkv = F.linear(x, weight, bias)
+        packed = key_mask if isinstance(key_mask, Packed) else None
+        if packed is not None:
+            qkv, key_mask = packed.unpack(qkv), packed.key_mask
+        B, S, H = qkv.shape[0], qkv.shape[1], x.shape[-1]
+        qkv = qkv.view(B, S, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, S, hs)
         p = self.dropout_p if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
-        if self.config.attn_implementation == "sdpa":
+        if self.config.attn_implementation in ("sdpa", "unpadded"):
             mask = None if key_mask is None else key_mask[:, None, None, :]  # broadcast over heads, queries
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)
         else:
@@ -172,7 +207,8 @@ class BertSelfAttention(nn.Module):
                 probs = torch.softmax(scores, dim=-1)
             probs = F.dropout(probs, p, self.training)
             ctx = probs @ v  # (B, nh, S, hs)
-        return ctx.transpose(1, 2).reshape(B, S, H)
+        ctx = ctx.transpose(1, 2).reshape(B, S, H)
+        return ctx if packed is None else packed.pack(ctx)
 
 
 class ProjectAddNorm(nn.Module):
@@ -302,7 +338,13 @@ class BertModel(BertPreTrainedModel):
         """input_ids, token_type_ids, attention_mask: (B, S); attention_mask 1 = token, 0 = padding."""
         key_mask = None if attention_mask is None else attention_mask.bool()
         x = self.embeddings(input_ids, token_type_ids)
-        x, states = self.encoder(x, key_mask, output_hidden_states)
+        if self.config.attn_implementation == "unpadded" and key_mask is not None:
+            packed = Packed(key_mask)
+            x, states = self.encoder(packed.pack(x), packed, output_hidden_states)
+            x = packed.unpack(x)
+            states = None if states is None else tuple(packed.unpack(h) for h in states)
+        else:
+            x, states = self.encoder(x, key_mask, output_hidden_states)
         pooled = self.pooler(x) if self.pooler is not None else None
         return BertOutput(x, pooled, states)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from bertctl.config import ATTENTION_BACKENDS
+from bertctl.config import EXPORTABLE_ATTENTION
 
 export_app = typer.Typer(name="export", help="Export a model for serving (ONNX).", no_args_is_help=True)
 
@@ -20,7 +20,7 @@ def onnx(
                                      help="BertModel (the encoder) or the task head to export."),
     hidden_states: bool = typer.Option(False, "--hidden-states",
                                        help="Encoder only: also output every layer as hidden_states (L+1, B, S, H)."),
-    attn: str = typer.Option("sdpa", "--attn", help=f"Attention graph: {' or '.join(ATTENTION_BACKENDS)}."),
+    attn: str = typer.Option("sdpa", "--attn", help=f"Attention graph: {' or '.join(EXPORTABLE_ATTENTION)}."),
     opset: int = typer.Option(18, "--opset", help="ONNX opset (17 or later)."),
 ) -> None:
     """Export the encoder or a task head with dynamic batch and sequence axes; the file is written only

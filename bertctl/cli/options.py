@@ -18,7 +18,8 @@ import typer
 
 from bertctl.errors import BertctlError
 
-ATTN = typer.Option("sdpa", "--attn", help="Attention: sdpa (PyTorch's fused attention) or explicit.")
+ATTN = typer.Option("sdpa", "--attn", help="Attention: sdpa (PyTorch's fused attention), explicit, or unpadded "
+                    "(the encoder runs on the real tokens only; attention itself as sdpa).")
 PRECISION = typer.Option("auto", "--precision", help="auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp16 (with "
                                                      "loss scaling) or fp32.")
 NO_PROGRESS = typer.Option(False, "--no-progress", help="No progress bar (metrics are still logged).")
@@ -117,7 +118,9 @@ def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps
     if precision is not None:
         choice("--precision", precision, ("auto", "bf16", "fp16", "fp32"))
     if attn is not None:
-        choice("--attn", attn, ("sdpa", "explicit"))
+        from bertctl.config import ATTENTION_BACKENDS
+
+        choice("--attn", attn, ATTENTION_BACKENDS)
     if kernels is not None:
         choice("--kernels", kernels, ("auto", "fused", "torch"))
 

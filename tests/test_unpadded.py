@@ -1,0 +1,123 @@
+"""attn_implementation="unpadded": the encoder on the real tokens only, against the padded model (float64 and bf16)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bertctl.config import BertConfig
+from bertctl.model import BertForPreTraining, BertForSequenceClassification, BertForTokenClassification, BertModel, Packed
+
+KERNELS = ["torch", "fused"]
+
+
+def config(**kw) -> BertConfig:
+    return BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                      max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw)
+
+
+def batch(B=5, S=17, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([S, 1, 9, S - 3, 4][:B])
+    mask = (torch.arange(S)[None] < lengths[:, None]).long()
+    ids = torch.randint(5, 97, (B, S), generator=g) * mask
+    types = (torch.rand(B, S, generator=g) > 0.5).long() * mask
+    return ids, types, mask
+
+
+def twins(cls, kernels, dtype=torch.float64, **kw):
+    """The same weights under both backends."""
+    from bertctl import ops
+
+    assert kernels != "fused" or ops.fused_available(), "the compiled module did not load"
+    torch.manual_seed(0)
+    padded = cls(config(kernels=kernels, attn_implementation="sdpa", **kw)).to(dtype)
+    unpadded = cls(config(kernels=kernels, attn_implementation="unpadded", **kw)).to(dtype)
+    unpadded.load_state_dict(padded.state_dict())
+    return padded, unpadded
+
+
+def test_packed_round_trip():
+    _, _, mask = batch()
+    p = Packed(mask)
+    x = torch.randn(*mask.shape, 3)
+    assert p.index.numel() == int(mask.sum())
+    assert p.cu_seqlens.tolist() == [0, *mask.sum(1).cumsum(0).tolist()]
+    back = p.unpack(p.pack(x))
+    assert torch.equal(back, x * mask[..., None])
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_forward_and_gradients_match_the_padded_model_float64(kernels):
+    padded, unpadded = twins(BertModel, kernels)
+    ids, types, mask = batch()
+    w = torch.randn(*ids.shape, 32, dtype=torch.float64) * mask[..., None]  # real positions only
+    outs = []
+    for model in (padded, unpadded):
+        out = model(ids, types, mask, output_hidden_states=True)
+        loss = (out.last_hidden_state * w).sum() + out.pooler_output.square().sum()
+        loss.backward()
+        outs.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = outs
+    real = mask.bool()
+    torch.testing.assert_close(b.last_hidden_state[real], a.last_hidden_state[real], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(b.pooler_output, a.pooler_output, rtol=1e-10, atol=1e-10)
+    for ha, hb in zip(a.hidden_states, b.hidden_states):
+        torch.testing.assert_close(hb[real], ha[real], rtol=1e-10, atol=1e-10)
+        assert not hb[~real].any()  # padding stays zero
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_bf16_autocast_matches_the_padded_model(kernels):
+    padded, unpadded = twins(BertModel, kernels, dtype=torch.float32)
+    ids, types, mask = batch()
+    real = mask.bool()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = padded(ids, types, mask).last_hidden_state.float()
+        b = unpadded(ids, types, mask).last_hidden_state.float()
+    torch.testing.assert_close(b[real], a[real], rtol=0.05, atol=0.05)
+
+
+def test_heads_match_the_padded_model():
+    ids, types, mask = batch()
+    real = mask.bool()
+    padded, unpadded = twins(BertForSequenceClassification, "torch", num_labels=3)
+    torch.testing.assert_close(unpadded(ids, types, mask).logits, padded(ids, types, mask).logits)
+    padded, unpadded = twins(BertForTokenClassification, "torch", num_labels=5)
+    labels = torch.randint(0, 5, ids.shape).masked_fill(~real, -100)
+    a, b = padded(ids, types, mask, labels=labels), unpadded(ids, types, mask, labels=labels)
+    torch.testing.assert_close(b.logits[real], a.logits[real])
+    torch.testing.assert_close(b.loss, a.loss)
+    padded, unpadded = twins(BertForPreTraining, "torch")
+    positions = torch.tensor([[1, 2, 3]] * 5) % mask.sum(1, keepdim=True)
+    labels = torch.randint(0, 97, positions.shape)
+    nsp = torch.tensor([0, 1, 0, 1, 1])
+    a = padded(ids, types, mask, masked_positions=positions, masked_lm_labels=labels, next_sentence_label=nsp)
+    b = unpadded(ids, types, mask, masked_positions=positions, masked_lm_labels=labels, next_sentence_label=nsp)
+    torch.testing.assert_close(b.loss, a.loss)
+    torch.testing.assert_close(b.prediction_logits, a.prediction_logits)
+
+
+def test_finetune_runs_unpadded_and_export_refuses_it(tmp_path):
+    """--attn unpadded through the CLI: a fine-tuning run; ONNX export has no static graph for it (exit 2)."""
+    from typer.testing import CliRunner
+
+    from bertctl.cli.app import app
+    from test_finetune_support import data_path, head_lines, make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "model")
+    d = tmp_path / "sst2"
+    d.mkdir()
+    head_lines(data_path("glue", "SST-2", "train.tsv"), d / "train.tsv", 49)
+    head_lines(data_path("glue", "SST-2", "dev.tsv"), d / "dev.tsv", 21)
+    r = CliRunner().invoke(app, ["finetune", "glue", "--task", "sst2", "--data-dir", str(d), "--model", str(model),
+                                 "-o", str(tmp_path / "out"), "--epochs", "1", "--batch-size", "16", "--attn",
+                                 "unpadded", "--no-progress", "--no-tensorboard"])
+    assert r.exit_code == 0, r.output
+    assert 0.0 <= json.loads((tmp_path / "out" / "metrics.json").read_text())["accuracy"] <= 1.0
+    r = CliRunner().invoke(app, ["export", "onnx", "--model", str(model), "-o", str(tmp_path / "m.onnx"), "--attn", "unpadded"])
+    assert r.exit_code == 2 and "--attn" in r.output
