@@ -121,3 +121,21 @@ def test_finetune_runs_unpadded_and_export_refuses_it(tmp_path):
     assert 0.0 <= json.loads((tmp_path / "out" / "metrics.json").read_text())["accuracy"] <= 1.0
     r = CliRunner().invoke(app, ["export", "onnx", "--model", str(model), "-o", str(tmp_path / "m.onnx"), "--attn", "unpadded"])
     assert r.exit_code == 2 and "--attn" in r.output
+
+
+def test_a_batch_with_little_padding_runs_padded(monkeypatch):
+    """Packing a full batch costs more than it saves (8% on the CPU): such batches take the padded path."""
+    import bertctl.model as model_module
+
+    padded, unpadded = twins(BertModel, "torch")
+    ids, types, mask = batch()
+    full = torch.ones_like(mask)
+    expected = padded(ids, types, full).last_hidden_state
+
+    def refuse(*_):
+        raise AssertionError("a full batch was packed")
+
+    monkeypatch.setattr(model_module.Packed, "__init__", refuse)
+    torch.testing.assert_close(unpadded(ids, types, full).last_hidden_state, expected)
+    with pytest.raises(AssertionError, match="was packed"):
+        unpadded(ids, types, mask)
