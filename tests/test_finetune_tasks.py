@@ -259,7 +259,9 @@ def test_kernels_and_attention_choices_reach_the_model(tiny, tmp_path):
     model = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(kernels="torch",
                                                                                     attn="explicit"))
     assert model.config.kernels == "torch" and model.config.attn_implementation == "explicit"
+    auto = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(device="cpu"))
+    assert auto.config.attn_implementation == "unpadded"  # auto on a CPU
     r = runner.invoke(app, ["finetune", "swag", "--train", str(data_path("swag", "sample.jsonl")), "--dev",
                             str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
                             str(tmp_path / "o"), "--max-steps", "1", "--attention", "bogus", "--quiet"])
-    assert r.exit_code == 2 and "--attn must be one of sdpa, explicit, not 'bogus'" in r.output  # the old spelling too
+    assert r.exit_code == 2 and "--attn must be one of auto, sdpa, explicit, unpadded, not 'bogus'" in r.output  # the old spelling too

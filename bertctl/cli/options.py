@@ -18,8 +18,9 @@ import typer
 
 from bertctl.errors import BertctlError
 
-ATTN = typer.Option("sdpa", "--attn", help="Attention: sdpa (PyTorch's fused attention), explicit, or unpadded "
-                    "(the encoder runs on the real tokens only; attention itself as sdpa).")
+ATTN = typer.Option("auto", "--attn", help="Attention: sdpa (PyTorch's fused attention), explicit, unpadded (the "
+                    "encoder runs on the real tokens only; attention itself as sdpa), or auto: unpadded on a CPU, "
+                    "sdpa on a GPU.")
 PRECISION = typer.Option("auto", "--precision", help="auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp16 (with "
                                                      "loss scaling) or fp32.")
 NO_PROGRESS = typer.Option(False, "--no-progress", help="No progress bar (metrics are still logged).")
@@ -118,9 +119,9 @@ def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps
     if precision is not None:
         choice("--precision", precision, ("auto", "bf16", "fp16", "fp32"))
     if attn is not None:
-        from bertctl.config import ATTENTION_BACKENDS
+        from bertctl.config import ATTENTION_CHOICES
 
-        choice("--attn", attn, ATTENTION_BACKENDS)
+        choice("--attn", attn, ATTENTION_CHOICES)
     if kernels is not None:
         choice("--kernels", kernels, ("auto", "fused", "torch"))
 

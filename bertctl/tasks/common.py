@@ -46,10 +46,11 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     initialised afresh, the paper's "no pretraining" baseline.
     """
     from bertctl.checkpoint import load_config, load_pretrained
+    from bertctl.config import resolve_attention
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
-        overrides.update(kernels=cfg.kernels, attn_implementation=cfg.attn)
+        overrides.update(kernels=cfg.kernels, attn_implementation=resolve_attention(cfg.attn, device_for(cfg).type))
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     if cfg is not None and cfg.from_scratch:

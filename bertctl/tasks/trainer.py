@@ -55,7 +55,7 @@ class TrainConfig:
     group_by_length: bool = False
     compile: bool = False
     kernels: str = "auto"                 # model ops: "auto" (compiled kernels where built), "fused" or "torch"
-    attn: str = "sdpa"                    # attention backend: "sdpa" or "explicit"
+    attn: str = "auto"                    # attention backend: "auto", "sdpa", "explicit" or "unpadded"
     max_steps: int | None = None          # stop early (tests, smoke runs)
     from_scratch: bool = False            # the model's architecture with random weights (no pretraining)
     save_every: int = 0                   # also checkpoint every N optimizer steps (0 = only at epoch ends)
