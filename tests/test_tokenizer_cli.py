@@ -158,3 +158,27 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("bertctl: error: ") and message in err[-1], (args, err)
     assert not (tmp_path / "o.jsonl").exists()  # nothing half-written under the final name
+
+
+def test_train_and_encode_take_no_progress(tmp_path, monkeypatch):
+    """--no-progress, as every long command has it, reaches the trainer and the encoder."""
+    import bertctl.tokenizer
+    import bertctl.vocab
+
+    seen = []
+    for module, name in ((bertctl.vocab, "train_vocab"), (bertctl.tokenizer, "encode_file")):
+        original = getattr(module, name)
+
+        def spy(*args, _original=original, **kwargs):
+            seen.append(kwargs["progress"])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 20, encoding="utf-8")
+    vocab = tmp_path / "vocab.txt"
+    for flag in ([], ["--no-progress"]):
+        assert run("tokenize", "train", "--vocab-size", "60", "-o", str(vocab), str(corpus), *flag).exit_code == 0
+        assert run("tokenize", "encode", str(corpus), "--vocab", str(vocab), "-o", str(tmp_path / "o.jsonl"),
+                   *flag).exit_code == 0
+    assert seen == [True, True, False, False]

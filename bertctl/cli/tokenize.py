@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from bertctl.cli.options import NO_PROGRESS
 from bertctl.errors import BertctlError
 
 tokenize_app = typer.Typer(
@@ -60,6 +61,7 @@ def encode(
     truncation: str = typer.Option("longest_first", "--truncation",
                                    help="longest_first, only_first or only_second (pairs)."),
     offsets: bool = typer.Option(False, "--offsets", help="Add character offsets to each JSON line."),
+    no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Encode each line into input_ids, token_type_ids and attention_mask.
 
@@ -74,7 +76,7 @@ def encode(
     check_writable(output)
     tok = _tokenizer(vocab, model, cased, spm_model)
     summary = encode_file(tok, input, output, pair_separator=pair_separator, max_length=max_length,
-                          truncation=truncation, offsets=offsets, progress=True)
+                          truncation=truncation, offsets=offsets, progress=not no_progress)
     typer.echo(json.dumps(summary))
 
 
@@ -163,6 +165,7 @@ def train(
     save_dir: Path = typer.Option(None, "--save-dir",
                                   help="Also write a tokenizer directory (vocab.txt, tokenizer.json, tokenizer_config.json; "
                                        "SentencePiece: spiece.model, tokenizer_config.json)."),
+    no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Learn a BERT WordPiece vocabulary: [PAD], \\[unused0..K-1], [UNK], [CLS], [SEP], [MASK], characters, pieces.
 
@@ -197,7 +200,7 @@ def train(
             raise BertctlError(f"{', '.join(wordpiece_only)} applies to --algorithm wordpiece only")
         if output.suffix != ".model":
             raise BertctlError(f"--output {output}: a SentencePiece model file must end in .model")
-        model = train_sentencepiece(inputs, config, algorithm, progress=True)
+        model = train_sentencepiece(inputs, config, algorithm, progress=not no_progress)
         tokenizer = SentencePieceTokenizer(model, filename=output.name)  # checks that the specials are in place
         with atomic_open(output, "wb") as f:
             f.write(model)
@@ -207,7 +210,7 @@ def train(
         return
     if character_coverage != 0.9995:
         raise BertctlError("--character-coverage applies to --algorithm unigram or bpe only")
-    tokens = train_vocab(inputs, config, progress=True)
+    tokens = train_vocab(inputs, config, progress=not no_progress)
     write_vocab(tokens, output)
     if save_dir is not None:
         from bertctl.tokenizer import BertTokenizer
