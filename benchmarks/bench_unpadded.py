@@ -1,13 +1,14 @@
 """The fine-tuning step with ``attn_implementation="unpadded"`` against the padded model (``sdpa``).
 
-MiniLM-L6's architecture (6 layers, hidden 384, random weights: the timing does not depend on
-them) with a 2-label head, forward and backward of the classification loss, on batches of 32
+MiniLM-L6's architecture (6 layers, hidden 384) or BERT-Base's (random weights: the timing does not
+depend on them) with a 2-label head, forward and backward of the classification loss, on batches of 32
 SST-2 training sentences in the default random order, each padded to its own longest row (what
 ``bertctl finetune`` feeds the model). The two models share their weights; rounds alternate
 (padded, unpadded, padded, ...), and the figure is the ratio of the medians. Records the padding
 (padded tokens / real tokens), device, versions, commit and load average.
 
     python benchmarks/bench_unpadded.py --tokenizer MINILM --device cpu --threads 2 -o benchmarks/results/unpadded-cpu.json
+    python benchmarks/bench_unpadded.py --tokenizer MINILM --device cuda --bf16 --batches 50 -o unpadded-gpu.json
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=12)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--model-size", choices=("minilm", "base"), default="minilm",
+                   help="MiniLM-L6's architecture or BERT-Base's (default minilm)")
+    p.add_argument("--bf16", action="store_true", help="under bf16 autocast (on a GPU: the varlen FlashAttention path)")
     p.add_argument("-o", "--output", type=Path, required=True)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -69,28 +73,33 @@ def main(argv=None) -> int:
     models = {}
     for attn in ("sdpa", "unpadded"):
         torch.manual_seed(0)
-        c = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                       intermediate_size=1536, attn_implementation=attn, num_labels=2)
+        shape = (dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+                 if a.model_size == "minilm" else
+                 dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072))
+        c = BertConfig(vocab_size=30522, attn_implementation=attn, num_labels=2, **shape)
         models[attn] = BertForSequenceClassification(c).to(device)
     models["unpadded"].load_state_dict(models["sdpa"].state_dict())
     load_before = os.getloadavg()
     seconds: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(a.rounds):
+    for r in range(a.rounds + 1):  # round 0 warms up (allocator, kernels' autotuning) and is not counted
         for attn, model in models.items():
             t = time.perf_counter()
             for x, m in data:
-                out = model(x, None, m, labels=torch.zeros(x.shape[0], dtype=torch.long, device=device))
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
+                    out = model(x, None, m, labels=torch.zeros(x.shape[0], dtype=torch.long, device=device))
                 out.loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            seconds[attn].append(time.perf_counter() - t)
+            if r:
+                seconds[attn].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in seconds.items()}
     result = {
         "benchmark": "unpadded fine-tuning step (forward + backward)", "commit": commit(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": a.threads, "cpu_count": os.cpu_count(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "model": "MiniLM-L6 architecture, 2 labels", "batches": a.batches, "batch_size": a.batch_size,
+        "model": f"{'MiniLM-L6' if a.model_size == 'minilm' else 'BERT-Base'} architecture, 2 labels",
+        "dtype": "bf16 autocast" if a.bf16 else "fp32", "batches": a.batches, "batch_size": a.batch_size,
         "padded_over_real_tokens": round(padding, 3),
         "seconds_per_round": {k: [round(t, 3) for t in v] for k, v in seconds.items()},
         "median_seconds": {k: round(v, 3) for k, v in med.items()},

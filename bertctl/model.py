@@ -142,9 +142,10 @@ class Packed:
     ``cu_seqlens`` (B + 1,) the offsets of each sequence's tokens (FlashAttention's varlen layout).
 
     With ``attn_implementation="unpadded"`` the encoder runs on (T, H): the projections, the FFN,
-    LayerNorm, GELU and dropout do no work for padding. Attention scatters Q, K and V back to
-    (B, nh, S, hs) and runs SDPA with the key mask (the real positions' results equal the padded
-    model's); its padded work is the one part left.
+    LayerNorm, GELU and dropout do no work for padding. Attention runs FlashAttention's
+    variable-length kernel on the packed tokens where it can (``varlen_ok``: a GPU, fp16/bf16);
+    elsewhere it scatters Q, K and V back to (B, nh, S, hs) and runs SDPA with the key mask (the
+    real positions' results equal the padded model's), its padded work the one part left.
     """
 
     def __init__(self, attention_mask: torch.Tensor):
@@ -154,6 +155,7 @@ class Packed:
         self.index = mask.flatten().nonzero().squeeze(1)
         lengths = mask.sum(1)
         self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        self.max_seqlen = int(lengths.max()) if mask.is_cuda else 0  # FlashAttention's varlen kernel needs it
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (T, ...)"""
@@ -164,6 +166,37 @@ class Packed:
         B, S = self.shape
         out = x.new_zeros((B * S, *x.shape[1:]))
         return out.index_copy(0, self.index, x).view(B, S, *x.shape[1:])
+
+
+def varlen_ok(qkv: torch.Tensor, head_dim: int) -> bool:
+    """Whether FlashAttention's variable-length kernel takes these packed projections: CUDA, fp16 or
+    bf16, a head size it supports; otherwise attention scatters back to (B, S) and runs SDPA."""
+    return (qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
+class VarlenAttention(torch.autograd.Function):
+    """softmax(q k^T * scale) v over each sequence of a packed batch, with dropout on the
+    probabilities: ``aten._flash_attention_forward``/``_backward`` on (T, heads, head_dim) with
+    ``cu_seqlens`` (PyTorch's public ``varlen_attn`` has no dropout, which BERT trains with). The
+    backward replays the forward's dropout from the philox state the forward returns."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float, scale: float):
+        out, lse, rng, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, False, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng, offset)
+        ctx.meta = (max_seqlen, dropout_p, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu_seqlens, rng, offset = ctx.saved_tensors
+        max_seqlen, dropout_p, scale = ctx.meta
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+            False, rng, offset, scale=scale)
+        return dq, dk, dv, None, None, None, None
 
 
 PACK_BELOW = 0.9  # real share of the positions under which packing pays (a full CPU batch: 8% slower packed)
@@ -195,13 +228,18 @@ class BertSelfAttention(nn.Module):
         bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
         qkv = F.linear(x, weight, bias)
         packed = key_mask if isinstance(key_mask, Packed) else None
+        p = self.dropout_p if self.training else 0.0
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if packed is not None and varlen_ok(qkv, self.head_dim):  # (T, 3H): attention without padding
+            q, k, v = qkv.view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # each (T, nh, hs)
+            ctx = VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), packed.cu_seqlens,
+                                        packed.max_seqlen, p, scale)
+            return ctx.reshape(-1, x.shape[-1])
         if packed is not None:
             qkv, key_mask = packed.unpack(qkv), packed.key_mask
         B, S, H = qkv.shape[0], qkv.shape[1], x.shape[-1]
         qkv = qkv.view(B, S, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nh, S, hs)
-        p = self.dropout_p if self.training else 0.0
-        scale = 1.0 / math.sqrt(self.head_dim)
         if self.config.attn_implementation in ("sdpa", "unpadded"):
             mask = None if key_mask is None else key_mask[:, None, None, :]  # broadcast over heads, queries
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)

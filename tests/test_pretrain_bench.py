@@ -60,10 +60,35 @@ def test_bench_model_runs_end_to_end_on_cpu():
     from bertctl.bench.model import bench_model
 
     rows = []
-    out = bench_model(["tiny-64"], ["bertctl", "hf"], steps=2, warmup=1, device="cpu", log=lambda m: None,
+    out = bench_model(["tiny-64"], ["bertctl", "bertctl/unpadded", "hf"], steps=2, warmup=1, device="cpu", log=lambda m: None,
                       on_row=lambda partial: rows.append(len(partial["train"])))
-    assert [r["provider"] for r in out["train"]] == ["bertctl", "hf"]
+    assert [r["provider"] for r in out["train"]] == ["bertctl", "bertctl/unpadded", "hf"]
     assert all(r["seq_per_s"] > 0 and r["mfu"] is None for r in out["train"])  # no MFU without a known peak
-    assert [r["provider"] for r in out["inference"]] == ["bertctl", "hf"]
-    assert "train tiny-64 bertctl / hf" in out["speedups"] and rows == [1, 2]
+    assert [r["provider"] for r in out["inference"]] == ["bertctl", "bertctl/unpadded", "hf"]
+    assert "train tiny-64 bertctl / hf" in out["speedups"] and rows == [1, 2, 3]
     assert out["device"]["type"] == "cpu"
+
+
+def test_mixed_lengths_case_has_fine_tunings_padding_and_unpadded_gives_hfs_loss():
+    """base-mixed's batches: lengths log-uniform on [8, 128], about 3 padded tokens per real one; on such a
+    batch the unpadded model's pretraining loss equals the padded sdpa model's and transformers'."""
+    batches = synthetic_batches(500, 128, 256, n=4, seed=3, mixed=True)
+    lengths = torch.cat([b["attention_mask"].sum(1) for b in batches]).double()
+    assert lengths.min() >= 8 and lengths.max() <= 128
+    assert 36 < lengths.mean() < 50  # (128 - 8) / ln 16 = 43
+    padded_over_real = sum(b["attention_mask"].numel() for b in batches) / lengths.sum()
+    assert 2.5 < padded_over_real < 3.5
+    conf = BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    padded, theirs = bertctl_model(conf).eval(), hf_model(conf).eval()
+    unpadded = bertctl_model(BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0,
+                                               attention_probs_dropout_prob=0.0, attn_implementation="unpadded")).eval()
+    unpadded.load_state_dict(padded.state_dict())
+    sd = padded.state_dict()
+    sd["cls.predictions.decoder.bias"] = sd["cls.predictions.bias"]
+    theirs.load_state_dict(sd, strict=False)
+    b = {k: v[:16] for k, v in batches[0].items()}
+    b["n_masked"] = float((b["masked_lm_labels"] != -100).sum())
+    with torch.no_grad():
+        ref = step_loss("hf", theirs, b)
+        torch.testing.assert_close(step_loss("bertctl", padded, b), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step_loss("bertctl/unpadded", unpadded, b), ref, rtol=1e-5, atol=1e-5)

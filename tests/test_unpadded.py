@@ -139,3 +139,85 @@ def test_a_batch_with_little_padding_runs_padded(monkeypatch):
     torch.testing.assert_close(unpadded(ids, types, full).last_hidden_state, expected)
     with pytest.raises(AssertionError, match="was packed"):
         unpadded(ids, types, mask)
+
+
+def cuda_twins(dtype):
+    """BertModel at BERT's head size (64) on the GPU, sdpa and unpadded, the same float32 weights."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=97, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+              max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    padded = BertModel(BertConfig(attn_implementation="sdpa", **kw)).cuda()
+    unpadded = BertModel(BertConfig(attn_implementation="unpadded", **kw)).cuda()
+    unpadded.load_state_dict(padded.state_dict())
+    reference = BertModel(BertConfig(attn_implementation="sdpa", kernels="torch", **kw)).double()
+    reference.load_state_dict(padded.state_dict())
+    return padded, unpadded, reference
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_flash_attention_matches_float64(dtype):
+    """On a GPU under autocast the unpadded encoder runs FlashAttention's varlen kernel on (T, heads, 64):
+    outputs and gradients as close to the float64 padded model as the padded sdpa model is."""
+    from bertctl.model import varlen_ok
+
+    padded, unpadded, reference = cuda_twins(dtype)
+    ids, types, mask = batch(B=5, S=37)
+    w = torch.randn(*ids.shape, 128, dtype=torch.float64) * mask[..., None]
+    real = mask.bool()
+
+    def run(model, device, autocast):
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
+            out = model(ids.to(device), types.to(device), mask.to(device)).last_hidden_state
+        loss = (out.double() * w.to(device)).sum()
+        loss.backward()
+        grads = {n: p.grad.double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        return out.double().cpu(), grads
+
+    assert varlen_ok(torch.empty(3, 384, device="cuda", dtype=dtype), 64)
+    ref, g_ref = run(reference, "cpu", False)
+    (pad, g_pad), (unp, g_unp) = run(padded, "cuda", True), run(unpadded, "cuda", True)
+    err_pad = (pad - ref)[real].abs().max()
+    err_unp = (unp - ref)[real].abs().max()
+    assert err_unp <= 2 * err_pad + 1e-3, (err_unp, err_pad)
+    assert g_unp.keys() == g_ref.keys()
+    for name in g_ref:
+        scale = g_ref[name].abs().max() + 1e-6
+        e_pad = ((g_pad[name] - g_ref[name]).abs().max() / scale).item()
+        e_unp = ((g_unp[name] - g_ref[name]).abs().max() / scale).item()
+        assert e_unp <= 2 * e_pad + 2e-2, (name, e_unp, e_pad)
+
+
+@pytest.mark.cuda
+def test_varlen_attention_dropout_backward_replays_the_forward_mask():
+    """With attention dropout the backward must use the forward's mask: the directional derivative
+    (L(x + e d) - L(x - e d)) / 2e, each forward drawing the same mask from the same seed, equals the
+    gradient's dot product with d; and the outputs' mean over many masks approaches the no-dropout output."""
+    from bertctl.model import VarlenAttention
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([37, 5, 20, 64])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).cuda()
+    T, nh, hs = int(lengths.sum()), 4, 64
+    q, k, v = (torch.randn(T, nh, hs, device="cuda", dtype=torch.float16) for _ in range(3))
+    w = torch.randn(T, nh, hs, device="cuda", dtype=torch.float32)
+
+    def loss(q, k, v, seed=1234):
+        torch.cuda.manual_seed(seed)
+        return (VarlenAttention.apply(q, k, v, cu, 64, 0.1, hs ** -0.5).float() * w).sum()
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    loss(qg, kg, vg).backward()
+    for x, g in ((q, qg.grad), (k, kg.grad), (v, vg.grad)):
+        d = torch.randn_like(x)
+        eps = 0.05
+        args = [q, k, v]
+        i = [id(t) for t in args].index(id(x))
+        plus, minus = list(args), list(args)
+        plus[i], minus[i] = x + eps * d, x - eps * d
+        numeric = (loss(*plus) - loss(*minus)).item() / (2 * eps)
+        analytic = (g.float() * (plus[i].float() - minus[i].float())).sum().item() / (2 * eps)  # fp16 steps
+        assert abs(numeric - analytic) <= 0.05 * abs(analytic) + 1.0, (numeric, analytic)
+    mean = sum(VarlenAttention.apply(q, k, v, cu, 64, 0.1, hs ** -0.5).float() for _ in range(200)) / 200
+    exact = VarlenAttention.apply(q, k, v, cu, 64, 0.0, hs ** -0.5).float()
+    assert (mean - exact).abs().mean() < 0.1 * exact.abs().mean()

@@ -7,6 +7,8 @@ LayerNorm), gradient clipping at 1.0:
 - ``bertctl``: BertForPreTraining with SDPA and the fused ops; the MLM head runs at the masked
   positions only (gathered before the vocabulary projection); batches trimmed to their longest
   sequence; loss sums normalised by host-side counts (no host sync in the step).
+- ``bertctl/unpadded``: the same with ``attn_implementation="unpadded"``: the encoder on the real
+  tokens only and FlashAttention's variable-length kernel (a batch with < 10% padding runs padded).
 - ``hf``: ``transformers.BertForPreTraining(attn_implementation="sdpa")``, labels on all positions
   with -100 elsewhere (as HF's MLM collator makes them), the model's own loss.
 - ``+compile``: the same under ``torch.compile``; ``bertctl/torch-ops+compile`` compiles the model
@@ -37,21 +39,30 @@ CASES: dict[str, tuple[str, int, int]] = {
     "base-128": ("base", 128, 256),
     "base-512": ("base", 512, 32),
     "large-128": ("large", 128, 256),
+    "base-mixed": ("base", 128, 256),  # fine-tuning's lengths: see MIXED_CASES
     "tiny-64": ("tiny", 64, 8),  # a smoke case: runs anywhere in seconds
 }
-PROVIDERS = ("bertctl", "bertctl+compile", "bertctl/torch-ops+compile", "hf", "hf+compile")
+# Cases whose lengths are those of fine-tuning data, not pretraining's: log-uniform on [8, seq] (mean 43
+# of 128, about 3 padded tokens per real one, as random batches of SST-2 sentences: 3.3).
+MIXED_CASES = {"base-mixed"}
+PROVIDERS = ("bertctl", "bertctl/unpadded", "bertctl+compile", "bertctl/torch-ops+compile", "hf", "hf+compile")
 MASK_ID, CLS_ID, SEP_ID = 4, 2, 3
 
 
 def synthetic_batches(vocab_size: int, seq: int, batch: int, n: int, seed: int = 0,
-                      short_seq_prob: float = 0.1) -> list[dict[str, torch.Tensor]]:
-    """``n`` CPU batches shaped like the loader's, plus ``hf_labels`` (B, S) for Hugging Face."""
+                      short_seq_prob: float = 0.1, mixed: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``n`` CPU batches shaped like the loader's, plus ``hf_labels`` (B, S) for Hugging Face. ``mixed``:
+    every length log-uniform on [8, seq] instead of pretraining's (``seq``, 10% shorter)."""
     g = torch.Generator().manual_seed(seed)
     max_pred = 4 * math.ceil(0.15 * seq / 4)
     out = []
     for _ in range(n):
-        short = torch.rand(batch, generator=g) < short_seq_prob
-        lengths = torch.where(short, torch.randint(8, seq + 1, (batch,), generator=g), torch.full((batch,), seq))
+        if mixed:
+            lengths = torch.exp(torch.empty(batch).uniform_(math.log(8), math.log(seq + 1), generator=g)).long()
+            lengths = lengths.clamp(8, seq)
+        else:
+            short = torch.rand(batch, generator=g) < short_seq_prob
+            lengths = torch.where(short, torch.randint(8, seq + 1, (batch,), generator=g), torch.full((batch,), seq))
         s = int(-(-int(lengths.max()) // 8) * 8)
         ids = torch.randint(5, vocab_size, (batch, s), generator=g)
         att = (torch.arange(s)[None] < lengths[:, None]).long()
@@ -186,7 +197,7 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
         out["device"] = device_block(device)
     for case in cases:
         size, seq, batch = CASES[case]
-        cpu_batches = synthetic_batches(30522, seq, batch, n=8, seed=1000 * rank + seq)
+        cpu_batches = synthetic_batches(30522, seq, batch, n=8, seed=1000 * rank + seq, mixed=case in MIXED_CASES)
         for b in cpu_batches:
             b["n_masked"] = float((b["masked_lm_labels"] != -100).sum())
         counts = [batch_counts(b) for b in cpu_batches]
@@ -199,7 +210,8 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 # "/torch-ops": plain PyTorch LayerNorm / GELU / softmax instead of the fused ops, so
                 # that under torch.compile inductor may fuse them with their neighbours.
                 kernels = "torch" if "/torch-ops" in provider else "auto"
-                conf = BertConfig.preset(size, attn_implementation="sdpa", kernels=kernels)
+                attn = "unpadded" if provider.startswith("bertctl/unpadded") else "sdpa"
+                conf = BertConfig.preset(size, attn_implementation=attn, kernels=kernels)
                 model = (hf_model if provider.startswith("hf") else bertctl_model)(conf, device)
                 config = _config_of(model)
                 train_model = model

@@ -20,7 +20,8 @@ def bench_model_command(
     steps: int = typer.Option(20, "--steps", help="Timed steps per repeat (3 repeats, median)."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed steps first (compilation happens here)."),
     cases: str = typer.Option("base-128,base-512,large-128", "--cases",
-                              help="Comma-separated: base-128 (batch 256), base-512 (batch 32), large-128 (batch 256)."),
+                              help="Comma-separated: base-128 (batch 256), base-512 (batch 32), large-128 (batch 256), base-mixed "
+                              "(batch 256, fine-tuning's lengths: log-uniform on [8, 128]), tiny-64 (a smoke case)."),
     compile_cases: Optional[str] = typer.Option(None, "--compile-cases", help="Cases timed under torch.compile "
                                                 "(default: the first of --cases; each compile costs about a minute)."),
     no_inference: bool = typer.Option(False, "--no-inference", help="Skip the encoder inference timing."),
@@ -37,7 +38,7 @@ def bench_model_command(
         raise BertctlError(f"--cases: unknown {', '.join(bad)} (choose from {', '.join(CASES)})")
     if compare not in (None, "hf"):
         raise BertctlError(f"--compare: only 'hf' is supported, not {compare!r}")
-    providers = ["bertctl"] + (["hf"] if compare else [])
+    providers = ["bertctl", "bertctl/unpadded"] + (["hf"] if compare else [])
     if compile:
         providers += ["bertctl+compile", "bertctl/torch-ops+compile"] + (["hf+compile"] if compare else [])
     from bertctl.io import write_json
