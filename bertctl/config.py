@@ -26,15 +26,17 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 ATTENTION_BACKENDS = ("sdpa", "explicit", "unpadded")
 EXPORTABLE_ATTENTION = ("sdpa", "explicit")  # unpadded packs by data-dependent indices: no static graph
-ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: unpadded on a CPU (measured 2.45x there), sdpa on a GPU
+ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: see resolve_attention
 
 
-def resolve_attention(name: str, device_type: str) -> str:
-    """``auto`` -> the backend measured fastest on the device: ``unpadded`` on a CPU, ``sdpa`` on a GPU
-    (unpadded is not measured there yet)."""
+def resolve_attention(name: str, device_type: str, full_batches: bool = False) -> str:
+    """``auto`` -> the backend measured fastest: ``unpadded`` for batches of mixed lengths (fine-tuning's;
+    2.45x padded on a 2-core CPU, 1.74x on an H100 at BERT-Base batch 256, 1.11x at batch 32) and for
+    pretraining on a CPU; ``sdpa`` for pretraining on a GPU, whose nearly full batches gain nothing from
+    packing there (0.96x at seq 128, 0.89x at 512: benchmarks/results/model-h100-unpadded-602cea6.json)."""
     if name != "auto":
         return name
-    return "unpadded" if device_type == "cpu" else "sdpa"
+    return "sdpa" if full_batches and device_type != "cpu" else "unpadded"
 KERNEL_CHOICES = ("auto", "fused", "torch")
 # hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}

@@ -221,3 +221,12 @@ def test_varlen_attention_dropout_backward_replays_the_forward_mask():
     mean = sum(VarlenAttention.apply(q, k, v, cu, 64, 0.1, hs ** -0.5).float() for _ in range(200)) / 200
     exact = VarlenAttention.apply(q, k, v, cu, 64, 0.0, hs ** -0.5).float()
     assert (mean - exact).abs().mean() < 0.1 * exact.abs().mean()
+
+
+def test_auto_attention_is_unpadded_except_for_pretraining_on_a_gpu():
+    from bertctl.config import resolve_attention
+
+    assert resolve_attention("auto", "cpu") == resolve_attention("auto", "cuda") == "unpadded"
+    assert resolve_attention("auto", "cpu", full_batches=True) == "unpadded"
+    assert resolve_attention("auto", "cuda", full_batches=True) == "sdpa"
+    assert resolve_attention("explicit", "cuda") == "explicit"
