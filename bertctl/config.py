@@ -29,14 +29,15 @@ EXPORTABLE_ATTENTION = ("sdpa", "explicit")  # unpadded packs by data-dependent 
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: see resolve_attention
 
 
-def resolve_attention(name: str, device_type: str, full_batches: bool = False) -> str:
+def resolve_attention(name: str, device_type: str, full_batches: bool = False, compiled: bool = False) -> str:
     """``auto`` -> the backend measured fastest: ``unpadded`` for batches of mixed lengths (fine-tuning's;
     2.45x padded on a 2-core CPU, 1.74x on an H100 at BERT-Base batch 256, 1.11x at batch 32) and for
     pretraining on a CPU; ``sdpa`` for pretraining on a GPU, whose nearly full batches gain nothing from
-    packing there (0.96x at seq 128, 0.89x at 512: benchmarks/results/model-h100-unpadded-602cea6.json)."""
+    packing there (0.96x at seq 128, 0.89x at 512: benchmarks/results/model-h100-unpadded-602cea6.json),
+    and under torch.compile, whose graphs break at unpadded's data-dependent sizes."""
     if name != "auto":
         return name
-    return "sdpa" if full_batches and device_type != "cpu" else "unpadded"
+    return "sdpa" if compiled or (full_batches and device_type != "cpu") else "unpadded"
 KERNEL_CHOICES = ("auto", "fused", "torch")
 # hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}

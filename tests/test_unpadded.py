@@ -229,4 +229,5 @@ def test_auto_attention_is_unpadded_except_for_pretraining_on_a_gpu():
     assert resolve_attention("auto", "cpu") == resolve_attention("auto", "cuda") == "unpadded"
     assert resolve_attention("auto", "cpu", full_batches=True) == "unpadded"
     assert resolve_attention("auto", "cuda", full_batches=True) == "sdpa"
+    assert resolve_attention("auto", "cpu", compiled=True) == resolve_attention("auto", "cuda", compiled=True) == "sdpa"
     assert resolve_attention("explicit", "cuda") == "explicit"

@@ -50,7 +50,8 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
-        overrides.update(kernels=cfg.kernels, attn_implementation=resolve_attention(cfg.attn, device_for(cfg).type))
+        attn = resolve_attention(cfg.attn, device_for(cfg).type, compiled=cfg.compile)
+        overrides.update(kernels=cfg.kernels, attn_implementation=attn)
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     if cfg is not None and cfg.from_scratch:

@@ -283,7 +283,8 @@ class Trainer:
         from bertctl import checkpoint
         from bertctl.config import BertConfig
 
-        attn = resolve_attention(self.cfg.attn, self.device.type, full_batches=True)
+        attn = resolve_attention(self.cfg.attn, self.device.type, full_batches=True,
+                                  compiled=self.cfg.compile)
         runtime = dict(attn_implementation=attn, kernels=self.cfg.kernels)
         over = {**self.cfg.model_overrides, **runtime}
         if ckpt_state is not None:  # resume, or init from a previous run's checkpoint
@@ -346,8 +347,8 @@ class Trainer:
         # Same initial weights on every rank: seed before construction.
         torch.manual_seed(cfg.seed)
         if hf_dir is not None and init_state is None:
-            model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True,
-                                               attn_implementation=resolve_attention(cfg.attn, self.device.type, full_batches=True),
+            attn = resolve_attention(cfg.attn, self.device.type, full_batches=True, compiled=cfg.compile)
+            model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True, attn_implementation=attn,
                                                kernels=cfg.kernels,
                                                **cfg.model_overrides)
         else:
