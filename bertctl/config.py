@@ -29,15 +29,19 @@ EXPORTABLE_ATTENTION = ("sdpa", "explicit")  # unpadded packs by data-dependent 
 ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: see resolve_attention
 
 
-def resolve_attention(name: str, device_type: str, full_batches: bool = False, compiled: bool = False) -> str:
-    """``auto`` -> the backend measured fastest: ``unpadded`` for batches of mixed lengths (fine-tuning's;
-    2.45x padded on a 2-core CPU, 1.74x on an H100 at BERT-Base batch 256, 1.11x at batch 32) and for
-    pretraining on a CPU; ``sdpa`` for pretraining on a GPU, whose nearly full batches gain nothing from
-    packing there (0.96x at seq 128, 0.89x at 512: benchmarks/results/model-h100-unpadded-602cea6.json),
-    and under torch.compile, whose graphs break at unpadded's data-dependent sizes."""
+def resolve_attention(name: str, device_type: str, compiled: bool = False) -> str:
+    """``auto`` -> ``unpadded`` on a CPU (2.45x the padded fine-tuning step on SST-2's batches), ``sdpa``
+    on a GPU and under torch.compile, whose graphs break at unpadded's data-dependent sizes.
+
+    On a GPU unpadded is faster for batches of mixed lengths (an H100: 1.74x the padded BERT-Base step at
+    batch 256, 1.11x at batch 32; whole SST-2 and SQuAD runs 0.86x and 0.77x the time) but not for
+    pretraining's nearly full batches (0.96x at seq 128, 0.89x at 512), and its fine-tuned quality over
+    several seeds is not yet measured, so it is opt-in there (``--attn unpadded``)."""
     if name != "auto":
         return name
-    return "sdpa" if compiled or (full_batches and device_type != "cpu") else "unpadded"
+    if compiled or device_type != "cpu":
+        return "sdpa"
+    return "unpadded"
 KERNEL_CHOICES = ("auto", "fused", "torch")
 # hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}

@@ -223,11 +223,10 @@ def test_varlen_attention_dropout_backward_replays_the_forward_mask():
     assert (mean - exact).abs().mean() < 0.1 * exact.abs().mean()
 
 
-def test_auto_attention_is_unpadded_except_for_pretraining_on_a_gpu():
+def test_auto_attention_is_unpadded_on_a_cpu_and_sdpa_on_a_gpu_or_compiled():
     from bertctl.config import resolve_attention
 
-    assert resolve_attention("auto", "cpu") == resolve_attention("auto", "cuda") == "unpadded"
-    assert resolve_attention("auto", "cpu", full_batches=True) == "unpadded"
-    assert resolve_attention("auto", "cuda", full_batches=True) == "sdpa"
+    assert resolve_attention("auto", "cpu") == "unpadded"
+    assert resolve_attention("auto", "cuda") == "sdpa"
     assert resolve_attention("auto", "cpu", compiled=True) == resolve_attention("auto", "cuda", compiled=True) == "sdpa"
     assert resolve_attention("explicit", "cuda") == "explicit"
