@@ -254,7 +254,7 @@ def commands(task: str, side: str, seed: int, inputs: dict, out: Path, a) -> lis
     if a.max_steps:
         values["max_steps"] = str(a.max_steps)
     if side == "bertctl":
-        cmd = a.bertctl + ["finetune", t.kind]
+        cmd = a.bertctl + ["finetune", t.kind] + a.bertctl_args
         flags = a.bertctl_flags
     else:
         cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_finetune.py"), t.kind]
@@ -403,7 +403,8 @@ class Run:
 def run_settings(run: Run, a) -> dict:
     """What a run's result depends on besides the code: the recipe and the side's batch order."""
     if run.side == "bertctl":
-        order = {"length_grouped_by_default": a.bertctl_groups, "flags": "bertctl's defaults"}
+        order = {"length_grouped_by_default": a.bertctl_groups,
+                 "flags": " ".join(a.bertctl_args) if a.bertctl_args else "bertctl's defaults"}
     else:
         order = {"group_by_length": bool(a.mode == "speed" and a.hf_group_by_length),
                  "padding": "dynamic, multiple of 8",
@@ -638,6 +639,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep-outputs", action="store_true", help="keep each run's output folder (models)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--bertctl", default=None, help="the command that starts bertctl (default: python -m bertctl)")
+    p.add_argument("--bertctl-args", default="", help="more flags for every bertctl run, e.g. '--attn unpadded' "
+                   "(recorded in each run's settings; put such runs in their own --out; default none)")
     p.add_argument("--epochs", type=float, default=3.0, help="default 3")
     p.add_argument("--squad-epochs", type=float, default=3.0, help="default 3")
     p.add_argument("--lr", type=float, default=5e-5, help="default 5e-5")
@@ -663,6 +666,7 @@ def main(argv=None) -> int:
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.bertctl = shlex.split(a.bertctl) if a.bertctl else [sys.executable, "-m", "bertctl"]
+    a.bertctl_args = shlex.split(a.bertctl_args)
     a.work.mkdir(parents=True, exist_ok=True)
     help_text = bertctl_help(a)
     if "--epochs" not in help_text:

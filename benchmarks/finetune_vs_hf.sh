@@ -27,6 +27,11 @@
 #      python benchmarks/finetune_vs_hf.py --merge       # finetune-<task>.json, finetune-speed-<task>.json
 #    Runs already in benchmarks/results/finetune-runs/ travel with the tree and are skipped there
 #    (same commit and settings), so a chunk cut off by its budget is finished by calling it again.
+#    The runs themselves start from a copy of the tree in $WORK/repo and write to $WORK/results:
+#    the machine refreshes the working tree at every call, so a background chunk polled by later
+#    calls keeps its files. Another bertctl setting against the same HF runs, e.g. unpadded attention:
+#      run --sides bertctl --bertctl-args "--attn unpadded" --out /tmp/unpadded (with the HF run files
+#      of the same commit copied into /tmp/unpadded/finetune-runs/ first), then --merge --out there.
 #
 # Chunks for one H100, each one device call: command "bash benchmarks/finetune_vs_hf.sh run ARGS",
 # carry [".device"] (plus the extension, above), timeout_s 600. Wall time per process measured on
@@ -138,13 +143,17 @@ run() {
     python3 -m bertctl env 2>&1 | grep -iE "cuda|kernel" | head -5
     export BERTCTL_COMMIT=${BERTCTL_COMMIT:-$(cat "$SRC/commit.txt" 2>/dev/null || echo unknown)}
     export BERTCTL_REQUIRE_EXT=1
+    # The runs start from a copy of the tree and write outside it: the device machine refreshes the
+    # working tree at every call, which removes files written there and races with starting processes.
+    rm -rf "$WORK/repo" && mkdir -p "$WORK/repo" && cp -r bertctl benchmarks "$WORK/repo/" || exit 2
+    mkdir -p "$WORK/results" && cp -rn benchmarks/results/finetune-runs "$WORK/results/" 2>/dev/null
     local left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
     echo "setup $(( $(date +%s) - start )) s; $left s left for: $*"
-    timeout -s TERM "$left" python3 benchmarks/finetune_vs_hf.py --model "$WORK/minilm" --data "$WORK/data" \
-      --out benchmarks/results --work "$WORK" "$@"
+    (cd "$WORK/repo" && timeout -s TERM "$left" python3 benchmarks/finetune_vs_hf.py --model "$WORK/minilm" \
+      --data "$WORK/data" --out "$WORK/results" --work "$WORK" "$@")
     echo "rc $?"
   } 2>&1 | tee "$OUT/log.txt"
-  tar czf "$OUT/finetune-runs.tgz" -C benchmarks/results finetune-runs 2>/dev/null
+  tar czf "$OUT/finetune-runs.tgz" -C "$WORK/results" finetune-runs 2>/dev/null
   [ -d "$WORK/logs" ] && tar czf "$OUT/finetune-logs.tgz" -C "$WORK" logs
   grep -q "^rc 0$" "$OUT/log.txt"
 }
