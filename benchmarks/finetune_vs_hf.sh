@@ -29,9 +29,10 @@
 #    (same commit and settings), so a chunk cut off by its budget is finished by calling it again.
 #    The runs themselves start from a copy of the tree in $WORK/repo and write to $WORK/results:
 #    the machine refreshes the working tree at every call, so a background chunk polled by later
-#    calls keeps its files. Another bertctl setting against the same HF runs, e.g. unpadded attention:
-#      run --sides bertctl --bertctl-args "--attn unpadded" --out /tmp/unpadded (with the HF run files
-#      of the same commit copied into /tmp/unpadded/finetune-runs/ first), then --merge --out there.
+#    calls keeps its files. Another bertctl setting, e.g. unpadded attention, in a WORK of its own:
+#      WORK=/tmp/fvh-unpadded bash benchmarks/finetune_vs_hf.sh run --bertctl-args "--attn unpadded"
+#    (HF runs of the same commit already in benchmarks/results/finetune-runs/ are skipped; unpack its
+#    finetune-runs.tgz into a folder of its own here and --merge --out that folder).
 #
 # Chunks for one H100, each one device call: command "bash benchmarks/finetune_vs_hf.sh run ARGS",
 # carry [".device"] (plus the extension, above), timeout_s 600. Wall time per process measured on
