@@ -169,10 +169,12 @@ class Packed:
 
 
 def varlen_ok(qkv: torch.Tensor, head_dim: int) -> bool:
-    """Whether FlashAttention's variable-length kernel takes these packed projections: CUDA, fp16 or
-    bf16, a head size it supports; otherwise attention scatters back to (B, S) and runs SDPA."""
+    """Whether FlashAttention's variable-length kernel takes these packed projections: an Ampere or
+    newer GPU, fp16 or bf16, a head size it supports; otherwise attention scatters back to (B, S) and
+    runs SDPA."""
     return (qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-            and head_dim <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+            and head_dim <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward")
+            and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
 
 
 class VarlenAttention(torch.autograd.Function):
