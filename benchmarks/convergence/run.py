@@ -6,24 +6,30 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   pretraining data (``bertctl build-data``): ``data-nsp`` (MLM + NSP, ``--max-seq-length`` of the
   main run), ``data-mlm`` (``--objective mlm``, the paper's "No NSP" ablation) and ``data-nsp128``
   (sequence length 128, for the preset check).
-- ``pretrain --name main|mlm``: ``bertctl pretrain --compile`` on one GPU; ``main`` is time-boxed
-  (``--minutes``), ``mlm`` trains the same number of steps as ``main`` did, on ``data-mlm``.
+- ``pretrain`` / ``pretrain-mlm``: ``bertctl pretrain --compile`` on one GPU, time-boxed (``--minutes``):
+  ``main`` on ``data-nsp``, ``mlm`` (the ablation) on ``data-mlm`` with the same GPU time. The two
+  need not share a GPU or wait for each other.
 - ``finetune``: SST-2 (dev accuracy), CoNLL-2003 (test F1, epoch chosen on valid) and the SQuAD v1.1
   article split (F1 on the ``eval`` articles), ``--seeds``, from (a) ``pretrained``: the main
   checkpoint, (b) ``scratch``: the same architecture from random initialisation
   (``finetune --from-scratch``), and ``mlm``: the ablation's checkpoint. The paper's recipe
-  (batch 32, lr 5e-5, 3 epochs, warm-up 10%) for every init; ``--jobs`` processes share the GPU.
+  (batch 32, lr 5e-5, 3 epochs, warm-up 10%) for every init; ``--jobs`` processes share the GPU,
+  the longest runs (SST-2) first.
   Scores are recomputed from the prediction files with the official metrics
   (``finetune_vs_hf.score``).
 - ``race``: transformers' BertForPreTraining (``hf_pretrain.py``) for ``--race-minutes`` and
   ``bertctl pretrain`` for 0.6 times that, same shards, model, recipe and seed, one process at a
   time; wall-clock from process start. The target: bertctl's final held-out MLM accuracy at least
   HF's.
-- ``presets``: every ``--model-size`` preset at its default lr and warm-up (6% of the steps), batch
-  256 for ``--preset-steps`` steps and batch 2048 for half as many, at sequence length 128: held-out MLM accuracy against the majority-token
-  baseline and bertctl's collapse warning.
-- ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus) and
-  ``convergence-curves.png`` in ``--results``.
+- ``presets``: every ``--preset-sizes`` preset at its default lr and warm-up (6% of the steps), batch
+  256 for ``--preset-steps`` steps and batch 2048 for half as many (``--preset-batches``), at sequence
+  length 128: held-out MLM accuracy against the majority-token baseline and bertctl's collapse warning.
+- ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus, the
+  benchmark's time: ``prepare`` + both pretraining runs + the fine-tuning stage on each GPU, the
+  figure a one-GPU machine would take end to end) and ``convergence-curves.png`` in ``--results``.
+
+Every record keeps the GPU it ran on (``CUDA_VISIBLE_DEVICES``), so stages may run side by side on
+the GPUs of one machine, each with ``CUDA_VISIBLE_DEVICES`` set.
 
     python benchmarks/convergence/gather_corpus.py --out build/convergence-corpus
     python benchmarks/convergence/run.py prepare pretrain finetune --work /tmp/conv --data ../shared/data
@@ -76,7 +82,8 @@ def run(cmd: list[str], a, name: str, *, cwd: Path | None = None) -> dict:
     out = proc.stdout
     summary = json.loads(out[out.index("{"):]) if "{" in out else None
     return {"command": shlex.join(cmd), "seconds": round(seconds, 2), "started": w0, "summary": summary,
-            "device": device_name(), "versions": versions(), "commit": finetune_vs_hf.commit()}
+            "device": device_name(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+            "versions": versions(), "commit": finetune_vs_hf.commit()}
 
 
 def versions() -> dict:
@@ -150,13 +157,9 @@ def pretrain_cmd(a, data: str, out: Path, *, minutes: float | None = None, max_s
 
 
 def pretrain(a, name: str) -> dict:
-    if name == "main":
-        return record(a, "pretrain-main", lambda: run(
-            pretrain_cmd(a, "data-nsp", a.work / "pretrain-main", minutes=a.minutes), a, "pretrain-main"))
-    main = json.loads((a.work / "records" / "pretrain-main.json").read_text())
-    steps = main["summary"]["steps"]
-    return record(a, "pretrain-mlm", lambda: run(
-        pretrain_cmd(a, "data-mlm", a.work / "pretrain-mlm", max_steps=steps), a, "pretrain-mlm"))
+    data = "data-nsp" if name == "main" else "data-mlm"
+    return record(a, f"pretrain-{name}", lambda: run(
+        pretrain_cmd(a, data, a.work / f"pretrain-{name}", minutes=a.minutes), a, f"pretrain-{name}"))
 
 
 def task_inputs(a) -> dict:
@@ -182,7 +185,7 @@ def finetune_cmd(a, task: str, init: str, seed: int, out: Path) -> list[str]:
 
 
 def finetune(a) -> list[dict]:
-    jobs = [(task, init, seed) for init in a.inits for task in a.tasks for seed in a.seeds]
+    jobs = [(task, init, seed) for task in a.tasks for init in a.inits for seed in a.seeds]  # SST-2, the longest, first
 
     def one(job):
         task, init, seed = job
@@ -218,12 +221,14 @@ def race(a) -> dict:
 def presets(a) -> list[dict]:
     out = []
     for size in a.preset_sizes:
-        for batch in (256, 2048):
+        for batch in a.preset_batches:
             name = f"preset-{size}-{batch}"
             steps = a.preset_steps if batch == 256 else a.preset_steps // 2  # 2048: 4x the sequences all the same
             cmd = pretrain_cmd(a, "data-nsp128", a.work / name, max_steps=steps, size=size, batch=batch,
-                               eval_every=max(1, steps // 4))
+                               eval_every=max(1, steps // 8))
             cmd.remove("--compile") if "--compile" in cmd else None
+            if a.preset_micro_batch and batch > a.preset_micro_batch:  # accumulation: the same maths, less memory
+                cmd += ["--micro-batch-size", str(a.preset_micro_batch)]
             try:
                 out.append(record(a, name, lambda cmd=cmd, name=name: {**run(cmd, a, name), "size": size,
                                                                         "batch": batch}))
@@ -297,6 +302,7 @@ def report(a) -> dict:
     res["finetune"] = {"metrics": {t: METRIC[t] for t in TASKS}, "table": table,
                        "runs": [{k: r.get(k) for k in ("task", "init", "seed", "metrics", "seconds", "command")}
                                 for r in runs]}
+    res["benchmark_time"] = benchmark_time(recs)
     end = (res.get("pretrain_main") or {}).get("eval_end") or {}
     if end:
         res["pretrain_targets"] = {"heldout_nsp_acc": end.get("nsp_acc"), "nsp_target": 0.85,
@@ -333,6 +339,9 @@ def report(a) -> dict:
                                    "mlm_acc": end.get("mlm_acc"), "majority_baseline": base,
                                    "nsp_acc": end.get("nsp_acc"), "collapsed": bool(s.get("collapsed")),
                                    "learns": bool(base is not None and end.get("mlm_acc", 0) > 1.5 * base),
+                                   "mlm_loss": end.get("mlm_loss"), "unigram_entropy": end.get("mlm_unigram_entropy"),
+                                   "micro_batch": _flag(r.get("command", ""), "--micro-batch-size"),
+                                   "curve": _preset_curve(a.work / f"preset-{r.get('size')}-{r.get('batch')}"),
                                    "seconds": r.get("seconds"), "error": r.get("error")})
     a.results.mkdir(parents=True, exist_ok=True)
     path = a.results / "convergence.json"
@@ -341,6 +350,36 @@ def report(a) -> dict:
     tmp.replace(path)
     plot(res, a.results / "convergence-curves.png")
     return res
+
+
+def _flag(command: str, flag: str) -> str | None:
+    words = shlex.split(command)
+    return words[words.index(flag) + 1] if flag in words else None
+
+
+def _preset_curve(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [{"step": e["step"], "mlm_acc": round(e["mlm_acc"], 4), "mlm_loss": round(e["mlm_loss"], 4)}
+            for e in events(path) if e["event"] == "eval"]
+
+
+def benchmark_time(recs: dict[str, dict]) -> dict:
+    """What the benchmark costs on one GPU machine: the data (vocabulary and both builds), both
+    pretraining runs and the fine-tuning stage on each GPU it used (runs sharing a GPU overlap, so
+    a stage counts from its first start to its last finish). The race and the presets are apart."""
+    prep = {k: recs[k]["seconds"] for k in ("vocab", "data-nsp", "data-mlm") if k in recs}
+    pre = {k: recs[k]["seconds"] for k in ("pretrain-main", "pretrain-mlm") if k in recs}
+    spans: dict[str, list[float]] = {}
+    for k, r in recs.items():
+        if k.startswith("ft-"):
+            lo, hi = spans.setdefault(str(r.get("gpu", "0")), [float("inf"), 0.0])
+            spans[str(r.get("gpu", "0"))] = [min(lo, r["started"]), max(hi, r["started"] + r["seconds"])]
+    ft = {f"gpu {g}": round(hi - lo, 2) for g, (lo, hi) in sorted(spans.items())}
+    total = sum(prep.values()) + sum(pre.values()) + sum(ft.values())
+    return {"prepare_seconds": prep, "pretrain_seconds": pre, "finetune_stage_seconds": ft,
+            "total_minutes": round(total / 60, 2), "target_minutes": 25.0, "meets_target": total <= 25 * 60}
 
 
 def partial_race(a, main: dict) -> dict:
@@ -445,7 +484,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--model-size", default="medium")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--minutes", type=float, default=9.0)
+    p.add_argument("--minutes", type=float, default=7.0, help="each pretraining run's time box")
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -457,7 +496,10 @@ def main(argv=None) -> int:
     p.add_argument("--race-minutes", type=float, default=4.0)
     p.add_argument("--race-eval-every", type=int, default=500)
     p.add_argument("--preset-sizes", type=lambda s: s.split(","), default=list(PRESET_SIZES))
-    p.add_argument("--preset-steps", type=int, default=1000)
+    p.add_argument("--preset-steps", type=int, default=1000, help="at batch 256; half as many at 2048")
+    p.add_argument("--preset-batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 2048])
+    p.add_argument("--preset-micro-batch", type=int, default=0,
+                   help="sequences per forward in the preset runs, accumulated to the batch (default 0: the whole batch)")
     p.add_argument("--force", action="store_true", help="redo finished steps")
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
