@@ -584,6 +584,9 @@ class BertForTokenClassification(BertPreTrainedModel):
         return TaskOutput(loss, logits, out.hidden_states)
 
 
+PAD_LOGIT = -1e4  # a span logit at padding: exp() underflows to 0 in the softmax, yet finite in saved logits
+
+
 class BertForQuestionAnswering(BertPreTrainedModel):
     """Span QA (SQuAD, §4.2): a start vector S and end vector E dotted with every token."""
 
@@ -603,6 +606,12 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     ) -> QAOutput:
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
         start, end = self.qa_outputs(out.last_hidden_state).float().unbind(-1)  # (B, S) each
+        if attention_mask is not None:
+            # Padding is never an answer: out of the softmax over positions. Without this the loss would
+            # depend on what the encoder leaves at the padding (the padded encoder computes states there,
+            # the unpadded one zeros), so the two layouts would train different models.
+            pad = attention_mask == 0
+            start, end = start.masked_fill(pad, PAD_LOGIT), end.masked_fill(pad, PAD_LOGIT)
         loss = None
         if start_positions is not None and end_positions is not None:
             # Positions outside the window are clamped to S and ignored, as in the reference.

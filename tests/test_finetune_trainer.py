@@ -188,3 +188,31 @@ def test_bf16_fine_tuning_on_gpu_learns(tmp_path):
     out = T.predict(result.model, feats, device=torch.device("cuda"))
     acc = np.mean([o[0].argmax() == f["labels"] for o, f in zip(out, feats)])
     assert acc > 0.8  # 40 rows memorised
+
+
+@pytest.mark.cuda
+def test_a_step_across_processes_never_waits_for_the_gpu(tmp_path, monkeypatch):
+    """With several processes the loss normalisers are summed on the GPU. Nothing in a step may make
+    the host wait for the GPU (a pageable host-to-device copy does): each step would wait for the
+    last, and two GPUs ran slower than one. The step runs under CUDA's sync check, as rank 0 of 2
+    (the all-reduce itself stubbed: it is asynchronous in NCCL)."""
+    from bertctl.train import distributed
+    from bertctl.train.engine import Engine, EngineConfig, StepBatch
+
+    build, feats = _setup(tmp_path)
+    engine = Engine(EngineConfig(batch_size=8, max_steps=10, precision="bf16"), build(), T.TaskObjective(),
+                    dist=distributed.Dist(device=torch.device("cuda", torch.cuda.current_device())))
+    engine.dist = distributed.Dist(rank=0, world_size=2, device=engine.device)
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda t, d: t)
+    batch = L.collate(feats[:8])
+    sb = StepBatch([{k: v.pin_memory() for k, v in batch.items()}], {"loss": 8.0, "sequences": 8.0})
+    stats = torch.zeros(1, device=engine.device)
+    engine.train_step(sb, stats)  # warm-up: the first step allocates
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            loss = engine.train_step(sb, stats)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from bertctl.config import BertConfig
-from bertctl.model import BertForPreTraining, BertForSequenceClassification, BertForTokenClassification, BertModel, Packed
+from bertctl.model import (BertForMultipleChoice, BertForPreTraining, BertForQuestionAnswering,
+                           BertForSequenceClassification, BertForTokenClassification, BertModel, Packed)
 
 KERNELS = ["torch", "fused"]
 
@@ -100,6 +101,44 @@ def test_heads_match_the_padded_model():
     b = unpadded(ids, types, mask, masked_positions=positions, masked_lm_labels=labels, next_sentence_label=nsp)
     torch.testing.assert_close(b.loss, a.loss)
     torch.testing.assert_close(b.prediction_logits, a.prediction_logits)
+
+
+def test_span_qa_trains_the_same_model_padded_or_unpadded():
+    """The span loss is a softmax over positions: padding must not enter it, or the unpadded encoder
+    (zeros at the padding) and the padded one (states computed there) give different losses and
+    gradients. float64, loss and every gradient."""
+    ids, types, mask = batch()
+    real = mask.bool()
+    starts, ends = torch.tensor([0, 0, 3, 5, 2]), torch.tensor([4, 0, 8, 9, 3])
+    outs = []
+    for model in twins(BertForQuestionAnswering, "torch"):
+        out = model(ids, types, mask, start_positions=starts, end_positions=ends)
+        out.loss.backward()
+        outs.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = outs
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(b.start_logits[real], a.start_logits[real], rtol=1e-10, atol=1e-10)
+    assert (a.start_logits[~real] < -1e3).all() and (b.end_logits[~real] < -1e3).all()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-9, atol=1e-10, msg=name)
+    # and the padding's share is 0: the loss equals the softmax over the real positions alone
+    ref = []
+    for i in range(len(ids)):
+        n = int(mask[i].sum())
+        for logits, pos in ((a.start_logits, starts), (a.end_logits, ends)):
+            ref.append(torch.log_softmax(logits[i, :n], -1)[pos[i]].neg())
+    torch.testing.assert_close(a.loss, torch.stack(ref).view(-1, 2).sum(1).mean() / 2)  # fp32 logits
+
+
+def test_multiple_choice_matches_the_padded_model():
+    ids, types, mask = batch(B=4)
+    padded, unpadded = twins(BertForMultipleChoice, "torch")
+    shape = lambda t: t.view(2, 2, -1)  # noqa: E731  (2 questions x 2 choices)
+    labels = torch.tensor([1, 0])
+    a = padded(shape(ids), shape(types), shape(mask), labels=labels)
+    b = unpadded(shape(ids), shape(types), shape(mask), labels=labels)
+    torch.testing.assert_close(b.logits, a.logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-10, atol=1e-10)
 
 
 def test_finetune_runs_unpadded_and_export_refuses_it(tmp_path):
