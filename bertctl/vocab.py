@@ -22,14 +22,20 @@ sample of lines (each line with probability ``sample_bytes / total input bytes``
 the file system does not tell, compressed or columnar ones, are measured by one reading pass first),
 ``max_sentences`` stops after that many lines, and the word counter is pruned of its rarest words
 whenever it holds more than ``max_word_types`` distinct words.
+
+Speed: words are counted by ``workers`` processes, in batches of lines added up in input order (the
+counts, so the vocabulary, do not depend on ``workers``); merging updates only the pairs beside each
+merged pair, not every pair of the words it touches.
 """
 from __future__ import annotations
 
 import heapq
+import multiprocessing
 import os
 import random
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -99,24 +105,98 @@ def sample_lines(files: Sequence[Path], config: VocabConfig, *, progress: bool =
     rng = random.Random(config.seed)
     taken = 0
     with track(description, total, disable=not progress) as advance:
+        unshown = 0  # bytes read since the bar last moved (it moves every MiB: a call per line costs)
         for line, size in lines():
-            advance(size)
+            unshown += size
+            if unshown >= 1 << 20:
+                advance(unshown)
+                unshown = 0
             if rate < 1.0 and rng.random() >= rate or not line.strip():
                 continue
             yield line
             taken += 1
             if config.max_sentences is not None and taken >= config.max_sentences:
-                return
+                break
+        advance(unshown)
 
 
-def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertTokenizer, progress: bool = False) -> Counter:
-    """Word counts after BERT basic tokenisation, streamed and (optionally) sampled."""
+def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertTokenizer, progress: bool = False,
+                *, workers: int = 1) -> Counter:
+    """Word counts after BERT basic tokenisation, streamed and (optionally) sampled.
+
+    Lines are counted in batches (``BATCH_CHARS``), by ``workers`` processes when there are more than
+    one, and the batches' counts are added in input order. A batch that would take the counter past
+    ``max_word_types`` distinct words is added again line by line, pruning where counting one line
+    at a time prunes: the counts do not depend on ``workers``.
+    """
+    if workers < 1:
+        raise BertctlError(f"--workers: must be >= 1, got {workers}")
     counts: Counter = Counter()
-    for line in sample_lines(files, config, progress=progress, description="count words"):
-        counts.update(tokenizer.basic_tokenize(line, keep_special_tokens=False))
-        if len(counts) > config.max_word_types:
-            _prune(counts, config.max_word_types // 2)
+
+    def add(lines: list[str], batch: Counter) -> None:
+        if (len(counts) + len(batch) <= config.max_word_types
+                or len(counts) + len(batch.keys() - counts.keys()) <= config.max_word_types):
+            counts.update(batch)  # no line of the batch fills the counter: nothing is pruned
+            return
+        for line in lines:
+            counts.update(tokenizer.basic_tokenize(line, keep_special_tokens=False))
+            if len(counts) > config.max_word_types:
+                _prune(counts, config.max_word_types // 2)
+
+    pool = None
+    if workers > 1:  # fork before the progress bar starts its thread
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        pool = ctx.Pool(workers, initializer=_init_counter, initargs=(tokenizer,))
+    try:
+        in_flight: deque = deque()  # (lines, their pending counts), oldest first
+        for lines in _batches(sample_lines(files, config, progress=progress, description="count words")):
+            if pool is None:
+                add(lines, _count_lines(tokenizer, lines))
+                continue
+            in_flight.append((lines, pool.apply_async(_count_in_worker, (lines,))))
+            while len(in_flight) >= 2 * workers:
+                lines, pending = in_flight.popleft()
+                add(lines, pending.get())
+        while in_flight:
+            lines, pending = in_flight.popleft()
+            add(lines, pending.get())
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
     return counts
+
+
+BATCH_CHARS = 1 << 20  # characters of text counted at once (in one worker process)
+
+
+def _batches(lines: Iterable[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for line in lines:
+        batch.append(line)
+        size += len(line)
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _count_lines(tokenizer: BertTokenizer, lines: list[str]) -> Counter:
+    return Counter(chain.from_iterable(tokenizer.basic_tokenize(line, keep_special_tokens=False) for line in lines))
+
+
+_counter_tokenizer: BertTokenizer | None = None  # a worker process's pre-tokenizer
+
+
+def _init_counter(tokenizer: BertTokenizer) -> None:
+    global _counter_tokenizer
+    _counter_tokenizer = tokenizer
+
+
+def _count_in_worker(lines: list[str]) -> Counter:
+    return _count_lines(_counter_tokenizer, lines)
 
 
 def _prune(counts: Counter, keep: int) -> None:
@@ -131,12 +211,16 @@ def train_vocab(
     config: VocabConfig | None = None,
     *,
     progress: bool = False,
+    workers: int = 1,
 ) -> list[str]:
-    """Learn a WordPiece vocabulary from text files or folders; returns the tokens in id order."""
+    """Learn a WordPiece vocabulary from text files or folders; returns the tokens in id order.
+
+    ``workers``: processes counting words (the vocabulary does not depend on it).
+    """
     config = config or VocabConfig()
     paths = collect_files(files, config)
     tokenizer = _pretokenizer(config)
-    counts = count_words(paths, config, tokenizer, progress=progress)
+    counts = count_words(paths, config, tokenizer, progress=progress, workers=workers)
     if not counts:
         raise BertctlError(f"no words found in {len(paths)} input file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''})")
     return train_from_counts(counts, config, progress=progress)
@@ -161,11 +245,15 @@ def train_from_counts(counts: dict[str, int], config: VocabConfig, *, progress: 
         raise BertctlError(f"--vocab-size {config.vocab_size} leaves no room after {len(head)} special tokens")
     pretok = _pretokenizer(config)
 
-    # Alphabet: the most frequent characters (ties by code point, for determinism).
-    char_counts: Counter = Counter()
+    # Alphabet: the most frequent characters (ties by code point, for determinism). The words of
+    # one count are counted as one string, so Python loops over counts, not over characters.
+    by_count: dict[int, list[str]] = {}
     for word, n in counts.items():
-        for c in word:
-            char_counts[c] += n
+        by_count.setdefault(n, []).append(word)
+    char_counts: Counter = Counter()
+    for n, group in by_count.items():
+        for c, k in Counter("".join(group)).items():
+            char_counts[c] += k * n
     alphabet = sorted(char_counts, key=lambda c: (-char_counts[c], c))[: config.limit_alphabet]
     # Punctuation and CJK ideographs are always one-character words, so they never need "##".
     lone = {c for c in alphabet if pretok._normalize_char(c)[0] in ("p", "c")}
@@ -182,37 +270,33 @@ def train_from_counts(counts: dict[str, int], config: VocabConfig, *, progress: 
     symbols: list[str] = initial + continuing
     ids = {s: k for k, s in enumerate(symbols)}
 
-    # Words as symbol-id lists; characters outside the alphabet split a word (their pieces would
-    # straddle an [UNK] at encode time anyway).
+    # Words as symbol-id lists (a character starts a word, ##character continues one); characters
+    # outside the alphabet split a word (their pieces would straddle an [UNK] at encode time anyway).
+    # Word order does not matter: every choice below depends on counts and strings only.
+    inside = {s[2:]: k for s, k in ids.items() if s.startswith("##")}
     words: list[list[int]] = []
     freqs: list[int] = []
-    for word, n in sorted(counts.items()):
-        parts: list[list[int]] = []
-        current: list[int] = []
-        for k, c in enumerate(word):
-            sym = ids.get("##" + c if k else c)
-            if sym is None:
-                if current:
-                    parts.append(current)
-                current = []
-                continue
-            current.append(sym)
-        if current:
-            parts.append(current)
-        for p in parts:
-            if len(p) > 1:
-                words.append(p)
+    for word, n in counts.items():
+        if len(word) < 2:
+            continue
+        syms = [ids.get(word[0]), *map(inside.get, word[1:])]
+        for part in _split_at_none(syms) if None in syms else (syms,):
+            if len(part) > 1:
+                words.append(part)
                 freqs.append(n)
 
-    # Pair statistics: count (weighted) and the words where each pair occurs.
+    # Pair statistics: count (weighted) and the words where each pair occurs. ``where`` may list a
+    # word that no longer holds the pair (a merge does not look for other copies before unlisting
+    # it); merging checks each word, so only ``pair_count`` has to be exact.
     pair_count: dict[tuple[int, int], int] = {}
-    where: dict[tuple[int, int], set[int]] = {}
+    where: defaultdict[tuple[int, int], list[int]] = defaultdict(list)
     for w, (syms, n) in enumerate(zip(words, freqs)):
         for pair in zip(syms, syms[1:]):
             pair_count[pair] = pair_count.get(pair, 0) + n
-            where.setdefault(pair, set()).add(w)
-    # Max-heap with lazy invalidation: an entry is live when its count equals the current one.
-    # Ties break on the merged string, so the result does not depend on dict order.
+            where[pair].append(w)
+    # Max-heap with lazy invalidation: an entry is live when its count equals the current one, and
+    # every pair has a live entry. Ties break on the merged string, so the result does not depend
+    # on dict order.
     heap = [(-c, symbols[a] + symbols[b][2:], a, b) for (a, b), c in pair_count.items()]
     heapq.heapify(heap)
 
@@ -225,46 +309,72 @@ def train_from_counts(counts: dict[str, int], config: VocabConfig, *, progress: 
                 continue
             if -neg < config.min_frequency:
                 break
-            new = ids.get(merged)
+            new = ids.get(merged)  # two pairs can spell the same piece: ##ab ##c, ##a ##bc
             if new is None:
                 new = len(symbols)
                 symbols.append(merged)
                 ids[merged] = new
                 merges += 1
                 advance(1)
-            changed: set[tuple[int, int]] = set()
-            for w in list(where.pop((a, b), ())):
+            # Replace each a b, left to right, by the new symbol; only the pairs beside it change:
+            # x a b y loses (x, a) and (b, y) and gains (x, new) and (new, y), each by the word's count.
+            before: defaultdict[int, int] = defaultdict(int)  # x -> weighted count of x a b
+            after: defaultdict[int, int] = defaultdict(int)  # y -> weighted count of a b y
+            before_in: defaultdict[int, list[int]] = defaultdict(list)  # x -> words with x a b
+            after_in: defaultdict[int, list[int]] = defaultdict(list)
+            for w in where.pop((a, b)):
                 syms, n = words[w], freqs[w]
-                old_pairs = list(zip(syms, syms[1:]))
-                out: list[int] = []
-                k = 0
-                while k < len(syms):
-                    if k + 1 < len(syms) and syms[k] == a and syms[k + 1] == b:
-                        out.append(new)
-                        k += 2
-                    else:
-                        out.append(syms[k])
-                        k += 1
-                words[w] = out
-                for pair in old_pairs:
-                    pair_count[pair] -= n
-                    changed.add(pair)
-                    ws = where.get(pair)
-                    if ws is not None:
-                        ws.discard(w)
-                for pair in zip(out, out[1:]):
-                    pair_count[pair] = pair_count.get(pair, 0) + n
-                    where.setdefault(pair, set()).add(w)
-                    changed.add(pair)
-            pair_count.pop((a, b), None)
-            for pair in changed:
-                c = pair_count.get(pair, 0)
-                if c <= 0:
-                    pair_count.pop(pair, None)
-                    where.pop(pair, None)
-                elif pair != (a, b):
+                left = syms.count(a)  # copies of a still to look at (no exceptions from index)
+                k = -1
+                while left:
+                    k = syms.index(a, k + 1)
+                    left -= 1
+                    if k + 1 == len(syms) or syms[k + 1] != b:
+                        continue
+                    left -= a == b  # the b merged is one of them
+                    if k:
+                        x = syms[k - 1]
+                        before[x] += n
+                        before_in[x].append(w)
+                    if k + 2 < len(syms):
+                        y = syms[k + 2]
+                        after[y] += n
+                        after_in[y].append(w)
+                    syms[k : k + 2] = (new,)
+            del pair_count[a, b]  # every a b is merged (with a == b, a neighbour (a, a) went too)
+            delta: defaultdict[tuple[int, int], int] = defaultdict(int)
+            for x, c in before.items():
+                delta[x, a] -= c
+                delta[x, new] += c
+                where[x, new] += before_in[x]
+            for y, c in after.items():
+                delta[b, y] -= c
+                delta[new, y] += c
+                where[new, y] += after_in[y]
+            delta.pop((a, b), None)
+            for pair, d in delta.items():
+                if not d:
+                    continue
+                c = pair_count.get(pair, 0) + d
+                if c > 0:
+                    pair_count[pair] = c
                     heapq.heappush(heap, (-c, symbols[pair[0]] + symbols[pair[1]][2:], pair[0], pair[1]))
+                else:
+                    del pair_count[pair]
+                    where.pop(pair, None)
     return head + symbols
+
+
+def _split_at_none(syms: list[int | None]) -> Iterator[list[int]]:
+    """The runs of ids between the Nones (empty runs included)."""
+    part: list[int] = []
+    for s in syms:
+        if s is None:
+            yield part
+            part = []
+        else:
+            part.append(s)
+    yield part
 
 
 # ---------------------------------------------------------------------- SentencePiece models

@@ -182,3 +182,36 @@ def test_train_and_encode_take_no_progress(tmp_path, monkeypatch):
         assert run("tokenize", "encode", str(corpus), "--vocab", str(vocab), "-o", str(tmp_path / "o.jsonl"),
                    *flag).exit_code == 0
     assert seen == [True, True, False, False]
+
+
+def test_train_workers(tmp_path, monkeypatch, capsys):
+    """--workers (default: the CPU count, shown in --help) reaches the word counter and leaves the
+    vocabulary as it is; SentencePiece training refuses it."""
+    import os
+
+    import bertctl.vocab
+
+    seen = []
+    original = bertctl.vocab.train_vocab
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["workers"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(bertctl.vocab, "train_vocab", spy)
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 20, encoding="utf-8")
+    written = []
+    for k, flag in enumerate(([], ["--workers", "1"], ["--workers", "3"])):
+        out = tmp_path / f"vocab{k}.txt"
+        assert run("tokenize", "train", "--vocab-size", "60", "--no-progress", "-o", str(out), str(corpus),
+                   *flag).exit_code == 0
+        written.append(out.read_bytes())
+    assert seen == [os.cpu_count(), 1, 3]
+    assert written[0] == written[1] == written[2]
+    help_text = " ".join(run("tokenize", "train", "--help").output.replace("│", " ").split())
+    assert f"--workers <int range> [x>=1] Worker processes (the output does not depend on it). " \
+           f"[default: (the CPU count, {os.cpu_count()} here)]" in help_text
+    assert run_main("tokenize", "train", "--algorithm", "unigram", "--workers", "2", "-o", str(tmp_path / "m.model"),
+                    str(corpus)) == 2
+    assert "--workers applies to --algorithm wordpiece only" in capsys.readouterr().err

@@ -37,6 +37,8 @@ TENSORBOARD = typer.Option(None, "--tensorboard/--no-tensorboard", help="TensorB
                            "OUT/tensorboard/ beside metrics.jsonl.", show_default="on when tensorboard is installed")
 DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dropout.",
                        show_default="the checkpoint's, 0.1 for BERT")
+WORKERS = typer.Option(None, "--workers", min=1, help="Worker processes (the output does not depend on it).",
+                       show_default=f"the CPU count, {os.cpu_count()} here")
 
 # Hidden spellings of earlier releases (finetune): accepted, not shown.
 OLD_ATTENTION = typer.Option(None, "--attention", hidden=True)

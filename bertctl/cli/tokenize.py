@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
 
-from bertctl.cli.options import NO_PROGRESS
+from bertctl.cli.options import NO_PROGRESS, WORKERS
 from bertctl.errors import BertctlError
 
 tokenize_app = typer.Typer(
@@ -165,6 +166,7 @@ def train(
     save_dir: Path = typer.Option(None, "--save-dir",
                                   help="Also write a tokenizer directory (vocab.txt, tokenizer.json, tokenizer_config.json; "
                                        "SentencePiece: spiece.model, tokenizer_config.json)."),
+    workers: int = WORKERS,
     no_progress: bool = NO_PROGRESS,
 ) -> None:
     """Learn a BERT WordPiece vocabulary: [PAD], \\[unused0..K-1], [UNK], [CLS], [SEP], [MASK], characters, pieces.
@@ -195,7 +197,8 @@ def train(
 
         wordpiece_only = [flag for flag, given in (("--no-strip-accents", no_strip_accents),
                                                    ("--min-frequency", min_frequency != 2),
-                                                   ("--limit-alphabet", limit_alphabet != 1000)) if given]
+                                                   ("--limit-alphabet", limit_alphabet != 1000),
+                                                   ("--workers", workers is not None)) if given]
         if wordpiece_only:
             raise BertctlError(f"{', '.join(wordpiece_only)} applies to --algorithm wordpiece only")
         if output.suffix != ".model":
@@ -210,7 +213,7 @@ def train(
         return
     if character_coverage != 0.9995:
         raise BertctlError("--character-coverage applies to --algorithm unigram or bpe only")
-    tokens = train_vocab(inputs, config, progress=not no_progress)
+    tokens = train_vocab(inputs, config, progress=not no_progress, workers=workers or os.cpu_count() or 1)
     write_vocab(tokens, output)
     if save_dir is not None:
         from bertctl.tokenizer import BertTokenizer
