@@ -76,7 +76,7 @@ class TrainConfig:
     # Speed.
     precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU; fp16 uses loss scaling
     kernels: str = "auto"
-    attn: str = "auto"                    # auto: unpadded on a CPU, sdpa on a GPU
+    attn: str = "auto"                    # auto: unpadded on a CPU, sdpa on a GPU (packed data)
     compile: bool = False
     bucket_lengths: bool = False          # length-bucketed batch order (less padding for varied lengths)
     device: str | None = None             # cpu | cuda | None (cuda when available)
@@ -283,7 +283,7 @@ class Trainer:
         from bertctl import checkpoint
         from bertctl.config import BertConfig
 
-        attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile)
+        attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile, packed_data=True)
         runtime = dict(attn_implementation=attn, kernels=self.cfg.kernels)
         over = {**self.cfg.model_overrides, **runtime}
         if ckpt_state is not None:  # resume, or init from a previous run's checkpoint
@@ -346,7 +346,7 @@ class Trainer:
         # Same initial weights on every rank: seed before construction.
         torch.manual_seed(cfg.seed)
         if hf_dir is not None and init_state is None:
-            attn = resolve_attention(cfg.attn, self.device.type, compiled=cfg.compile)
+            attn = resolve_attention(cfg.attn, self.device.type, compiled=cfg.compile, packed_data=True)
             model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True, attn_implementation=attn,
                                                kernels=cfg.kernels,
                                                **cfg.model_overrides)
