@@ -476,3 +476,17 @@ def test_a_collapsed_run_says_so(data_dir, tmp_path, monkeypatch):
     warnings = [e for e in events if e["event"] == "warning"]
     assert len(warnings) == 1 and warnings[0]["kind"] == "collapse" and "--lr" in warnings[0]["message"]
     assert any(e["event"] == "eval" and e.get("collapsed") for e in events)
+
+
+def test_a_held_out_split_smaller_than_the_batch_is_still_evaluated(data_dir, tmp_path):
+    """A small corpus's held-out split can hold fewer instances than one batch: it is then evaluated
+    as one batch of all of them, not silently skipped."""
+    from bertctl.data.dataset import PretrainingData
+    from bertctl.train.pretrain import TrainConfig, pretrain
+
+    held_out = PretrainingData(str(data_dir), split="eval").num_instances
+    batch = 2 * held_out
+    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=batch,
+                             max_steps=1, device="cpu", show_progress=False, eval_batches=4))
+    assert s["eval_start"] is not None and s["eval_end"] is not None
+    assert s["eval_end"]["sequences"] == held_out

@@ -423,10 +423,11 @@ class Trainer:
             return None
         W = self.dist.world_size
         G = self.cfg.eval_batch_size or min(self.cfg.batch_size, 256)
-        G = max(W, (G // W) * W)
-        n = max(1, min(self.cfg.eval_batches, self.eval_data.steps_per_epoch(G)))
-        if self.eval_data.steps_per_epoch(G) < 1:
+        G = min(G, self.eval_data.num_instances)  # a held-out split smaller than a batch is one batch
+        G = (G // W) * W
+        if G < 1:  # fewer held-out instances than processes: nothing to evaluate
             return None
+        n = max(1, min(self.cfg.eval_batches, self.eval_data.steps_per_epoch(G)))
         self.model.eval()
         sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         label_hist = None
