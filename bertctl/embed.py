@@ -38,6 +38,7 @@ BACKEND_CHOICES = ("auto", "torch", "onnxruntime")
 # same), 4.05 s at 2048, 4.33 s at 4096 and 4.79 s at 8192 (medians of 3): small batches stay in cache.
 # A GPU wants large ones; there the limit of 256 texts binds first for sentences.
 BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
+PRECISION_CHOICES = ("fp32", "bf16", "fp16", "auto")
 
 
 @dataclass
@@ -48,7 +49,7 @@ class EmbedConfig:
     batch_size: int = 256  # texts per forward pass, at most
     batch_tokens: int | None = None  # padded tokens per forward pass, at most (one text always fits); None: BATCH_TOKENS
     max_length: int | None = None  # default and upper bound: the model's max_position_embeddings
-    dtype: str = "fp32"  # or "bf16"
+    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast), or auto: bf16 on a GPU, fp32 on the CPU
     device: str = "auto"
     backend: str = "auto"
 
@@ -59,8 +60,8 @@ class EmbedConfig:
             raise BertctlError(f"--layers must be one of {', '.join(LAYER_CHOICES)}, not {self.layers!r}")
         if self.pooling not in POOLING_CHOICES:
             raise BertctlError(f"--pooling must be one of {', '.join(POOLING_CHOICES)}, not {self.pooling!r}")
-        if self.dtype not in ("fp32", "bf16"):
-            raise BertctlError(f"--dtype must be fp32 or bf16, not {self.dtype!r}")
+        if self.precision not in PRECISION_CHOICES:
+            raise BertctlError(f"--precision must be one of {', '.join(PRECISION_CHOICES)}, not {self.precision!r}")
         if self.batch_size < 1:
             raise BertctlError(f"--batch-size must be at least 1, not {self.batch_size}")
         if self.batch_tokens is not None and self.batch_tokens < 1:
@@ -128,6 +129,16 @@ def read_texts(path: str | Path, field: str | None = None) -> list[str]:
     return texts
 
 
+def resolve_precision(precision: str, device) -> str:
+    """fp32, bf16 or fp16 on ``device`` (auto: bf16 on a GPU, fp32 on the CPU, as in pretrain and finetune)."""
+    on_cpu = device_type(device) == "cpu"
+    if precision == "auto":
+        return "fp32" if on_cpu else "bf16"
+    if precision == "fp16" and on_cpu:
+        raise BertctlError("--precision fp16 needs a GPU (use fp32 or bf16 on the CPU)")
+    return precision
+
+
 def resolve_backend(config: EmbedConfig, device, onnx: Path | None = None) -> str:
     """``torch`` or ``onnxruntime``: what ``config.backend`` (and an ``--onnx`` file) ask for on ``device``."""
     from bertctl.export import onnx_missing
@@ -136,8 +147,8 @@ def resolve_backend(config: EmbedConfig, device, onnx: Path | None = None) -> st
     if backend == "onnxruntime":
         if device_type(device) != "cpu":
             raise BertctlError(f"--backend onnxruntime runs on the CPU, not --device {device}")
-        if config.dtype != "fp32":
-            raise BertctlError("--backend onnxruntime runs fp32; --dtype bf16 needs --backend torch")
+        if resolve_precision(config.precision, device) != "fp32":
+            raise BertctlError(f"--backend onnxruntime runs fp32; --precision {config.precision} needs --backend torch")
         missing = onnx_missing(export=onnx is None)
         if missing:
             raise BertctlError(f"--backend onnxruntime needs {', '.join(missing)}: pip install 'bertctl[onnx]'")
@@ -145,7 +156,8 @@ def resolve_backend(config: EmbedConfig, device, onnx: Path | None = None) -> st
     if onnx is not None:
         raise BertctlError("--onnx runs under onnxruntime; it cannot go with --backend torch")
     if backend == "auto":
-        fits = device_type(device) == "cpu" and config.dtype == "fp32" and not onnx_missing(export=True)
+        fits = resolve_precision(config.precision, device) == "fp32" and device_type(device) == "cpu" \
+            and not onnx_missing(export=True)
         return "onnxruntime" if fits else "torch"
     return backend
 
@@ -240,7 +252,9 @@ def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfi
     all_layers = config.layers != "last"
     ids_t, mask_t = (torch.from_numpy(a).to(device, non_blocking=True) for a in (ids, mask))
     types = torch.zeros_like(ids_t)
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bf16"):
+    precision = resolve_precision(config.precision, device)
+    half = torch.float16 if precision == "fp16" else torch.bfloat16
+    with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=precision != "fp32"):
         encoded = model(ids_t, types, mask_t, output_hidden_states=all_layers)
     states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
     feats = pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)

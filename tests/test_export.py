@@ -191,14 +191,18 @@ def test_embed_backends_give_the_same_vectors(tmp_path, minilm_dir, minilm_onnx,
 def test_embed_backend_choice_and_errors(tmp_path, minilm_dir, monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_backend(EmbedConfig(), cpu) == "onnxruntime"  # the faster one on the CPU
-    assert resolve_backend(EmbedConfig(dtype="bf16"), cpu) == "torch"
+    assert resolve_backend(EmbedConfig(precision="bf16"), cpu) == "torch"
+    assert resolve_backend(EmbedConfig(precision="auto"), cpu) == "onnxruntime"  # auto is fp32 on the CPU
     assert resolve_backend(EmbedConfig(backend="torch"), cpu) == "torch"
     texts = tmp_path / "in.txt"
     texts.write_text("a sentence\n", encoding="utf-8")
     qa = tiny_dir(tmp_path / "qa", "BertForQuestionAnswering")
     export_onnx(qa, tmp_path / "qa.onnx")
     base = ["embed", "--model", str(minilm_dir), "-o", str(tmp_path / "o.npy"), str(texts)]
-    for args, message in [(["--backend", "onnxruntime", "--dtype", "bf16"], "--dtype bf16 needs --backend torch"),
+    for args, message in [(["--backend", "onnxruntime", "--precision", "bf16"], "--precision bf16 needs --backend torch"),
+                          (["--backend", "onnxruntime", "--dtype", "bf16"], "--precision bf16 needs --backend torch"),
+                          (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs a GPU"),
+                          (["--precision", "fp8"], "--precision must be one of"),
                           (["--backend", "torch", "--onnx", str(tmp_path / "qa.onnx")], "cannot go with --backend torch"),
                           (["--onnx", str(tmp_path / "qa.onnx")], "not an exported BERT encoder"),
                           (["--onnx", str(tmp_path / "none.onnx")], "no such file"),

@@ -25,7 +25,9 @@ def register(app: typer.Typer) -> None:
         max_length: int = typer.Option(None, "--max-length", show_default=False,
                                        help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2 "
                                             "(default and upper bound: the model's max_position_embeddings)."),
-        dtype: str = typer.Option("fp32", help="fp32 or bf16 (autocast)."),
+        precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (autocast), or auto (bf16 on a "
+                                      "GPU, fp32 on the CPU). fp32 gives the checkpoint's vectors (cosine >= 0.9999)."),
+        old_dtype: str = typer.Option(None, "--dtype", hidden=True),
         device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
         backend: str = typer.Option("auto", "--backend",
                                     help=f"{', '.join(BACKEND_CHOICES)}: auto runs onnxruntime on the CPU in fp32 "
@@ -44,7 +46,8 @@ def register(app: typer.Typer) -> None:
         from bertctl.tokenizer import load_tokenizer
 
         config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
-                             batch_tokens=batch_tokens, max_length=max_length, dtype=dtype, device=device,
+                             batch_tokens=batch_tokens, max_length=max_length, precision=old_dtype or precision,
+                             device=device,
                              backend=backend)
         if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
