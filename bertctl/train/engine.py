@@ -269,8 +269,8 @@ class Engine:
         W = self.dist.world_size
         micro = [to_device(m, self.device) for m in sb.micro]
         if self.dist.enabled:
-            # Pinned and non-blocking: a copy from pageable memory waits for the GPU to finish the
-            # previous step, which took the CPU's lead away and made 2 GPUs slower than one.
+            # Pinned and non-blocking: a copy from pageable memory would make the host wait for the
+            # GPU to finish the previous step, every step.
             counts = torch.tensor([sb.counts[t] for t in terms], dtype=torch.float32,
                                   pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
             distributed.all_reduce_sum(counts, self.dist)
