@@ -185,8 +185,8 @@ def test_train_and_encode_take_no_progress(tmp_path, monkeypatch):
 
 
 def test_train_workers(tmp_path, monkeypatch, capsys):
-    """--workers (default: the CPU count, shown in --help) reaches the word counter and leaves the
-    vocabulary as it is; SentencePiece training refuses it."""
+    """--workers (default: the CPUs this process may use, shown in --help) reaches the word counter and
+    leaves the vocabulary as it is; SentencePiece training refuses it."""
     import os
 
     import bertctl.vocab
@@ -207,11 +207,12 @@ def test_train_workers(tmp_path, monkeypatch, capsys):
         assert run("tokenize", "train", "--vocab-size", "60", "--no-progress", "-o", str(out), str(corpus),
                    *flag).exit_code == 0
         written.append(out.read_bytes())
-    assert seen == [os.cpu_count(), 1, 3]
+    usable = len(os.sched_getaffinity(0))
+    assert seen == [usable, 1, 3]
     assert written[0] == written[1] == written[2]
     help_text = " ".join(run("tokenize", "train", "--help").output.replace("│", " ").split())
     assert f"--workers <int range> [x>=1] Worker processes (the output does not depend on it). " \
-           f"[default: (the CPU count, {os.cpu_count()} here)]" in help_text
+           f"[default: (the usable CPUs, {usable} here)]" in help_text
     assert run_main("tokenize", "train", "--algorithm", "unigram", "--workers", "2", "-o", str(tmp_path / "m.model"),
                     str(corpus)) == 2
     assert "--workers applies to --algorithm wordpiece only" in capsys.readouterr().err

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import typer
 
-from bertctl.cli.options import NO_PROGRESS, WORKERS
+from bertctl.cli.options import NO_PROGRESS, WORKERS, usable_cpus
 from bertctl.errors import BertctlError
 
 tokenize_app = typer.Typer(
@@ -213,7 +212,7 @@ def train(
         return
     if character_coverage != 0.9995:
         raise BertctlError("--character-coverage applies to --algorithm unigram or bpe only")
-    tokens = train_vocab(inputs, config, progress=not no_progress, workers=workers or os.cpu_count() or 1)
+    tokens = train_vocab(inputs, config, progress=not no_progress, workers=workers or usable_cpus())
     write_vocab(tokens, output)
     if save_dir is not None:
         from bertctl.tokenizer import BertTokenizer
