@@ -346,9 +346,8 @@ class Trainer:
         # Same initial weights on every rank: seed before construction.
         torch.manual_seed(cfg.seed)
         if hf_dir is not None and init_state is None:
-            attn = resolve_attention(cfg.attn, self.device.type, compiled=cfg.compile, packed_data=True)
-            model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True, attn_implementation=attn,
-                                               kernels=cfg.kernels,
+            model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True,
+                                               attn_implementation=mconf.attn_implementation, kernels=cfg.kernels,
                                                **cfg.model_overrides)
         else:
             model = model_cls(mconf)
