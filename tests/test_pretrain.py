@@ -454,6 +454,10 @@ def test_collapse_needs_two_stuck_evaluations_well_after_warm_up():
     assert "--lr 0.0004 too high" in collapse_warning(stuck, stuck, 3000, 180, 3000, 4e-4)
     assert collapse_warning(stuck, stuck, 300, 180, 3000, 4e-4) is None      # before 2x warm-up and 30% of the run
     assert collapse_warning(stuck, stuck, 900, 10, 1000, 4e-4) is None       # a short run may still be there
+    # A large batch sees as many sequences in fewer steps: batch 2048, 500 steps, pinned from step 62 on
+    assert collapse_warning(stuck, stuck, 186, 30, 500, 1e-4, batch_size=2048).startswith("collapse: at step 186")
+    assert collapse_warning(stuck, stuck, 124, 30, 500, 1e-4, batch_size=2048) is None  # 254k sequences: not yet
+    assert collapse_warning(stuck, stuck, 1500, 10, 1000, 4e-4, batch_size=32) is not None  # small batches: 1000 steps
     assert collapse_warning(None, stuck, 3000, 180, 3000, 4e-4) is None      # one evaluation is not a trend
     assert collapse_warning(stuck, learning, 3000, 180, 3000, 4e-4) is None
     assert collapse_warning(stuck, _ev(0.06, 5.0), 3000, 180, 3000, 4e-4) is None  # loss below the unigram entropy
@@ -491,24 +495,3 @@ def test_a_held_out_split_smaller_than_the_batch_is_still_evaluated(data_dir, tm
     assert s["eval_start"] is not None and s["eval_end"] is not None
     assert s["eval_end"]["sequences"] == held_out
 
-
-def test_preset_lr_grows_with_the_square_root_of_the_batch_above_256(data_dir, tmp_path):
-    """Each preset's default lr is its batch-256 value up to batch 256 and √(batch/256) times it above
-    (the square-root rule for Adam); the command line uses it when --lr is not given."""
-    import math
-
-    from bertctl.train.pretrain import PRESET_LR, preset_lr
-
-    assert preset_lr("medium", 128) == preset_lr("medium", 256) == PRESET_LR["medium"] == 3e-4
-    assert preset_lr("large", 2048) == pytest.approx(5e-5 * math.sqrt(8), rel=1e-12)
-    assert preset_lr("base", 1024) == pytest.approx(2e-4, rel=1e-12)
-    out = tmp_path / "run"
-    args = [a for a in _args(data_dir, out, "--max-steps", "1", "--micro-batch-size", "16", "--eval-batches", "1")]
-    i = args.index("--lr")
-    del args[i:i + 2]
-    args[args.index("--batch-size") + 1] = "1024"
-    r = _cli(*args)
-    assert r.returncode == 0, r.stderr
-    config = next(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-                  if json.loads(line)["event"] == "config")
-    assert config["configs"]["training"]["lr"] == pytest.approx(PRESET_LR["tiny"] * 2, rel=1e-12)

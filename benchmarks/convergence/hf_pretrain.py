@@ -37,7 +37,7 @@ from bertctl.bench.model import hf_model  # noqa: E402
 from bertctl.config import BertConfig  # noqa: E402
 from bertctl.data import PretrainingData  # noqa: E402
 from bertctl.train.loader import trim  # noqa: E402
-from bertctl.train.pretrain import preset_lr  # noqa: E402
+from bertctl.train.pretrain import PRESET_LR  # noqa: E402
 
 IGNORE = -100
 CALIBRATION_STEPS = 40  # steps 10..40 give the pace for --minutes
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     data = PretrainingData(a.data)
     held = PretrainingData(a.data, split="eval")
-    lr = a.lr or preset_lr(a.model_size, a.batch_size)
+    lr = a.lr or PRESET_LR[a.model_size]
     torch.manual_seed(a.seed)
     config = BertConfig.preset(a.model_size, vocab_size=data.vocab_size)
     model = hf_model(config, device)

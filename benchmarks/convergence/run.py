@@ -21,9 +21,8 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   ``bertctl pretrain`` for 0.6 times that, same shards, model, recipe and seed, one process at a
   time; wall-clock from process start. The target: bertctl's final held-out MLM accuracy at least
   HF's.
-- ``presets``: every ``--preset-sizes`` preset at its default lr (``preset_lr``: scaled by
-  √(batch/256) above batch 256) and warm-up (6% of the steps), batch 256 for ``--preset-steps`` steps
-  and batch 2048 for half as many (``--preset-batches``), at sequence length 128: held-out MLM
+- ``presets``: every ``--preset-sizes`` preset at its default lr and warm-up (6% of the steps),
+  batch 256 for ``--preset-steps`` steps and batch 2048 for half as many (``--preset-batches``), at sequence length 128: held-out MLM
   accuracy against the majority-token baseline and bertctl's collapse warning. ``--preset-lr``
   runs them at another lr instead, for comparison (records named ``preset-SIZE-BATCH-lrX``).
 - ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus, the
@@ -272,6 +271,8 @@ def report(a) -> dict:
             "seed", "compile", "tasks", "seeds")
     res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(),
                  "settings": {k: getattr(a, k) for k in keep}}
+    if a.note:
+        res["note"] = a.note
     # where the runs ran (the report may be written elsewhere)
     res["devices"] = sorted({r.get("device", "?") for r in recs.values()})
     res["run_versions"] = sorted({json.dumps(r.get("versions"), sort_keys=True) for r in recs.values()})
@@ -335,19 +336,21 @@ def report(a) -> dict:
             s = r.get("summary") or {}
             end = s.get("eval_end") or {}
             base = end.get("mlm_majority_baseline")
-            from bertctl.train.pretrain import preset_lr
+            from bertctl.train.pretrain import PRESET_LR
 
+            run_dir = a.work / r.get("dir", f"preset-{r.get('size')}-{r.get('batch')}")
             given = _flag(r.get("command", ""), "--lr")
-            lr = float(given) if given else preset_lr(r["size"], r["batch"]) if r.get("size") else None
+            lr = _run_lr(run_dir) or (float(given) if given else PRESET_LR.get(r.get("size")))
             res["presets"].append({"size": r.get("size"), "batch": r.get("batch"), "lr": lr,
-                                   "lr_is_preset_default": not given,
+                                   "lr_given": given is not None, "lr_is_todays_default": lr == PRESET_LR.get(r.get("size")),
+                                   "collapse_warning": _collapse(run_dir, lr, r.get("batch")),
                                    "warmup_fraction": 0.06, "steps": s.get("steps"),
                                    "mlm_acc": end.get("mlm_acc"), "majority_baseline": base,
                                    "nsp_acc": end.get("nsp_acc"), "collapsed": bool(s.get("collapsed")),
                                    "learns": bool(base is not None and end.get("mlm_acc", 0) > 1.5 * base),
                                    "mlm_loss": end.get("mlm_loss"), "unigram_entropy": end.get("mlm_unigram_entropy"),
                                    "micro_batch": _flag(r.get("command", ""), "--micro-batch-size"),
-                                   "curve": _preset_curve(a.work / r.get("dir", f"preset-{r.get('size')}-{r.get('batch')}")),
+                                   "curve": _preset_curve(run_dir),
                                    "seconds": r.get("seconds"), "error": r.get("error")})
     a.results.mkdir(parents=True, exist_ok=True)
     path = a.results / "convergence.json"
@@ -361,6 +364,34 @@ def report(a) -> dict:
 def _flag(command: str, flag: str) -> str | None:
     words = shlex.split(command)
     return words[words.index(flag) + 1] if flag in words else None
+
+
+def _collapse(run_dir: Path, lr: float | None, batch: int | None) -> str | None:
+    """The collapse warning today's rule gives on a run's evaluations (a run made before the rule
+    changed carries the old verdict in its summary)."""
+    from bertctl.train.engine import warmup_steps
+    from bertctl.train.pretrain import collapse_warning
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file() or lr is None or not batch:
+        return None
+    evs = [e for e in events(path) if e["event"] == "eval" and e["step"] > 0]
+    steps = max((e["step"] for e in evs), default=0)
+    warmup = warmup_steps(steps, None, 0.06)
+    for prev, ev in zip(evs, evs[1:]):
+        warning = collapse_warning(prev, ev, ev["step"], warmup, steps, lr, batch)
+        if warning:
+            return warning
+    return None
+
+
+def _run_lr(run_dir: Path) -> float | None:
+    """The peak lr a run trained with, from its config event (what the code of its day chose)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    config = next((e for e in events(path) if e["event"] == "config"), {})
+    return ((config.get("configs") or {}).get("training") or {}).get("lr")
 
 
 def _preset_curve(run_dir: Path) -> list[dict]:
@@ -454,6 +485,18 @@ def plot(res: dict, path: Path) -> None:
         ax.set_ylabel("held-out MLM accuracy")
         ax.set_title("same shards, model and recipe")
         ax.legend()
+    if not r and not partial and res.get("presets"):  # no race in this run: the preset checks instead
+        for pr in res["presets"]:
+            c = pr.get("curve") or []
+            ax.plot([x["step"] for x in c], [x["mlm_acc"] for x in c], "o-", ms=3,
+                    label=f"{pr['size']}, batch {pr['batch']}, lr {pr['lr']:.2g}")
+        base = next((pr["majority_baseline"] for pr in res["presets"] if pr.get("majority_baseline")), None)
+        if base:
+            ax.axhline(base, color="grey", lw=0.8, ls="--", label="majority-token baseline")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out MLM accuracy")
+        ax.set_title("presets at sequence length 128")
+        ax.legend(fontsize=8)
     ax = axes[2]
     t = (res.get("finetune") or {}).get("table") or {}
     labels = [k for k in TASKS if k in t]
@@ -509,6 +552,7 @@ def main(argv=None) -> int:
     p.add_argument("--preset-micro-batch", type=int, default=0,
                    help="sequences per forward in the preset runs, accumulated to the batch (default 0: the whole batch)")
     p.add_argument("--force", action="store_true", help="redo finished steps")
+    p.add_argument("--note", default="", help="a note kept in the report (what differs from the defaults, say)")
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     for stage in a.stages:

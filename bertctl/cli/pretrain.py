@@ -11,8 +11,7 @@ import typer
 from bertctl.cli import options as opt
 from bertctl.errors import BertctlError
 
-LR_DEFAULTS = ("per --model-size, at batch 256 or less: tiny, mini 1e-3; small 5e-4; medium 3e-4; base 1e-4; "
-               "large 5e-5; times √(batch/256) above")
+LR_DEFAULTS = "per --model-size: tiny, mini 1e-3; small 5e-4; medium 3e-4; base 1e-4; large 5e-5"
 
 
 def pretrain_command(
@@ -74,7 +73,7 @@ def pretrain_command(
     quiet: bool = opt.OLD_QUIET,
 ) -> None:
     """Pretrain BERT with masked LM + next-sentence prediction; prints a JSON summary on stdout."""
-    from bertctl.train.pretrain import PRESET_LR, TrainConfig, preset_lr, pretrain
+    from bertctl.train.pretrain import PRESET_LR, TrainConfig, pretrain
 
     v = opt.merge_aliases(dict(attn=attn, no_progress=no_progress), attention=attn_old, quiet=quiet)
     attn, no_progress = v["attn"], v["no_progress"]
@@ -119,7 +118,7 @@ def pretrain_command(
         size, batch = _size_and_batch(model_size, batch_size, config or init_from, device)
         common["model_size"] = size
         common["eval_every"] = eval_every or 1000
-        cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch, lr=lr or preset_lr(size, batch),
+        cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch, lr=lr or PRESET_LR[size],
                           fit_to_minutes=minutes is not None and max_steps is None, **common)
         with opt.run_output(output):
             summary = pretrain(cfg)
