@@ -533,7 +533,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--model-size", default="medium")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--minutes", type=float, default=8.0, help="each pretraining run's time box")
+    p.add_argument("--minutes", type=float, default=7.0, help="each pretraining run's time box")
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
