@@ -1,0 +1,118 @@
+"""Where a fine-tuning step's time goes on the host: the real engine step on real SST-2 batches.
+
+    python benchmarks/profile_finetune_step.py --vocab VOCAB --sst2 TRAIN.tsv [--size base] [--attn unpadded] [--compile]
+
+Builds the ``--size`` architecture (random weights) with a 2-label head, the one training engine
+(``Engine.train_step``: bf16 autocast, fused AdamW, clipping) and the fine-tuning loader's batches of
+32 (random order, pinned, prefetched), then, after a warm-up, reports per step: the wall time
+(synchronised over ``--steps`` steps), the host time spent issuing the step (``train_step`` returns
+before the GPU finishes, so host time close to the wall time means the host is the bottleneck), the
+CUDA kernels launched, the host-device synchronisations (``cudaStreamSynchronize``,
+``cudaDeviceSynchronize``, device-to-host copies) and the operators with the most host time. JSON
+on stdout (``-o`` writes it too).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bertctl.config import BertConfig  # noqa: E402
+from bertctl.model import BertForSequenceClassification  # noqa: E402
+from bertctl.tasks.glue import featurize, read_glue_tsv, task_spec  # noqa: E402
+from bertctl.tasks.trainer import TaskObjective  # noqa: E402
+from bertctl.tokenizer import BertTokenizer  # noqa: E402
+from bertctl.train import distributed  # noqa: E402
+from bertctl.train.engine import Engine, EngineConfig  # noqa: E402
+from bertctl.train.loader import Prefetcher, steps_per_epoch, task_batches  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vocab", required=True, help="vocab.txt (uncased WordPiece)")
+    ap.add_argument("--sst2", required=True, help="SST-2 train.tsv")
+    ap.add_argument("--size", default="base")
+    ap.add_argument("--attn", default="unpadded", help="sdpa, explicit or unpadded")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--examples", type=int, default=8192)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--device", default="cuda", help="cuda (what this is for) or cpu (a smoke test)")
+    ap.add_argument("-o", "--output", type=Path)
+    a = ap.parse_args()
+
+    tok = BertTokenizer.from_vocab_file(a.vocab)
+    spec = task_spec("sst2")
+    examples = read_glue_tsv(a.sst2, spec)[0][: a.examples]
+    feats = featurize(examples, tok, spec, max_seq_length=128)
+    config = BertConfig.preset(a.size, vocab_size=len(tok.vocab), num_labels=2, attn_implementation=a.attn)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dist = distributed.Dist(device=device)
+    total = a.warmup + 2 * a.steps + 2
+    cfg = EngineConfig(batch_size=32, max_steps=total, lr=5e-5, warmup_steps=10, seed=0, precision="bf16" if cuda else "fp32",
+                       compile=a.compile, compile_dynamic=True, show_progress=False)
+    engine = Engine(cfg, model, TaskObjective(), dist=dist)
+    per_epoch = steps_per_epoch(len(feats), 32)
+    batches = Prefetcher(task_batches(feats, 32, seed=0, start_step=0, steps_per_epoch=per_epoch,
+                                      group_by_length=False), lambda sb: sb, pin=cuda)
+    stats = torch.zeros(1, device=device)
+    for _ in range(a.warmup):
+        engine.train_step(next(batches), stats)
+    sync()
+
+    host = []
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        sb = next(batches)
+        h = time.perf_counter()
+        engine.train_step(sb, stats)
+        host.append(time.perf_counter() - h)
+    sync()
+    wall = (time.perf_counter() - t0) / a.steps
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        for _ in range(a.steps):
+            engine.train_step(next(batches), stats)
+        sync()
+    batches.close()
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    syncs = collections.Counter(e.name for e in events if e.name in SYNC_CALLS)
+    d2h = sum(1 for e in events if e.name == "Memcpy DtoH (Device -> Pinned)" or e.name == "Memcpy DtoH (Device -> Pageable)")
+    gpu_busy = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    rows = []
+    for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[: a.rows]:
+        rows.append({"op": k.key, "calls_per_step": k.count / a.steps,
+                     "self_host_ms_per_step": k.self_cpu_time_total / 1e3 / a.steps})
+    out = {"what": "fine-tuning step host profile", "size": a.size, "attn": a.attn, "compile": a.compile,
+           "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+           "examples": len(feats), "mean_tokens": sum(len(f["input_ids"]) for f in feats) / len(feats),
+           "wall_ms_per_step": wall * 1e3, "host_issue_ms_per_step": sum(host) / len(host) * 1e3,
+           "gpu_kernel_ms_per_step": gpu_busy / a.steps, "kernels_per_step": kernels / a.steps,
+           "syncs_per_step": {k: v / a.steps for k, v in syncs.items()}, "d2h_copies_per_step": d2h / a.steps,
+           "top_host_ops": rows}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.output:
+        a.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
