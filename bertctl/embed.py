@@ -245,12 +245,16 @@ def length_batches(lengths: np.ndarray, batch_size: int, batch_tokens: int) -> l
     return batches
 
 
-def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
+def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig):
     import torch
 
     device = next(model.parameters()).device
     all_layers = config.layers != "last"
-    ids_t, mask_t = (torch.from_numpy(a).to(device, non_blocking=True) for a in (ids, mask))
+    # From pinned memory the copy is queued behind the GPU's work; from pageable memory the host
+    # would first wait for that work to finish, every batch.
+    pin = device.type == "cuda"
+    ids_t, mask_t = ((torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a)).to(device, non_blocking=True)
+                     for a in (ids, mask))
     types = torch.zeros_like(ids_t)
     precision = resolve_precision(config.precision, device)
     half = torch.float16 if precision == "fp16" else torch.bfloat16
@@ -260,7 +264,7 @@ def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfi
     feats = pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)
     if config.normalize:
         feats = normalize(feats)
-    return feats.cpu().numpy()
+    return feats  # on the device: the caller copies many batches at once (one wait, not one a batch)
 
 
 def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
@@ -283,6 +287,13 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     tokenized = time.perf_counter() - start
     out: np.ndarray | None = None
+    pending: list = []  # (indices, device features) not yet copied to the host
+
+    def flush() -> None:
+        for idx, feats in pending:
+            out[idx] = feats if isinstance(feats, np.ndarray) else feats.cpu().numpy()
+        pending.clear()
+
     with track("embed", len(texts), disable=not progress) as advance:
         for index in length_batches(lengths, config.batch_size, batch_tokens):
             width = int(lengths[index[0]])
@@ -296,8 +307,11 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
             feats = features(model, ids, mask.astype(np.int64), config)
             if out is None:
                 out = np.empty((len(texts), feats.shape[-1]), dtype=np.float32)
-            out[index] = feats
+            pending.append((index, feats))
+            if len(pending) >= 32:  # bounds the device memory the features hold
+                flush()
             advance(len(index))
+        flush()
     seconds = time.perf_counter() - start
     if progress:
         tokens, truncated = int(lengths.sum()), int((lengths == max_length).sum())

@@ -130,7 +130,10 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
     with track(description, len(features), disable=not progress) as advance:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
-            batch = to_device(collate([features[i] for i in idx]), device)
+            batch = collate([features[i] for i in idx])
+            if device.type == "cuda":  # pinned: the copy queues behind the GPU's work instead of waiting for it
+                batch = {k: v.pin_memory() for k, v in batch.items()}
+            batch = to_device(batch, device)
             for key in ("labels", "start_positions", "end_positions"):
                 batch.pop(key, None)
             with autocast(precision, device):
