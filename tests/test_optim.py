@@ -252,3 +252,17 @@ def test_memorising_note_names_the_gap_and_the_passes():
     assert memorising_note({"mlm_acc": 0.64}, {"mlm_acc": 0.60}, 24.0) is None  # small gap
     assert memorising_note({"mlm_acc": 0.64}, {"mlm_acc": 0.47}, 1.0) is None  # first pass: not memorising
     assert memorising_note({"mlm_acc": 0.64}, None, 24.0) is None
+
+
+def test_memorising_note_names_nsp_pairs_learnt_by_heart():
+    """The built-in job's run: training NSP accuracy 1.000, held-out 0.525 after 2.6 epochs."""
+    from bertctl.train.pretrain import memorising_note
+
+    train, held = {"mlm_acc": 0.212, "nsp_acc": 1.0}, {"mlm_acc": 0.155, "nsp_acc": 0.525}
+    note = memorising_note(train, held, 7.9, 2.6)
+    assert note is not None and "NSP accuracy 1.000 is 0.475 above held-out 0.525 after 2.6 epochs" in note
+    assert "MLM" not in note and "--dupe-factor" in note  # the MLM gap (0.057) is below the threshold
+    assert memorising_note(train, held, 7.9, 0.9) is None  # no pair seen twice yet
+    assert memorising_note({"mlm_acc": 0.6}, {"mlm_acc": 0.5}, 7.9, 2.6) is None  # MLM-only data: no NSP to judge
+    both = memorising_note({"mlm_acc": 0.606, "nsp_acc": 0.996}, {"mlm_acc": 0.502, "nsp_acc": 0.857}, 18.4, 3.7)
+    assert both is not None and "MLM accuracy 0.606" in both and "NSP accuracy 0.996" in both

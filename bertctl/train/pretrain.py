@@ -189,19 +189,32 @@ COLLAPSE_MIN_STEPS = 1000
 COLLAPSE_MIN_SEQUENCES = 256_000
 
 
-MEMORISING_GAP = 0.1  # training minus held-out MLM accuracy
+MEMORISING_GAP = 0.1  # training minus held-out accuracy (MLM or NSP)
 
 
-def memorising_note(train: dict | None, held_out: dict | None, passes: float) -> str | None:
-    """A note when the model has started to memorise its text: training MLM accuracy well above the held-out
-    one after several passes over the text. More (different) text then helps more than more steps."""
-    if not train or not held_out or "mlm_acc" not in train or passes < 2:
+def memorising_note(train: dict | None, held_out: dict | None, passes: float, epochs: float = 0.0) -> str | None:
+    """A note when the model has started to memorise its data: training accuracy well above the
+    held-out one. MLM: after several passes over the text; more (different) text then helps more
+    than more steps. NSP: after more than one epoch; its pairs are drawn once, when the data is
+    built, so a model that sees them again can learn which pairs are "next" by heart (training NSP
+    accuracy near 1 while held-out stays far below it)."""
+    if not train or not held_out:
         return None
-    gap = train["mlm_acc"] - held_out["mlm_acc"]
-    if gap < MEMORISING_GAP:
-        return None
-    return (f"training MLM accuracy {train['mlm_acc']:.3f} is {gap:.3f} above held-out {held_out['mlm_acc']:.3f} after "
-            f"{passes:g} passes over the text: the model is memorising it; more text will help more than more steps")
+    notes = []
+    if "mlm_acc" in train and "mlm_acc" in held_out and passes >= 2:
+        gap = train["mlm_acc"] - held_out["mlm_acc"]
+        if gap >= MEMORISING_GAP:
+            notes.append(f"training MLM accuracy {train['mlm_acc']:.3f} is {gap:.3f} above held-out "
+                         f"{held_out['mlm_acc']:.3f} after {passes:g} passes over the text: the model is memorising "
+                         f"it; more text will help more than more steps")
+    if train.get("nsp_acc") is not None and held_out.get("nsp_acc") is not None and epochs > 1:
+        gap = train["nsp_acc"] - held_out["nsp_acc"]
+        if gap >= MEMORISING_GAP:
+            notes.append(f"training NSP accuracy {train['nsp_acc']:.3f} is {gap:.3f} above held-out "
+                         f"{held_out['nsp_acc']:.3f} after {epochs:g} epochs: the model has learnt the training "
+                         f"pairs by heart (build-data draws them once); more documents, or a higher build-data "
+                         f"--dupe-factor (more pairs, each seen less often), will help")
+    return "; ".join(notes) or None
 
 
 def collapse_warning(previous: dict | None, ev: dict, step: int, warmup: int, max_steps: int, lr: float,
@@ -553,7 +566,7 @@ class Trainer:
         png = self._curves()
         elapsed = time.monotonic() - t_start
         passes = self.text_passes()
-        memorising = memorising_note(result.last_record, eval_end, passes)
+        memorising = memorising_note(result.last_record, eval_end, passes, self.step / self.steps_per_epoch)
         if memorising:
             self._say(f"[yellow]{memorising}")
             self.log.log(event="note", step=self.step, message=memorising)
