@@ -211,7 +211,7 @@ def memorising_note(train: dict | None, held_out: dict | None, passes: float, ep
         gap = train["nsp_acc"] - held_out["nsp_acc"]
         if gap >= MEMORISING_GAP:
             notes.append(f"training NSP accuracy {train['nsp_acc']:.3f} is {gap:.3f} above held-out "
-                         f"{held_out['nsp_acc']:.3f} after {epochs:g} epochs: the model has learnt the training "
+                         f"{held_out['nsp_acc']:.3f} after {epochs:.1f} epochs: the model has learnt the training "
                          f"pairs by heart (build-data draws them once); more documents, or a higher build-data "
                          f"--dupe-factor (more pairs, each seen less often), will help")
     return "; ".join(notes) or None
