@@ -566,3 +566,35 @@ def test_truncate_seq_pair_matches_the_reference_rule():
         truncate_seq_pair(a, [0], 13, rng)  # 8 cuts from A
         fronts.append(a[0])
     assert abs(np.mean(fronts) - 4) < 4 * math.sqrt(2 / 4000) and abs(np.var(fronts) - 2) < 0.25
+
+
+def test_cli_workers_default_to_the_usable_cpus(tmp_path, minilm_vocab, monkeypatch):
+    """build-data's --workers means what it means in tokenize train: worker processes, by default the CPUs
+    this process may use (shown in --help); the bytes written do not depend on it."""
+    import os
+
+    import bertctl.data.build
+
+    seen = []
+    original = bertctl.data.build.build_data
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["workers"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(bertctl.data.build, "build_data", spy)
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("".join(f"Sentence {i} of document {i // 7}. It has a second part here.\n" +
+                              ("\n" if i % 7 == 6 else "") for i in range(70)), encoding="utf-8")
+    outs = []
+    for k, flag in enumerate(([], ["--workers", "1"])):
+        out = tmp_path / f"data{k}"
+        r = CliRunner().invoke(app, ["build-data", str(corpus), "--vocab", str(minilm_vocab), "-o", str(out),
+                                     "--max-seq-length", "32", "--no-progress", *flag])
+        assert r.exit_code == 0, r.output
+        outs.append(dir_bytes(out))
+    usable = len(os.sched_getaffinity(0))
+    assert seen == [usable, 1]
+    assert outs[0] == outs[1]
+    help_text = " ".join(CliRunner().invoke(app, ["build-data", "--help"]).output.replace("│", " ").split())
+    assert f"[default: (the usable CPUs, {usable} here)]" in help_text

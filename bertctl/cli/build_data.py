@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from bertctl.cli.options import WORKERS, usable_cpus
+
 
 def register(app: typer.Typer) -> None:
     @app.command("build-data")
@@ -58,7 +60,7 @@ def register(app: typer.Typer) -> None:
             help="Excerpts of that sample given to each work unit (0: random segments from the unit's own documents)."),
         holdout_fraction: float = typer.Option(0.0, "--holdout-fraction",
                                                help="Share of documents written to a separate 'eval' split."),
-        workers: int = typer.Option(1, "--workers", help="Worker processes (the output does not depend on it)."),
+        workers: Optional[int] = WORKERS,
         resume: bool = typer.Option(False, "--resume", help="Continue an interrupted build in --output."),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar on stderr."),
     ) -> None:
@@ -94,8 +96,8 @@ def register(app: typer.Typer) -> None:
                             holdout_fraction=holdout_fraction)
         made = _new_folders(output)
         try:
-            summary = build_data([str(p) for p in inputs], output, tokenizer, config, workers=workers, resume=resume,
-                                 progress=not no_progress)
+            summary = build_data([str(p) for p in inputs], output, tokenizer, config, workers=workers or usable_cpus(),
+                                 resume=resume, progress=not no_progress)
         except BaseException as e:
             if made is not None:
                 _after_failure(output, made, keep=not isinstance(e, BertctlError))
