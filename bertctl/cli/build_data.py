@@ -38,17 +38,23 @@ def register(app: typer.Typer) -> None:
         pattern: str = typer.Option("*", "--pattern",
                                     help="File-name pattern inside input folders, e.g. '*.txt' (a.txt.gz matches "
                                          "too); '*' means *.parquet / *.arrow for those formats."),
-        max_seq_length: int = typer.Option(128, "--max-seq-length"),
+        max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per instance, [CLS] and [SEP]s included."),
         max_predictions_per_seq: Optional[int] = typer.Option(
             None, "--max-predictions-per-seq", help="Default: 15% of the length rounded up to 4 (20 at 128, 80 at 512)."),
-        masked_lm_prob: float = typer.Option(0.15, "--masked-lm-prob"),
-        short_seq_prob: float = typer.Option(0.1, "--short-seq-prob"),
+        masked_lm_prob: float = typer.Option(0.15, "--masked-lm-prob", help="Share of tokens chosen for prediction "
+                                             "(of those: 80% [MASK], 10% a random token, 10% kept)."),
+        short_seq_prob: float = typer.Option(0.1, "--short-seq-prob", help="Share of instances given a shorter, random "
+                                             "target length, so that the model also sees short inputs, as fine-tuning "
+                                             "gives it."),
         dupe_factor: Optional[int] = typer.Option(
-            None, "--dupe-factor", help="Passes over the data with different masks/pairs. Default 10 (static), 1 (dynamic)."),
+            None, "--dupe-factor", help="Passes over the data with different masks/pairs. Default 10 (static), 1 (dynamic). "
+                                        "Next-sentence pairs are drawn here even with --dynamic-masking: more passes give "
+                                        "the NSP task more distinct pairs, each seen less often."),
         whole_word_mask: bool = typer.Option(False, "--whole-word-mask", help="Mask all pieces of a word together (a word: a piece and its ## pieces; SentencePiece: from a ▁ piece)."),
         dynamic_masking: bool = typer.Option(False, "--dynamic-masking",
                                              help="Store unmasked instances; the loader draws new masks every epoch."),
-        seed: int = typer.Option(12345, "--seed"),
+        seed: int = typer.Option(12345, "--seed", help="Random seed (segment lengths, next-sentence pairs, masks); "
+                                  "the reference's default."),
         shard_size: int = typer.Option(65536, "--shard-size", help="Instances per shard file at most."),
         unit_mb: float = typer.Option(0.5, "--unit-mb",
                                       help="Raw text per work unit in MiB."),
