@@ -1,6 +1,7 @@
 """Feature extraction: the paper's feature-based use of BERT (§5.3, Table 7).
 
-Texts are tokenised, sorted by token count and cut into batches of at most ``batch_size`` texts
+Texts are tokenised (in ``workers`` processes for large inputs: ``tokenize_texts``), sorted by
+token count and cut into batches of at most ``batch_size`` texts
 and ``batch_tokens`` padded tokens (short texts go many to a batch, long ones few, and little is
 padding); the chosen layers are combined, pooled over real tokens, optionally L2-normalised, and
 written in input order.
@@ -12,6 +13,7 @@ out, pooled here with numpy (``pool`` and friends take either kind of array).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -52,6 +54,7 @@ class EmbedConfig:
     precision: str = "fp32"  # fp32, bf16 or fp16 (autocast), or auto: bf16 on a GPU, fp32 on the CPU
     device: str = "auto"
     backend: str = "auto"
+    workers: int = 1  # tokenising processes (the output does not depend on it)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -66,6 +69,8 @@ class EmbedConfig:
             raise BertctlError(f"--batch-size must be at least 1, not {self.batch_size}")
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise BertctlError(f"--batch-tokens must be at least 1, not {self.batch_tokens}")
+        if self.workers < 1:
+            raise BertctlError(f"--workers must be at least 1, not {self.workers}")
         if self.max_length is not None and self.max_length < 2:
             raise BertctlError(f"--max-length must be at least 2 (room for [CLS] and [SEP]), not {self.max_length}")
 
@@ -245,6 +250,39 @@ def length_batches(lengths: np.ndarray, batch_size: int, batch_tokens: int) -> l
     return batches
 
 
+#: Texts below which tokenising stays in this process (starting workers costs more than it saves).
+PARALLEL_TEXTS = 20_000
+_worker_tokenizer = None
+
+
+def _tokenize_chunk(tokenizer, texts: list[str], max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of ``texts`` ([CLS] text [SEP], truncated to ``max_length``), flat, and their lengths."""
+    rows = [tokenizer.encode(t, max_length=max_length, truncation="longest_first").input_ids for t in texts]
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    return np.fromiter((i for r in rows for i in r), dtype=np.int64, count=int(lengths.sum())), lengths
+
+
+def _init_tokenizer(tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _tokenize_in_worker(args: tuple[list[str], int]) -> tuple[np.ndarray, np.ndarray]:
+    return _tokenize_chunk(_worker_tokenizer, *args)
+
+
+def tokenize_texts(tokenizer, texts: list[str], max_length: int, workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """All texts' token ids, flat in input order, and each text's length: in ``workers`` processes
+    (chunks in order, so the result does not depend on their number) once there are enough texts."""
+    if workers <= 1 or len(texts) < PARALLEL_TEXTS:
+        return _tokenize_chunk(tokenizer, texts, max_length)
+    size = -(-len(texts) // (8 * workers))  # 8 chunks a worker: an even finish
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_tokenizer, initargs=(tokenizer,)) as pool:
+        parts = pool.map(_tokenize_in_worker, [(texts[i:i + size], max_length) for i in range(0, len(texts), size)])
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
 def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig):
     import torch
 
@@ -283,8 +321,8 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
     vocab_size = model.config.vocab_size
     batch_tokens = config.batch_tokens or BATCH_TOKENS.get(device_type(device), BATCH_TOKENS["cuda"])
     start = time.perf_counter()
-    rows = [tokenizer.encode(t, max_length=max_length, truncation="longest_first").input_ids for t in texts]
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    flat, lengths = tokenize_texts(tokenizer, texts, max_length, config.workers)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
     tokenized = time.perf_counter() - start
     out: np.ndarray | None = None
     pending: list = []  # (indices, device features) not yet copied to the host
@@ -299,7 +337,7 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
             width = int(lengths[index[0]])
             mask = np.arange(width)[None, :] < lengths[index, None]  # (B, S) bool
             ids = np.full(mask.shape, tokenizer.pad_token_id, dtype=np.int64)
-            ids[mask] = np.fromiter((i for r in index for i in rows[r]), dtype=np.int64, count=int(mask.sum()))
+            ids[mask] = np.concatenate([flat[starts[r]:starts[r] + lengths[r]] for r in index])
             top = int(ids.max())
             if top >= vocab_size:  # an index past the embedding table: a tokenizer of another model
                 raise BertctlError(f"token id {top} from the tokenizer is past the model's {vocab_size:,} word "

@@ -121,6 +121,39 @@ def test_output_formats_keep_input_order(tmp_path, minilm_dir):
     np.testing.assert_allclose(a, single, atol=1e-5)
 
 
+def test_tokenizing_in_workers_gives_the_same_ids(shared_data, minilm_dir, tmp_path, monkeypatch, sst2_dev):
+    """Texts tokenised in worker processes (chunks in order) give the ids and lengths of one process;
+    `embed --workers` (default: the usable CPUs, shown in --help) gives the same vectors as --workers 1."""
+    import os
+
+    import bertctl.embed
+    from bertctl.embed import tokenize_texts
+
+    lines = (shared_data / "glue" / "SST-2" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:25_001]
+    texts = [line.split("\t")[0] for line in lines]
+    tok = BertTokenizer.from_pretrained(minilm_dir)
+    one = tokenize_texts(tok, texts, 64, workers=1)
+    two = tokenize_texts(tok, texts, 64, workers=2)
+    expected = [tok.encode(t, max_length=64, truncation="longest_first").input_ids for t in texts[:50]]
+    np.testing.assert_array_equal(one[1][:50], [len(e) for e in expected])
+    np.testing.assert_array_equal(one[0][: sum(map(len, expected))], [i for e in expected for i in e])
+    np.testing.assert_array_equal(one[0], two[0])
+    np.testing.assert_array_equal(one[1], two[1])
+
+    monkeypatch.setattr(bertctl.embed, "PARALLEL_TEXTS", 10)  # the dev set goes through the workers too
+    (tmp_path / "in.txt").write_text("\n".join(sst2_dev[:300]) + "\n", encoding="utf-8")
+    outs = []
+    for k, flag in enumerate(([], ["--workers", "1"])):
+        out = tmp_path / f"o{k}.npy"
+        r = runner.invoke(app, ["embed", "--model", str(minilm_dir), "--backend", "torch", "-o", str(out),
+                                str(tmp_path / "in.txt"), *flag])
+        assert r.exit_code == 0, r.output
+        outs.append(np.load(out))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    help_text = " ".join(runner.invoke(app, ["embed", "--help"]).output.replace("│", " ").split())
+    assert f"[default: (the usable CPUs, {len(os.sched_getaffinity(0))} here)]" in help_text
+
+
 def test_bad_input_gives_one_line_errors(tmp_path, minilm_dir):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "latin1.txt").write_bytes("ok line\ncaf\xe9\n".encode("latin-1"))

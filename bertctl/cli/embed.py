@@ -5,6 +5,7 @@ from pathlib import Path
 
 import typer
 
+from bertctl.cli.options import WORKERS, usable_cpus
 from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES, EmbedConfig
 
 
@@ -36,6 +37,7 @@ def register(app: typer.Typer) -> None:
                                          "use."),
         onnx: Path = typer.Option(None, "--onnx", show_default=False,
                                   help="An exported encoder (.onnx) to run under onnxruntime instead of the cache."),
+        workers: int = WORKERS,
     ) -> None:
         """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order."""
         import numpy as np
@@ -47,8 +49,7 @@ def register(app: typer.Typer) -> None:
 
         config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
                              batch_tokens=batch_tokens, max_length=max_length, precision=old_dtype or precision,
-                             device=device,
-                             backend=backend)
+                             device=device, backend=backend, workers=workers or usable_cpus())
         if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
         check_writable(output)  # before the model runs, not after
