@@ -1,10 +1,9 @@
 """Feature extraction: the paper's feature-based use of BERT (§5.3, Table 7).
 
 Texts are tokenised (in ``workers`` processes for large inputs: ``tokenize_texts``), sorted by
-token count and cut into batches of at most ``batch_size`` texts
-and ``batch_tokens`` padded tokens (short texts go many to a batch, long ones few, and little is
-padding); the chosen layers are combined, pooled over real tokens, optionally L2-normalised, and
-written in input order.
+token count and cut into batches of at most ``batch_size`` texts and ``batch_tokens`` padded tokens
+(short texts go many to a batch, long ones few, and little is padding); the chosen layers are
+combined, pooled over real tokens, optionally L2-normalised, and written in input order.
 
 Two backends run the encoder: PyTorch (``BertModel``, any device and dtype) and ONNX Runtime on the
 CPU (``bertctl.export.OnnxEncoder``).  The ONNX Runtime path imports no torch: numpy arrays in and
