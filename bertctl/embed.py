@@ -12,7 +12,6 @@ out, pooled here with numpy (``pool`` and friends take either kind of array).
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, atomic_path, parse_json_line
 from bertctl.progress import stderr, track
 from bertctl.tokenizer import iter_lines
+from bertctl.workers import worker_pool
 
 # Table 7 of the paper: which hidden states feed the features.
 LAYER_CHOICES = ("last", "second-to-last", "sum-last-4", "concat-last-4", "embeddings")
@@ -276,8 +276,7 @@ def tokenize_texts(tokenizer, texts: list[str], max_length: int, workers: int = 
     if workers <= 1 or len(texts) < PARALLEL_TEXTS:
         return _tokenize_chunk(tokenizer, texts, max_length)
     size = -(-len(texts) // (8 * workers))  # 8 chunks a worker: an even finish
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_tokenizer, initargs=(tokenizer,)) as pool:
+    with worker_pool(workers, _init_tokenizer, (tokenizer,)) as pool:
         parts = pool.map(_tokenize_in_worker, [(texts[i:i + size], max_length) for i in range(0, len(texts), size)])
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 

@@ -30,7 +30,6 @@ merged pair, not every pair of the words it touches.
 from __future__ import annotations
 
 import heapq
-import multiprocessing
 import os
 import random
 from collections import Counter, defaultdict, deque
@@ -41,6 +40,7 @@ from typing import Iterable, Iterator, Sequence
 
 from bertctl.errors import BertctlError
 from bertctl.tokenizer import SPECIAL_TOKENS, BertTokenizer
+from bertctl.workers import worker_pool
 
 SPECIALS_AFTER_UNUSED = ("[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -145,8 +145,7 @@ def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertToken
 
     pool = None
     if workers > 1:  # fork before the progress bar starts its thread
-        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(workers, initializer=_init_counter, initargs=(tokenizer,))
+        pool = worker_pool(workers, _init_counter, (tokenizer,))
     try:
         in_flight: deque = deque()  # (lines, their pending counts), oldest first
         for lines in _batches(sample_lines(files, config, progress=progress, description="count words")):

@@ -37,6 +37,8 @@ TENSORBOARD = typer.Option(None, "--tensorboard/--no-tensorboard", help="TensorB
                            "OUT/tensorboard/ beside metrics.jsonl.", show_default="on when tensorboard is installed")
 DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dropout.",
                        show_default="the checkpoint's, 0.1 for BERT")
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity, which containers narrow), not the machine's count."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

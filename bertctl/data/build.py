@@ -39,7 +39,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -54,6 +53,7 @@ import numpy as np
 
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
+from bertctl.workers import worker_pool
 
 from .config import DataConfig
 from .documents import Document, ReadStats, known_text_bytes, list_inputs, read_documents
@@ -611,8 +611,7 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     total_bytes = known_text_bytes(files, cfg.format)  # None: compressed or columnar input, or stdin
     pool = None
     if workers > 1:  # fork before the progress bar starts its thread
-        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, cfg, output_dir))
+        pool = worker_pool(workers, _init_worker, (tokenizer, cfg, output_dir))
     try:
         with track("build-data (bytes)", total_bytes, disable=not progress) as advance:
             def finish(record: dict) -> None:

@@ -1,0 +1,14 @@
+"""The worker processes of the parallel stages (vocabulary counting, data building, tokenising for
+``embed``): one way to start them."""
+from __future__ import annotations
+
+import multiprocessing
+from typing import Callable
+
+
+def worker_pool(workers: int, initializer: Callable, initargs: tuple):
+    """A pool of ``workers`` processes, each set up by ``initializer(*initargs)``: forked where the
+    platform can (the workers inherit the tokenizer and tables without pickling them), else spawned.
+    Start it before any progress bar, whose thread a fork would not carry."""
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    return ctx.Pool(workers, initializer=initializer, initargs=initargs)
