@@ -23,8 +23,9 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   HF's.
 - ``presets``: every ``--preset-sizes`` preset at its default lr and warm-up (6% of the steps),
   batch 256 for ``--preset-steps`` steps and batch 2048 for half as many (``--preset-batches``), at sequence length 128: held-out MLM
-  accuracy against the majority-token baseline and bertctl's collapse warning. ``--preset-lr``
-  runs them at another lr instead, for comparison (records named ``preset-SIZE-BATCH-lrX``).
+  accuracy against the majority-token baseline and bertctl's collapse warning. ``--preset-lr``,
+  ``--preset-warmup`` and ``--preset-optimizer`` run them with another lr, warm-up fraction or
+  optimizer instead, for comparison (records named ``preset-SIZE-BATCH-lrX-warmupY-OPT``).
 - ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus, the
   benchmark's time: ``prepare`` + both pretraining runs + the fine-tuning stage on each GPU, the
   figure a one-GPU machine would take end to end) and ``convergence-curves.png`` in ``--results``.
@@ -130,15 +131,16 @@ def prepare(a) -> None:
     vocab = a.work / "vocab.txt"
     record(a, "vocab", lambda: run(BERTCTL + ["tokenize", "train", *corpus, "--vocab-size", str(a.vocab_size),
                                               "-o", str(vocab)], a, "vocab"))
-    builds = {"data-nsp": ["--max-seq-length", str(a.seq)],
-              "data-mlm": ["--max-seq-length", str(a.seq), "--objective", "mlm"],
-              "data-nsp128": ["--max-seq-length", "128"]}
+    # The preset check draws at most 1M sequences: 5 passes (1.1M instances at 128) are enough.
+    builds = {"data-nsp": ["--max-seq-length", str(a.seq), "--dupe-factor", str(a.dupe)],
+              "data-mlm": ["--max-seq-length", str(a.seq), "--objective", "mlm", "--dupe-factor", str(a.dupe)],
+              "data-nsp128": ["--max-seq-length", "128", "--dupe-factor", "5"]}
     for name, extra in builds.items():
         if name == "data-mlm" and "mlm" not in a.inits:
             continue
         record(a, name, lambda name=name, extra=extra: run(
             BERTCTL + ["build-data", *corpus, "--vocab", str(vocab), "-o", str(a.work / name), *extra,
-                       "--dupe-factor", str(a.dupe), "--dynamic-masking", "--holdout-fraction", str(a.holdout),
+                       "--dynamic-masking", "--holdout-fraction", str(a.holdout),
                        "--workers", str(a.workers), "--no-progress"], a, name))
 
 
@@ -223,12 +225,18 @@ def presets(a) -> list[dict]:
     out = []
     for size in a.preset_sizes:
         for batch in a.preset_batches:
-            name = f"preset-{size}-{batch}" + (f"-lr{a.preset_lr:g}" if a.preset_lr else "")
+            name = (f"preset-{size}-{batch}" + (f"-lr{a.preset_lr:g}" if a.preset_lr else "")
+                    + (f"-warmup{a.preset_warmup:g}" if a.preset_warmup else "")
+                    + (f"-{a.preset_optimizer}" if a.preset_optimizer else ""))
             steps = a.preset_steps if batch == 256 else a.preset_steps // 2  # 2048: 4x the sequences all the same
             cmd = pretrain_cmd(a, "data-nsp128", a.work / name, max_steps=steps, size=size, batch=batch,
                                eval_every=max(1, steps // 8))
             if a.preset_lr:  # another lr than the preset's default, to compare
                 cmd += ["--lr", f"{a.preset_lr:g}"]
+            if a.preset_warmup:
+                cmd += ["--warmup-fraction", f"{a.preset_warmup:g}"]
+            if a.preset_optimizer:
+                cmd += ["--optimizer", a.preset_optimizer]
             cmd.remove("--compile") if "--compile" in cmd else None
             if a.preset_micro_batch and batch > a.preset_micro_batch:  # accumulation: the same maths, less memory
                 cmd += ["--micro-batch-size", str(a.preset_micro_batch)]
@@ -340,11 +348,14 @@ def report(a) -> dict:
 
             run_dir = a.work / r.get("dir", f"preset-{r.get('size')}-{r.get('batch')}")
             given = _flag(r.get("command", ""), "--lr")
-            lr = _run_lr(run_dir) or (float(given) if given else PRESET_LR.get(r.get("size")))
+            training = _run_training(run_dir)
+            lr = training.get("lr") or (float(given) if given else PRESET_LR.get(r.get("size")))
+            warmup = training.get("warmup_fraction", 0.06)
             res["presets"].append({"size": r.get("size"), "batch": r.get("batch"), "lr": lr,
                                    "lr_given": given is not None, "lr_is_todays_default": lr == PRESET_LR.get(r.get("size")),
-                                   "collapse_warning": _collapse(run_dir, lr, r.get("batch")),
-                                   "warmup_fraction": 0.06, "steps": s.get("steps"),
+                                   "collapse_warning": _collapse(run_dir, lr, r.get("batch"), warmup),
+                                   "warmup_fraction": warmup, "optimizer": training.get("optimizer", "adamw"),
+                                   "steps": s.get("steps"),
                                    "mlm_acc": end.get("mlm_acc"), "majority_baseline": base,
                                    "nsp_acc": end.get("nsp_acc"), "collapsed": bool(s.get("collapsed")),
                                    "learns": bool(base is not None and end.get("mlm_acc", 0) > 1.5 * base),
@@ -366,7 +377,7 @@ def _flag(command: str, flag: str) -> str | None:
     return words[words.index(flag) + 1] if flag in words else None
 
 
-def _collapse(run_dir: Path, lr: float | None, batch: int | None) -> str | None:
+def _collapse(run_dir: Path, lr: float | None, batch: int | None, warmup_fraction: float = 0.06) -> str | None:
     """The collapse warning today's rule gives on a run's evaluations (a run made before the rule
     changed carries the old verdict in its summary)."""
     from bertctl.train.engine import warmup_steps
@@ -377,7 +388,7 @@ def _collapse(run_dir: Path, lr: float | None, batch: int | None) -> str | None:
         return None
     evs = [e for e in events(path) if e["event"] == "eval" and e["step"] > 0]
     steps = max((e["step"] for e in evs), default=0)
-    warmup = warmup_steps(steps, None, 0.06)
+    warmup = warmup_steps(steps, None, warmup_fraction)
     for prev, ev in zip(evs, evs[1:]):
         warning = collapse_warning(prev, ev, ev["step"], warmup, steps, lr, batch)
         if warning:
@@ -385,13 +396,14 @@ def _collapse(run_dir: Path, lr: float | None, batch: int | None) -> str | None:
     return None
 
 
-def _run_lr(run_dir: Path) -> float | None:
-    """The peak lr a run trained with, from its config event (what the code of its day chose)."""
+def _run_training(run_dir: Path) -> dict:
+    """The training settings a run used (lr, warm-up, optimizer), from its config event: what the
+    code of its day chose."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        return None
+        return {}
     config = next((e for e in events(path) if e["event"] == "config"), {})
-    return ((config.get("configs") or {}).get("training") or {}).get("lr")
+    return (config.get("configs") or {}).get("training") or {}
 
 
 def _preset_curve(run_dir: Path) -> list[dict]:
@@ -528,7 +540,9 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--dupe", type=int, default=5)
+    p.add_argument("--dupe", type=int, default=20,
+                   help="build-data --dupe-factor: passes over the text, each with new segment pairs; at 20 a time "
+                        "box of about 2M sequences sees each pair about once, so NSP cannot learn pairs by heart")
     p.add_argument("--holdout", type=float, default=0.02)
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--model-size", default="medium")
@@ -549,6 +563,10 @@ def main(argv=None) -> int:
     p.add_argument("--preset-batches", type=lambda s: [int(x) for x in s.split(",")], default=[256, 2048])
     p.add_argument("--preset-lr", type=float, default=None,
                    help="an lr for the preset runs instead of each preset's default (a comparison)")
+    p.add_argument("--preset-warmup", type=float, default=None,
+                   help="another --warmup-fraction than the preset's default, to compare")
+    p.add_argument("--preset-optimizer", choices=("adamw", "lamb"), default=None,
+                   help="another --optimizer than the default (adamw), to compare")
     p.add_argument("--preset-micro-batch", type=int, default=0,
                    help="sequences per forward in the preset runs, accumulated to the batch (default 0: the whole batch)")
     p.add_argument("--force", action="store_true", help="redo finished steps")
