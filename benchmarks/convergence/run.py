@@ -501,7 +501,9 @@ def plot(res: dict, path: Path) -> None:
         for pr in res["presets"]:
             c = pr.get("curve") or []
             ax.plot([x["step"] for x in c], [x["mlm_acc"] for x in c], "o-", ms=3,
-                    label=f"{pr['size']}, batch {pr['batch']}, lr {pr['lr']:.2g}")
+                    label=f"{pr['size']}, batch {pr['batch']}, lr {pr['lr']:.2g}"
+                          + (f", warm-up {pr['warmup_fraction']:g}" if pr.get("warmup_fraction", 0.06) != 0.06 else "")
+                          + (f", {pr['optimizer']}" if pr.get("optimizer", "adamw") != "adamw" else ""))
         base = next((pr["majority_baseline"] for pr in res["presets"] if pr.get("majority_baseline")), None)
         if base:
             ax.axhline(base, color="grey", lw=0.8, ls="--", label="majority-token baseline")
@@ -540,9 +542,8 @@ def main(argv=None) -> int:
     p.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--dupe", type=int, default=20,
-                   help="build-data --dupe-factor: passes over the text, each with new segment pairs; at 20 a time "
-                        "box of about 2M sequences sees each pair about once, so NSP cannot learn pairs by heart")
+    p.add_argument("--dupe", type=int, default=5,
+                   help="build-data --dupe-factor of the main and ablation data (20 was tried at bd90980: no better)")
     p.add_argument("--holdout", type=float, default=0.02)
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--model-size", default="medium")
