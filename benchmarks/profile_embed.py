@@ -1,0 +1,103 @@
+"""Where ``embed``'s time goes on a GPU: the real ``embed_texts`` loop on real sentences, in process.
+
+    python benchmarks/profile_embed.py --model MINILM_DIR --data SST2_TRAIN.tsv [--n 0] [--attn sdpa]
+
+Loads the encoder as ``bertctl embed`` does, tokenises once, then times ``--repeats`` warm runs of
+``embed_texts`` (mean pooling, normalised, ``--precision``), each synchronised, and profiles one
+more: per batch, the host time, the CUDA kernels, the host-device synchronisations and the
+operators with the most host time; over the run, the GPU's busy time. A run whose wall time is far
+above the GPU's busy time is bound by the host. JSON on stdout (``-o`` writes it too).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bertctl.embed import EmbedConfig, embed_texts, length_batches, load_encoder, tokenize_texts  # noqa: E402
+from bertctl.tokenizer import load_tokenizer  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def read_sentences(path: Path, n: int) -> list[str]:
+    rows = path.read_text(encoding="utf-8").splitlines()[1:]
+    texts = [r.split("\t")[0] for r in rows if r.strip()]
+    return texts[:n] if n else texts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, required=True, help="a BERT checkpoint directory (all-MiniLM-L6-v2)")
+    ap.add_argument("--data", type=Path, required=True, help="SST-2 train.tsv: its sentences")
+    ap.add_argument("--n", type=int, default=0, help="sentences (0: all)")
+    ap.add_argument("--device", default="cuda", help="cuda (what this is for) or cpu (a smoke test)")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--attn", default=None, help="the model's attn_implementation instead of its own")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=20)
+    ap.add_argument("-o", "--output", type=Path)
+    a = ap.parse_args()
+
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    texts = read_sentences(a.data, a.n)
+    model = load_encoder(a.model, device)
+    if a.attn:
+        model.config.attn_implementation = a.attn
+    tokenizer = load_tokenizer(a.model)
+    config = EmbedConfig(pooling="mean", normalize=True, precision=a.precision if cuda else "fp32", device=a.device,
+                         backend="torch")
+    t = time.perf_counter()
+    flat, lengths = tokenize_texts(tokenizer, texts, model.config.max_position_embeddings)
+    tokenize_s = time.perf_counter() - t
+    batches = length_batches(lengths, config.batch_size, 65536 if cuda else 1024)
+
+    embed_texts(model, tokenizer, texts, config, progress=False)  # warm-up: CUDA context, kernels, allocator
+    runs = []
+    for _ in range(a.repeats):
+        sync()
+        t = time.perf_counter()
+        embed_texts(model, tokenizer, texts, config, progress=False)
+        sync()
+        runs.append(time.perf_counter() - t)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        embed_texts(model, tokenizer, texts, config, progress=False)
+        sync()
+    events = prof.events()
+    n = len(batches)
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    gpu_busy = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    syncs = collections.Counter(e.name for e in events if e.name in SYNC_CALLS)
+    rows = [{"op": k.key, "calls_per_batch": round(k.count / n, 2), "self_host_ms_per_batch": k.self_cpu_time_total / 1e3 / n}
+            for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[: a.rows]]
+    wall = statistics.median(runs)
+    out = {"what": "embed_texts host profile (benchmarks/profile_embed.py)", "model": str(a.model),
+           "attn": model.config.attn_implementation, "precision": config.precision,
+           "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+           "texts": len(texts), "tokens": int(lengths.sum()), "batches": n, "tokenize_s": round(tokenize_s, 3),
+           "warm_runs_s": [round(r, 3) for r in runs], "wall_s_median": round(wall, 3),
+           "ms_per_batch": wall * 1e3 / n, "gpu_kernel_ms_per_batch": gpu_busy / n,
+           "kernels_per_batch": kernels / n, "syncs_per_batch": {k: v / n for k, v in syncs.items()},
+           "top_host_ops": rows}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.output:
+        a.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
