@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (what this is for) or cpu (a smoke test)")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--attn", default=None, help="the model's attn_implementation instead of its own")
+    ap.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "fp16"),
+                    help="the encoder's weights: fp32 (autocast to --precision, as embed runs), or cast once to "
+                         "bf16/fp16 and run without autocast (as sentence-transformers' model.half())")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("-o", "--output", type=Path)
@@ -56,14 +59,19 @@ def main() -> None:
     if a.attn:
         model.config.attn_implementation = a.attn
     tokenizer = load_tokenizer(a.model)
-    config = EmbedConfig(pooling="mean", normalize=True, precision=a.precision if cuda else "fp32", device=a.device,
-                         backend="torch")
+    config = EmbedConfig(pooling="mean", normalize=True, precision="fp32", device=a.device, backend="torch")
+    reference = embed_texts(model, tokenizer, texts, config, progress=False)  # fp32: what the variants must match
+    if a.weights != "fp32":
+        model.to(torch.bfloat16 if a.weights == "bf16" else torch.float16)
+    elif cuda:
+        config.precision = a.precision
     t = time.perf_counter()
     flat, lengths = tokenize_texts(tokenizer, texts, model.config.max_position_embeddings)
     tokenize_s = time.perf_counter() - t
     batches = length_batches(lengths, config.batch_size, 65536 if cuda else 1024)
 
-    embed_texts(model, tokenizer, texts, config, progress=False)  # warm-up: CUDA context, kernels, allocator
+    vectors = embed_texts(model, tokenizer, texts, config, progress=False)  # also the warm-up
+    least_cosine = float((vectors * reference).sum(-1).min())  # both normalised
     runs = []
     for _ in range(a.repeats):
         sync()
@@ -86,7 +94,8 @@ def main() -> None:
             for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[: a.rows]]
     wall = statistics.median(runs)
     out = {"what": "embed_texts host profile (benchmarks/profile_embed.py)", "model": str(a.model),
-           "attn": model.config.attn_implementation, "precision": config.precision,
+           "attn": model.config.attn_implementation, "precision": config.precision, "weights": a.weights,
+           "least_cosine_vs_fp32": least_cosine,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
            "texts": len(texts), "tokens": int(lengths.sum()), "batches": n, "tokenize_s": round(tokenize_s, 3),
            "warm_runs_s": [round(r, 3) for r in runs], "wall_s_median": round(wall, 3),
