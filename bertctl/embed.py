@@ -40,6 +40,7 @@ BACKEND_CHOICES = ("auto", "torch", "onnxruntime")
 # A GPU wants large ones; there the limit of 256 texts binds first for sentences.
 BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
 PRECISION_CHOICES = ("fp32", "bf16", "fp16", "auto")
+HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # torch dtype names (torch is imported only when needed)
 
 
 @dataclass
@@ -167,10 +168,14 @@ def resolve_backend(config: EmbedConfig, device, onnx: Path | None = None) -> st
 
 
 def load_encoder(directory: str | Path, device, backend: str = "torch", onnx: Path | None = None,
-                 fallback: bool = False):
+                 fallback: bool = False, precision: str = "fp32"):
     """The encoder of any checkpoint directory (heads and pooler dropped), as a PyTorch module
     or (``backend="onnxruntime"``) an ONNX export of it: ``onnx``, or one cached on first use.
-    With ``fallback`` (``--backend auto``) a model whose export fails runs on PyTorch, with a note."""
+    With ``fallback`` (``--backend auto``) a model whose export fails runs on PyTorch, with a note.
+
+    ``precision`` bf16 or fp16 casts the PyTorch module's weights once, here: inference needs no
+    fp32 master copy, and autocast would cast every weight again at every batch (on an H100, 150
+    kernels a MiniLM batch under autocast, 107 cast once; ``benchmarks/profile_embed.py``)."""
     from bertctl.checkpoint import load_config
 
     if backend == "onnxruntime":
@@ -189,7 +194,13 @@ def load_encoder(directory: str | Path, device, backend: str = "torch", onnx: Pa
 
     model = BertModel(load_config(directory), add_pooling_layer=False)
     load_state(model, read_state_dict(directory), source=str(directory))
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    half = HALF_DTYPES.get(resolve_precision(precision, device))
+    if half is None:
+        return model
+    import torch
+
+    return model.to(getattr(torch, half))
 
 
 def combine_layers(hidden_states, layers: str):
@@ -294,7 +305,9 @@ def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfi
     types = torch.zeros_like(ids_t)
     precision = resolve_precision(config.precision, device)
     half = torch.float16 if precision == "fp16" else torch.bfloat16
-    with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=precision != "fp32"):
+    # A model cast once by load_encoder runs as it is; an fp32 one runs under autocast.
+    autocast = precision != "fp32" and next(model.parameters()).dtype == torch.float32
+    with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=autocast):
         encoded = model(ids_t, types, mask_t, output_hidden_states=all_layers)
     states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
     feats = pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)
@@ -348,6 +361,12 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
                 flush()
             advance(len(index))
         flush()
+    bad = int((~np.isfinite(out)).any(axis=1).sum()) if out is not None else 0
+    if bad:  # fp16's range ends at 65504: a checkpoint with large activations overflows it
+        precision = resolve_precision(config.precision, device)
+        raise BertctlError(f"{bad} of the {len(texts)} embeddings are not finite (NaN or inf) at --precision "
+                           f"{precision}: " + ("the checkpoint's activations overflow" if precision == "fp32" else
+                                               "embed them with --precision fp32 (or bf16, which has its range)"))
     seconds = time.perf_counter() - start
     if progress:
         tokens, truncated = int(lengths.sum()), int((lengths == max_length).sum())

@@ -177,3 +177,46 @@ def test_bad_input_gives_one_line_errors(tmp_path, minilm_dir):
         assert message in err, (message, err)
         assert "Traceback" not in err
     assert not (tmp_path / "o.npy").exists()
+
+
+def test_bf16_casts_the_weights_once_and_keeps_the_vectors(tmp_path, minilm_dir, sst2_dev, reference):
+    """--precision bf16: the encoder's weights are cast once at load (no autocast per batch); the vectors
+    stay those of transformers in fp32, as close as through autocast on an fp32 model."""
+    texts = sst2_dev[:96]
+    ref = reference_features(reference, texts)
+    cast = load_encoder(minilm_dir, torch.device("cpu"), precision="bf16")
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+    config = EmbedConfig(pooling="mean", normalize=True, precision="bf16")
+    once = embed_texts(cast, BertTokenizer.from_pretrained(minilm_dir), texts, config, progress=False)
+    autocast = embed_texts(load_encoder(minilm_dir, torch.device("cpu")), BertTokenizer.from_pretrained(minilm_dir),
+                           texts, config, progress=False)
+    assert once.dtype == np.float32
+    assert cosine(once, ref).min() >= 0.999 and cosine(autocast, ref).min() >= 0.999
+    assert cosine(once, ref).min() < 0.99999  # bf16 did run: not the fp32 vectors
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    result = runner.invoke(app, ["embed", "--model", str(minilm_dir), "--precision", "bf16", "--device", "cpu",
+                                 "--backend", "torch", "--normalize", "-o", str(tmp_path / "o.npy"),
+                                 str(tmp_path / "in.txt")])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose(np.load(tmp_path / "o.npy"), once, atol=1e-6)
+
+
+def test_embeddings_that_are_not_finite_stop_the_run(tmp_path, minilm_dir):
+    """Activations past a precision's range give inf/NaN vectors (here an inf weight stands in for an
+    overflow): one line naming --precision, exit code 2, no output file."""
+    broken = tmp_path / "broken"
+    shutil.copytree(minilm_dir, broken)
+    from safetensors.torch import load_file as load_tensors, save_file
+
+    weights = next(broken.glob("*.safetensors"))
+    state = load_tensors(str(weights))
+    name = next(k for k in state if k.endswith("encoder.layer.5.output.LayerNorm.weight"))
+    state[name] = torch.full_like(state[name], float("inf"))  # as an overflow leaves it: inf, then NaN
+    save_file(state, str(weights), metadata={"format": "pt"})
+    (tmp_path / "in.txt").write_text("hello world\nanother line\n", encoding="utf-8")
+    result = runner.invoke(app, ["embed", "--model", str(broken), "--precision", "bf16", "--device", "cpu",
+                                 "--backend", "torch", "-o", str(tmp_path / "o.npy"), str(tmp_path / "in.txt")])
+    err = result.stderr if hasattr(result, "stderr") else result.output
+    assert result.exit_code == 2, result.output
+    assert "not finite" in err and "--precision" in err and "Traceback" not in err
+    assert not (tmp_path / "o.npy").exists()
