@@ -2,9 +2,9 @@
 
     python benchmarks/profile_embed.py --model MINILM_DIR --data SST2_TRAIN.tsv [--n 0] [--attn sdpa]
 
-Loads the encoder as ``bertctl embed`` does, tokenises once, then times ``--repeats`` warm runs of
-``embed_texts`` (mean pooling, normalised, ``--precision``), each synchronised, and profiles one
-more: per batch, the host time, the CUDA kernels, the host-device synchronisations and the
+Loads the encoder as ``bertctl embed`` does, tokenises once, then, for each of ``--batch-sizes``,
+times ``--repeats`` warm runs of ``embed_texts`` (mean pooling, normalised, ``--precision``), each
+synchronised, and profiles one more: per batch, the host time, the CUDA kernels, the host-device synchronisations and the
 operators with the most host time; over the run, the GPU's busy time. A run whose wall time is far
 above the GPU's busy time is bound by the host. JSON on stdout (``-o`` writes it too).
 """
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bertctl.embed import EmbedConfig, embed_texts, length_batches, load_encoder, tokenize_texts  # noqa: E402
+from bertctl._ext import kernels_loaded  # noqa: E402
 from bertctl.tokenizer import load_tokenizer  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -46,6 +47,8 @@ def main() -> None:
     ap.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "fp16"),
                     help="the encoder's weights: fp32 (autocast to --precision, as embed runs), or cast once to "
                          "bf16/fp16 and run without autocast (as sentence-transformers' model.half())")
+    ap.add_argument("--batch-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[256, 0],
+                    help="embed's --batch-size values to compare, 0 for none (default 256,0)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("-o", "--output", type=Path)
@@ -68,40 +71,46 @@ def main() -> None:
     t = time.perf_counter()
     flat, lengths = tokenize_texts(tokenizer, texts, model.config.max_position_embeddings)
     tokenize_s = time.perf_counter() - t
-    batches = length_batches(lengths, config.batch_size, 65536 if cuda else 1024)
-
-    vectors = embed_texts(model, tokenizer, texts, config, progress=False)  # also the warm-up
-    least_cosine = float((vectors * reference).sum(-1).min())  # both normalised
-    runs = []
-    for _ in range(a.repeats):
-        sync()
-        t = time.perf_counter()
-        embed_texts(model, tokenizer, texts, config, progress=False)
-        sync()
-        runs.append(time.perf_counter() - t)
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        embed_texts(model, tokenizer, texts, config, progress=False)
-        sync()
-    events = prof.events()
-    n = len(batches)
-    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    gpu_busy = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-    syncs = collections.Counter(e.name for e in events if e.name in SYNC_CALLS)
-    rows = [{"op": k.key, "calls_per_batch": round(k.count / n, 2), "self_host_ms_per_batch": k.self_cpu_time_total / 1e3 / n}
-            for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[: a.rows]]
-    wall = statistics.median(runs)
+    results = []
+    for batch_size in a.batch_sizes:
+        config.batch_size = batch_size or None
+        batches = length_batches(lengths, config.batch_size, 65536 if cuda else 1024)
+        vectors = embed_texts(model, tokenizer, texts, config, progress=False)  # also the warm-up
+        least_cosine = float((vectors * reference).sum(-1).min())  # both normalised
+        runs = []
+        for _ in range(a.repeats):
+            sync()
+            t = time.perf_counter()
+            embed_texts(model, tokenizer, texts, config, progress=False)
+            sync()
+            runs.append(time.perf_counter() - t)
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            embed_texts(model, tokenizer, texts, config, progress=False)
+            sync()
+        events = prof.events()
+        n = len(batches)
+        kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        gpu_busy = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+        syncs = collections.Counter(e.name for e in events if e.name in SYNC_CALLS)
+        rows = [{"op": k.key, "calls_per_batch": round(k.count / n, 2),
+                 "self_host_ms_per_batch": k.self_cpu_time_total / 1e3 / n}
+                for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[: a.rows]]
+        wall = statistics.median(runs)
+        results.append({"batch_size": batch_size or "none (the token budget)", "batches": n,
+                        "least_cosine_vs_fp32": least_cosine, "warm_runs_s": [round(r, 3) for r in runs],
+                        "wall_s_median": round(wall, 3), "ms_per_batch": wall * 1e3 / n,
+                        "gpu_kernel_ms_per_batch": gpu_busy / n, "gpu_kernel_s": gpu_busy / 1e3,
+                        "kernels_per_batch": kernels / n, "syncs_per_batch": {k: v / n for k, v in syncs.items()},
+                        "top_host_ops": rows})
     out = {"what": "embed_texts host profile (benchmarks/profile_embed.py)", "model": str(a.model),
            "attn": model.config.attn_implementation, "precision": config.precision, "weights": a.weights,
-           "least_cosine_vs_fp32": least_cosine,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-           "texts": len(texts), "tokens": int(lengths.sum()), "batches": n, "tokenize_s": round(tokenize_s, 3),
-           "warm_runs_s": [round(r, 3) for r in runs], "wall_s_median": round(wall, 3),
-           "ms_per_batch": wall * 1e3 / n, "gpu_kernel_ms_per_batch": gpu_busy / n,
-           "kernels_per_batch": kernels / n, "syncs_per_batch": {k: v / n for k, v in syncs.items()},
-           "top_host_ops": rows}
+           "compiled_kernels": kernels_loaded() or "none: the extension did not load (plain PyTorch ops)",
+           "texts": len(texts), "tokens": int(lengths.sum()), "tokenize_s_one_process": round(tokenize_s, 3),
+           "by_batch_size": results}
     text = json.dumps(out, indent=1)
     print(text)
     if a.output:

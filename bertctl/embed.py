@@ -37,7 +37,8 @@ BACKEND_CHOICES = ("auto", "torch", "onnxruntime")
 # Padded tokens per forward pass, by device type. On the 2-core CPU (AMD EPYC, 1 MB of L2 a core) the
 # whole `embed` of 4,000 SST-2 sentences with MiniLM took 3.87 s at 1024 (batches of 512 and 768 the
 # same), 4.05 s at 2048, 4.33 s at 4096 and 4.79 s at 8192 (medians of 3): small batches stay in cache.
-# A GPU wants large ones; there the limit of 256 texts binds first for sentences.
+# A GPU wants large ones: there a batch of sentences holds thousands of them (on an H100, MiniLM's
+# batches of 256 SST-2 sentences took 7-10 ms of host time each for 1.2 ms of GPU work).
 BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
 PRECISION_CHOICES = ("fp32", "bf16", "fp16", "auto")
 HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # torch dtype names (torch is imported only when needed)
@@ -48,7 +49,7 @@ class EmbedConfig:
     layers: str = "last"
     pooling: str = "mean"
     normalize: bool = False
-    batch_size: int = 256  # texts per forward pass, at most
+    batch_size: int | None = None  # texts per forward pass, at most; None: as many as batch_tokens allows
     batch_tokens: int | None = None  # padded tokens per forward pass, at most (one text always fits); None: BATCH_TOKENS
     max_length: int | None = None  # default and upper bound: the model's max_position_embeddings
     precision: str = "fp32"  # fp32, bf16 or fp16 (autocast), or auto: bf16 on a GPU, fp32 on the CPU
@@ -65,7 +66,7 @@ class EmbedConfig:
             raise BertctlError(f"--pooling must be one of {', '.join(POOLING_CHOICES)}, not {self.pooling!r}")
         if self.precision not in PRECISION_CHOICES:
             raise BertctlError(f"--precision must be one of {', '.join(PRECISION_CHOICES)}, not {self.precision!r}")
-        if self.batch_size < 1:
+        if self.batch_size is not None and self.batch_size < 1:
             raise BertctlError(f"--batch-size must be at least 1, not {self.batch_size}")
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise BertctlError(f"--batch-tokens must be at least 1, not {self.batch_tokens}")
@@ -248,10 +249,12 @@ def normalize(x):
     return torch.nn.functional.normalize(x, dim=-1)
 
 
-def length_batches(lengths: np.ndarray, batch_size: int, batch_tokens: int) -> list[np.ndarray]:
-    """Indices into ``lengths``, longest first, cut into batches of at most ``batch_size`` texts whose
-    padded size (texts x longest) is at most ``batch_tokens``; a text longer than that goes alone."""
+def length_batches(lengths: np.ndarray, batch_size: int | None, batch_tokens: int) -> list[np.ndarray]:
+    """Indices into ``lengths``, longest first, cut into batches of at most ``batch_size`` texts (None:
+    no limit) whose padded size (texts x longest) is at most ``batch_tokens``; a text longer than that
+    goes alone."""
     order = np.argsort(-lengths, kind="stable")
+    batch_size = batch_size or len(lengths)
     batches, start = [], 0
     while start < len(order):
         fit = max(1, min(batch_size, batch_tokens // int(lengths[order[start]])))  # the first is the longest
@@ -337,11 +340,14 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
     tokenized = time.perf_counter() - start
     out: np.ndarray | None = None
     pending: list = []  # (indices, device features) not yet copied to the host
+    held = 0  # their rows
 
     def flush() -> None:
+        nonlocal held
         for idx, feats in pending:
             out[idx] = feats if isinstance(feats, np.ndarray) else feats.cpu().numpy()
         pending.clear()
+        held = 0
 
     with track("embed", len(texts), disable=not progress) as advance:
         for index in length_batches(lengths, config.batch_size, batch_tokens):
@@ -357,7 +363,8 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
             if out is None:
                 out = np.empty((len(texts), feats.shape[-1]), dtype=np.float32)
             pending.append((index, feats))
-            if len(pending) >= 32:  # bounds the device memory the features hold
+            held += len(index)
+            if len(pending) >= 32 or held >= 65536:  # bounds the device memory the features hold
                 flush()
             advance(len(index))
         flush()

@@ -97,6 +97,11 @@ def test_length_batches():
     assert batches[0].tolist() == [7]
     # Greedy: each batch takes as many texts as fit (the next one would break a limit).
     assert all(len(b) == 16 or (len(b) + 1) * lengths[b[0]] > 256 for b in batches[:-1])
+    # No limit on texts (embed's default): the token budget alone cuts the batches.
+    unlimited = length_batches(lengths, None, 256)
+    assert sorted(np.concatenate(unlimited)) == list(range(500))
+    assert all((len(b) + 1) * lengths[b[0]] > 256 for b in unlimited[:-1])
+    assert max(map(len, unlimited)) > 16
 
 
 def test_output_formats_keep_input_order(tmp_path, minilm_dir):

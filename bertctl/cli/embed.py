@@ -19,7 +19,8 @@ def register(app: typer.Typer) -> None:
         layers: str = typer.Option("last", help=f"Hidden states to use: {', '.join(LAYER_CHOICES)}."),
         normalize: bool = typer.Option(False, "--normalize", help="L2-normalise each embedding."),
         field: str = typer.Option(None, "--field", help="JSONL field holding the text (default 'text')."),
-        batch_size: int = typer.Option(EmbedConfig.batch_size, "--batch-size", help="Texts per forward pass, at most."),
+        batch_size: int = typer.Option(None, "--batch-size", show_default="no limit: --batch-tokens decides",
+                                       help="Texts per forward pass, at most."),
         batch_tokens: int = typer.Option(None, "--batch-tokens", show_default="1024 on the CPU, 65536 on a GPU",
                                          help="Padded tokens (texts x longest) per forward pass, at most; texts are "
                                               "sorted by length first, so short ones go many to a batch."),
