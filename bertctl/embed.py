@@ -73,7 +73,7 @@ class EmbedConfig:
         if self.workers < 1:
             raise BertctlError(f"--workers must be at least 1, not {self.workers}")
         if self.max_length is not None and self.max_length < 2:
-            raise BertctlError(f"--max-length must be at least 2 (room for [CLS] and [SEP]), not {self.max_length}")
+            raise BertctlError(f"--max-seq-length must be at least 2 (room for [CLS] and [SEP]), not {self.max_length}")
 
 
 def cuda_possible() -> bool:
@@ -325,8 +325,10 @@ def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig
     return normalize(feats) if config.normalize else feats
 
 
-def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True) -> np.ndarray:
-    """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``."""
+def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True,
+                summary: bool | None = None) -> np.ndarray:
+    """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``.
+    ``progress`` shows a bar on stderr, ``summary`` (default: as ``progress``) a closing line there."""
     onnx = getattr(model, "runtime", "torch") == "onnxruntime"
     features = _features_onnx if onnx else _features_torch
     device = model.device if onnx else next(model.parameters()).device
@@ -375,7 +377,7 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
                            f"{precision}: " + ("the checkpoint's activations overflow" if precision == "fp32" else
                                                "embed them with --precision fp32 (or bf16, which has its range)"))
     seconds = time.perf_counter() - start
-    if progress:
+    if progress if summary is None else summary:
         tokens, truncated = int(lengths.sum()), int((lengths == max_length).sum())
         stderr.print(
             f"embedded {len(texts)} texts ({tokens} tokens) in {seconds:.2f} s ({tokenized:.2f} s tokenising): "

@@ -220,21 +220,23 @@ def test_token_ids_past_the_embedding_at_encode_time(tmp_path):
         embed_texts(model, tokenizer, ["the zebra"], EmbedConfig(), progress=False)
 
 
-# ----------------------------------------------------------------------------- embed --max-length (item 7)
+# ----------------------------------------------------------------------------- embed --max-seq-length (item 7)
 
 
+@pytest.mark.parametrize("flag", ["--max-seq-length", "--max-length"])  # the second: the old spelling, hidden
 @pytest.mark.parametrize("value", ["0", "1", "-3"])
-def test_embed_max_length_below_two_is_refused_by_name(tmp_path, texts, value):
+def test_embed_max_seq_length_below_two_is_refused_by_name(tmp_path, texts, value, flag):
     model = tiny_model(tmp_path / "model")
-    one_line_error(invoke("embed", "--model", model, "--max-length", value, "-o", tmp_path / "o.npy", texts),
-                   "--max-length", value)
+    one_line_error(invoke("embed", "--model", model, flag, value, "-o", tmp_path / "o.npy", texts),
+                   "--max-seq-length", value)
 
 
-def test_embed_max_length_truncates(tmp_path, texts):
-    """--max-length 3 keeps [CLS] the [SEP] of the first text: the same row as embedding "the" alone."""
+@pytest.mark.parametrize("flag", ["--max-seq-length", "--max-length"])
+def test_embed_max_seq_length_truncates(tmp_path, texts, flag):
+    """--max-seq-length 3 keeps [CLS] the [SEP] of the first text: the same row as embedding "the" alone."""
     model = tiny_model(tmp_path / "model")
     (tmp_path / "the.txt").write_text("the\n", encoding="utf-8")
-    for args, out in [(("--max-length", "3"), "cut.npy"), ((), "the.npy")]:
+    for args, out in [((flag, "3"), "cut.npy"), ((), "the.npy")]:
         src = texts if out == "cut.npy" else tmp_path / "the.txt"
         assert invoke("embed", "--model", model, *args, "-o", tmp_path / out, src).exit_code == 0
     np.testing.assert_allclose(np.load(tmp_path / "cut.npy")[0], np.load(tmp_path / "the.npy")[0], atol=1e-6)

@@ -225,3 +225,16 @@ def test_embeddings_that_are_not_finite_stop_the_run(tmp_path, minilm_dir):
     assert result.exit_code == 2, result.output
     assert "not finite" in err and "--precision" in err and "Traceback" not in err
     assert not (tmp_path / "o.npy").exists()
+
+
+def test_no_progress_hides_the_bar_and_keeps_the_summary(tmp_path, minilm_dir):
+    """--no-progress as in every command: no bar on stderr; the closing line (texts, tokens, speed) stays."""
+    (tmp_path / "in.txt").write_text("one text\nanother text here\n", encoding="utf-8")
+    runs = {}
+    for args in ((), ("--no-progress",)):
+        result = runner.invoke(app, ["embed", "--model", str(minilm_dir), "-o", str(tmp_path / "o.npy"), *args,
+                                     str(tmp_path / "in.txt")])
+        assert result.exit_code == 0, result.output
+        runs[args] = result.stderr
+    assert "embedded 2 texts" in runs[()] and "embedded 2 texts" in runs[("--no-progress",)]
+    assert "━" in runs[()] and "━" not in runs[("--no-progress",)]

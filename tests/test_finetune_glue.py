@@ -58,9 +58,11 @@ def test_sst2_end_to_end_and_eval(tiny, sst2, tmp_path):
     gold = [l.split("\t")[1].strip() for l in (sst2 / "dev.tsv").read_text().splitlines()[1:]]
     assert metrics["accuracy"] == pytest.approx(np.mean([p == g for p, g in zip(preds, gold)]))
     # bertctl eval on the fine-tuned directory gives the same score.
-    r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(out), "--quiet"])
-    assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(metrics["accuracy"])
+    # --no-progress as in every command; --quiet, its old spelling here, still works.
+    for flag in ("--no-progress", "--quiet"):
+        r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(out), flag])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(metrics["accuracy"])
 
 
 def test_saved_model_loads_in_transformers(tiny, sst2, tmp_path):

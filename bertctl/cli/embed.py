@@ -5,7 +5,7 @@ from pathlib import Path
 
 import typer
 
-from bertctl.cli.options import WORKERS, usable_cpus
+from bertctl.cli import options as opt
 from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES, EmbedConfig
 
 
@@ -24,9 +24,10 @@ def register(app: typer.Typer) -> None:
         batch_tokens: int = typer.Option(None, "--batch-tokens", show_default="1024 on the CPU, 65536 on a GPU",
                                          help="Padded tokens (texts x longest) per forward pass, at most; texts are "
                                               "sorted by length first, so short ones go many to a batch."),
-        max_length: int = typer.Option(None, "--max-length", show_default=False,
-                                       help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2 "
-                                            "(default and upper bound: the model's max_position_embeddings)."),
+        max_seq_length: int = typer.Option(None, "--max-seq-length", show_default=False,
+                                           help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2 "
+                                                "(default and upper bound: the model's max_position_embeddings)."),
+        old_max_length: int = opt.OLD_MAX_LENGTH,
         precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (the weights cast once; fp16 "
                                       "on a GPU only), or auto (bf16 on a GPU, fp32 on the CPU). fp32 gives the "
                                       "checkpoint's vectors; against them fp16 kept cosine >= 0.99999 and bf16 0.9998 "
@@ -40,7 +41,8 @@ def register(app: typer.Typer) -> None:
                                          "use."),
         onnx: Path = typer.Option(None, "--onnx", show_default=False,
                                   help="An exported encoder (.onnx) to run under onnxruntime instead of the cache."),
-        workers: int = WORKERS,
+        workers: int = opt.WORKERS,
+        no_progress: bool = opt.NO_PROGRESS,
     ) -> None:
         """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order."""
         import numpy as np
@@ -51,8 +53,9 @@ def register(app: typer.Typer) -> None:
         from bertctl.tokenizer import load_tokenizer
 
         config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
-                             batch_tokens=batch_tokens, max_length=max_length, precision=old_dtype or precision,
-                             device=device, backend=backend, workers=workers or usable_cpus())
+                             batch_tokens=batch_tokens, max_length=old_max_length if max_seq_length is None else max_seq_length,
+                             precision=old_dtype or precision, device=device, backend=backend,
+                             workers=workers or opt.usable_cpus())
         if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
         check_writable(output)  # before the model runs, not after
@@ -61,6 +64,6 @@ def register(app: typer.Typer) -> None:
         encoder = load_encoder(model, where, resolve_backend(config, where, onnx), onnx, fallback=backend == "auto",
                                precision=config.precision)
         tokenizer = load_tokenizer(model)
-        array = embed_texts(encoder, tokenizer, texts, config)
+        array = embed_texts(encoder, tokenizer, texts, config, progress=not no_progress, summary=True)
         write_embeddings(array.astype(np.float32, copy=False), output)
         typer.echo(str(output))

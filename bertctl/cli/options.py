@@ -2,8 +2,9 @@
 
 Each flag is a ``typer.Option`` constant declared once here; the commands take them as defaults.
 Earlier spellings (``finetune --attention``, ``--no-bf16``, ``--quiet``, ``--save-steps``,
-``--log-steps``, ``--warmup``) are accepted as hidden aliases for one release and map onto the
-new names in ``merge_aliases``. Numbers are checked by flag name: 0 and negatives are refused
+``--log-steps``, ``--warmup``; ``eval --quiet``; ``embed`` and ``tokenize encode --max-length``) are
+accepted as hidden aliases for one release and map onto the new names in ``merge_aliases`` (or, for
+one flag, where the command reads it). Numbers are checked by flag name: 0 and negatives are refused
 where the help does not give them a meaning.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ OLD_QUIET = typer.Option(False, "--quiet", "-q", hidden=True)
 OLD_SAVE_STEPS = typer.Option(None, "--save-steps", hidden=True)
 OLD_LOG_STEPS = typer.Option(None, "--log-steps", hidden=True)
 OLD_WARMUP = typer.Option(None, "--warmup", hidden=True)
+OLD_MAX_LENGTH = typer.Option(None, "--max-length", hidden=True)  # embed and tokenize: --max-seq-length
 
 
 def merge_aliases(values: dict, *, attention: Optional[str] = None, no_bf16: bool = False, quiet: bool = False,
