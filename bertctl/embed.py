@@ -1,6 +1,7 @@
 """Feature extraction: the paper's feature-based use of BERT (§5.3, Table 7).
 
-Texts are tokenised (in ``workers`` processes for large inputs: ``tokenize_texts``), sorted by
+Texts are tokenised (in ``workers`` processes for large inputs, while the ``embed`` command loads
+torch and the model: ``Tokenizing``), sorted by
 token count and cut into batches of at most ``batch_size`` texts and ``batch_tokens`` padded tokens
 (short texts go many to a batch, long ones few, and little is padding); the chosen layers are
 combined, pooled over real tokens, optionally L2-normalised, and written in input order.
@@ -284,15 +285,53 @@ def _tokenize_in_worker(args: tuple[list[str], int]) -> tuple[np.ndarray, np.nda
     return _tokenize_chunk(_worker_tokenizer, *args)
 
 
+class Tokenizing:
+    """Texts being tokenised: in ``workers`` processes once there are enough texts (chunks in order,
+    so the result does not depend on their number), in the background while the caller goes on (the
+    ``embed`` command imports torch and loads the model meanwhile, and forks its workers before that,
+    when forking is cheap); otherwise here, at once. ``result()``: all ids, flat in input order, and
+    each text's length. Use it as a context manager: leaving it stops any workers."""
+
+    def __init__(self, tokenizer, texts: list[str], max_length: int, workers: int = 1):
+        self.max_length = max_length
+        self._pool = self._pending = self._done = None
+        if workers <= 1 or len(texts) < PARALLEL_TEXTS:
+            self._done = _tokenize_chunk(tokenizer, texts, max_length)
+            return
+        size = -(-len(texts) // (8 * workers))  # 8 chunks a worker: an even finish
+        self._pool = worker_pool(workers, _init_tokenizer, (tokenizer,))
+        self._pending = self._pool.map_async(_tokenize_in_worker,
+                                             [(texts[i:i + size], max_length) for i in range(0, len(texts), size)])
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._done is None:
+            parts = self._pending.get()
+            self.close()
+            self._done = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return self._done
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> Tokenizing:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def tokenize_texts(tokenizer, texts: list[str], max_length: int, workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """All texts' token ids, flat in input order, and each text's length: in ``workers`` processes
-    (chunks in order, so the result does not depend on their number) once there are enough texts."""
-    if workers <= 1 or len(texts) < PARALLEL_TEXTS:
-        return _tokenize_chunk(tokenizer, texts, max_length)
-    size = -(-len(texts) // (8 * workers))  # 8 chunks a worker: an even finish
-    with worker_pool(workers, _init_tokenizer, (tokenizer,)) as pool:
-        parts = pool.map(_tokenize_in_worker, [(texts[i:i + size], max_length) for i in range(0, len(texts), size)])
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    """All texts' token ids, flat in input order, and each text's length (``Tokenizing``, waited for)."""
+    with Tokenizing(tokenizer, texts, max_length, workers) as tokenizing:
+        return tokenizing.result()
+
+
+def token_limit(config: EmbedConfig, max_positions: int) -> int:
+    """Tokens a text keeps, [CLS] and [SEP] included: ``--max-seq-length``, at most the model's positions."""
+    return max_positions if config.max_length is None else min(config.max_length, max_positions)
 
 
 def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig):
@@ -326,18 +365,21 @@ def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig
 
 
 def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True,
-                summary: bool | None = None) -> np.ndarray:
+                summary: bool | None = None, tokenizing: Tokenizing | None = None) -> np.ndarray:
     """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``.
-    ``progress`` shows a bar on stderr, ``summary`` (default: as ``progress``) a closing line there."""
+    ``progress`` shows a bar on stderr, ``summary`` (default: as ``progress``) a closing line there.
+    ``tokenizing``: the texts' tokenising, begun by the caller (at this model's ``token_limit``)."""
     onnx = getattr(model, "runtime", "torch") == "onnxruntime"
     features = _features_onnx if onnx else _features_torch
     device = model.device if onnx else next(model.parameters()).device
-    limit = model.config.max_position_embeddings
-    max_length = limit if config.max_length is None else min(config.max_length, limit)
+    max_length = token_limit(config, model.config.max_position_embeddings)
     vocab_size = model.config.vocab_size
     batch_tokens = config.batch_tokens or BATCH_TOKENS.get(device_type(device), BATCH_TOKENS["cuda"])
     start = time.perf_counter()
-    flat, lengths = tokenize_texts(tokenizer, texts, max_length, config.workers)
+    if tokenizing is not None and tokenizing.max_length != max_length:
+        raise ValueError(f"texts tokenised to {tokenizing.max_length} tokens, the model takes {max_length}")
+    flat, lengths = (tokenizing.result() if tokenizing is not None
+                     else tokenize_texts(tokenizer, texts, max_length, config.workers))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
     tokenized = time.perf_counter() - start
     out: np.ndarray | None = None

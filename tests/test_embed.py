@@ -238,3 +238,23 @@ def test_no_progress_hides_the_bar_and_keeps_the_summary(tmp_path, minilm_dir):
         runs[args] = result.stderr
     assert "embedded 2 texts" in runs[()] and "embedded 2 texts" in runs[("--no-progress",)]
     assert "━" in runs[()] and "━" not in runs[("--no-progress",)]
+
+
+def test_tokenizing_workers_stop_when_the_model_fails_to_load(tmp_path, minilm_dir, monkeypatch, sst2_dev):
+    """The command starts tokenising before it loads the model; a model that fails to load gives one
+    line and exit code 2, and leaves no worker process behind."""
+    import multiprocessing
+
+    import bertctl.embed
+
+    monkeypatch.setattr(bertctl.embed, "PARALLEL_TEXTS", 10)
+    broken = tmp_path / "broken"
+    shutil.copytree(minilm_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    (tmp_path / "in.txt").write_text("\n".join(sst2_dev[:300]) + "\n", encoding="utf-8")
+    r = runner.invoke(app, ["embed", "--model", str(broken), "--backend", "torch", "--workers", "2", "-o",
+                            str(tmp_path / "o.npy"), str(tmp_path / "in.txt")])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "o.npy").exists()
+    assert multiprocessing.active_children() == []

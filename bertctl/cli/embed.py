@@ -47,7 +47,9 @@ def register(app: typer.Typer) -> None:
         """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order."""
         import numpy as np
 
-        from bertctl.embed import embed_texts, load_encoder, read_texts, resolve_backend, resolve_device, write_embeddings
+        from bertctl.checkpoint import load_config
+        from bertctl.embed import (Tokenizing, embed_texts, load_encoder, read_texts, resolve_backend, resolve_device,
+                                   token_limit, write_embeddings)
         from bertctl.errors import BertctlError
         from bertctl.io import check_writable
         from bertctl.tokenizer import load_tokenizer
@@ -60,10 +62,15 @@ def register(app: typer.Typer) -> None:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
         check_writable(output)  # before the model runs, not after
         texts = [t for path in inputs for t in read_texts(path, field)]
-        where = resolve_device(config.device)
-        encoder = load_encoder(model, where, resolve_backend(config, where, onnx), onnx, fallback=backend == "auto",
-                               precision=config.precision)
         tokenizer = load_tokenizer(model)
-        array = embed_texts(encoder, tokenizer, texts, config, progress=not no_progress, summary=True)
+        # Tokenising starts before torch loads (its workers fork from a small process) and runs
+        # while torch, the device and the model load.
+        with Tokenizing(tokenizer, texts, token_limit(config, load_config(model).max_position_embeddings),
+                        config.workers) as tokenizing:
+            where = resolve_device(config.device)
+            encoder = load_encoder(model, where, resolve_backend(config, where, onnx), onnx,
+                                   fallback=backend == "auto", precision=config.precision)
+            array = embed_texts(encoder, tokenizer, texts, config, progress=not no_progress, summary=True,
+                                tokenizing=tokenizing)
         write_embeddings(array.astype(np.float32, copy=False), output)
         typer.echo(str(output))
