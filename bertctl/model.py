@@ -66,6 +66,12 @@ def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor | None,
     return ln(x if residual is None else x + residual)
 
 
+def dropout(module: nn.Dropout, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The module's dropout: with fused kernels bertctl's (on the CPU a hashed mask, recomputed in
+    the backward, where torch draws each element from a Mersenne Twister), else torch's."""
+    return ops.dropout(x, module.p, module.training) if fused else module(x)
+
+
 def dense_act(dense: nn.Linear, act_name: str, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """act(x W^T + b): with fused kernels the bias add and GELU are one op after the matmul."""
     if fused and act_name in GELU_APPROXIMATION:
@@ -134,7 +140,7 @@ class BertEmbeddings(nn.Module):
         else:
             x = x + self.token_type_embeddings(token_type_ids)
         x = layer_norm(self.LayerNorm, x, None, use_fused(self.config))
-        return self.dropout(x)  # (B, S, H)
+        return dropout(self.dropout, x, use_fused(self.config))  # (B, S, H)
 
 
 class Packed:
@@ -254,7 +260,7 @@ class BertSelfAttention(nn.Module):
                 if key_mask is not None:
                     scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
                 probs = torch.softmax(scores, dim=-1)
-            probs = F.dropout(probs, p, self.training)
+            probs = ops.dropout(probs, p, self.training) if use_fused(self.config) else F.dropout(probs, p, self.training)
             ctx = probs @ v  # (B, nh, S, hs)
         ctx = ctx.transpose(1, 2).reshape(B, S, H)
         return ctx if packed is None else packed.pack(ctx)
@@ -275,7 +281,8 @@ class ProjectAddNorm(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return layer_norm(self.LayerNorm, self.dropout(self.dense(h)), residual, use_fused(self.config))
+        fused = use_fused(self.config)
+        return layer_norm(self.LayerNorm, dropout(self.dropout, self.dense(h), fused), residual, fused)
 
 
 class BertAttention(nn.Module):
@@ -551,7 +558,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
-        logits = self.classifier(self.dropout(out.pooler_output))  # (B, num_labels)
+        logits = self.classifier(dropout(self.dropout, out.pooler_output, use_fused(self.config)))  # (B, num_labels)
         loss = None
         if labels is not None:
             if self.is_regression:
@@ -577,7 +584,7 @@ class BertForTokenClassification(BertPreTrainedModel):
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
-        logits = self.classifier(self.dropout(out.last_hidden_state))  # (B, S, num_labels)
+        logits = self.classifier(dropout(self.dropout, out.last_hidden_state, use_fused(self.config)))  # (B, S, labels)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
@@ -641,7 +648,7 @@ class BertForMultipleChoice(BertPreTrainedModel):
         B, C, S = input_ids.shape
         flat = lambda t: None if t is None else t.reshape(B * C, S)  # noqa: E731
         out = self.bert(flat(input_ids), flat(token_type_ids), flat(attention_mask), output_hidden_states)
-        logits = self.classifier(self.dropout(out.pooler_output)).view(B, C)
+        logits = self.classifier(dropout(self.dropout, out.pooler_output, use_fused(self.config))).view(B, C)
         loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
         return TaskOutput(loss, logits, out.hidden_states)
 

@@ -1,4 +1,4 @@
-// Autograd for the three forward ops, on the Autograd dispatch key (and a refusal for
+// Autograd for the forward ops, on the Autograd dispatch key (and a refusal for
 // layer_norm_inference, which has no backward).
 //
 // Each forward saves what its backward op needs and its node calls that op
@@ -78,6 +78,28 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_op(const Tensor& grad_y, const Ten
           "bertctl::bias_gelu_backward");
   return handle.call(grad_y, x, bias, approximate);
 }
+
+Tensor dropout_op(const Tensor& x, double p, const Tensor& seed) {
+  static const auto handle = op<Tensor(const Tensor&, double, const Tensor&)>("bertctl::dropout");
+  return handle.call(x, p, seed);
+}
+
+// Linear in x: the backward is the same mask on the gradient, through the dispatcher, so a
+// double backward works too.
+class Dropout : public torch::autograd::Function<Dropout> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, double p, const Tensor& seed) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->saved_data["p"] = p;
+    ctx->save_for_backward({seed});
+    return dropout_op(x, p, seed);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor seed = ctx->get_saved_variables()[0];
+    return {Dropout::apply(grads[0], ctx->saved_data["p"].toDouble(), seed), Tensor(), Tensor()};
+  }
+};
 
 class Softmax : public torch::autograd::Function<Softmax> {
  public:
@@ -240,6 +262,8 @@ Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, std::string appro
   return BiasGelu::apply(x, bias, approximate);
 }
 
+Tensor dropout_autograd(const Tensor& x, double p, const Tensor& seed) { return Dropout::apply(x, p, seed); }
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
@@ -250,4 +274,5 @@ TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
   m.impl("softmax_backward", &softmax_backward_autograd);
   m.impl("layer_norm_backward", &layer_norm_backward_autograd);
   m.impl("bias_gelu_backward", &bias_gelu_backward_autograd);
+  m.impl("dropout", &dropout_autograd);
 }

@@ -55,4 +55,7 @@ TORCH_LIBRARY(bertctl, m) {
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> Tensor");
   // (dx, dbias).
   m.def("bias_gelu_backward(Tensor grad_y, Tensor x, Tensor bias, str approximate) -> (Tensor, Tensor)");
+  // x * mask / (1 - p), the mask a function of (p, seed, element index) (CPU only): the op is
+  // linear in x, so its backward is the same op on the gradient, and no mask is stored.
+  m.def("dropout(Tensor x, float p, Tensor seed) -> Tensor");
 }

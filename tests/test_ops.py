@@ -15,7 +15,7 @@ from bertctl._ext import kernels_loaded
 from bertctl.ops import reference
 
 OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference", "bias_gelu",
-            "bias_gelu_backward")
+            "bias_gelu_backward", "dropout")
 SIZES = (1, 7, 13, 127, 768, 1000, 1024, 4096)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One rounding of an O(1) result: fp32 math inside; fp16 has 11 significant bits, bf16 8.
@@ -489,11 +489,80 @@ def test_opcheck(device):
         (bl.bias_gelu.default, (h, b, "tanh")),
         (bl.bias_gelu_backward.default, (torch.randn_like(h), h.detach(), b.detach(), "none")),
     ]
+    if device == "cpu":  # a CPU kernel only
+        cases.append((bl.dropout.default, (h, 0.1, torch.tensor(7))))
     for op, args in cases:
         # The backward ops' and layer_norm_inference's inputs do not require grad: they have no
         # derivative of their own (test_create_graph_first_order_right_second_order_refused,
         # test_layer_norm_inference_refuses_to_record_a_gradient).
         torch.library.opcheck(op, args)
+
+
+# --- dropout (CPU) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keeps_the_share_and_scales_exactly(p):
+    """Over a million elements the dropped share is p within 5 standard errors, in every 64k block too
+    (no drift along the index), and each kept element is x / (1 - p) in float32."""
+    x = torch.rand(1 << 20) + 0.5
+    torch.manual_seed(0)
+    y = ops.dropout(x, p, True)
+    dropped = (y == 0).double()
+    se = (p * (1 - p) / x.numel()) ** 0.5
+    assert abs(dropped.mean().item() - p) < 5 * se
+    blocks = dropped.view(16, -1)
+    assert (blocks.mean(1) - p).abs().max().item() < 5 * (p * (1 - p) / blocks.shape[1]) ** 0.5
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] * torch.tensor(1 / (1 - p), dtype=torch.float32), rtol=0, atol=0)
+    # Neighbours are dropped independently: P(both) = p^2.
+    both = (dropped[1:] * dropped[:-1]).mean().item()
+    assert abs(both - p * p) < 5 * (p * p * (1 - p * p) / x.numel()) ** 0.5
+
+
+def test_dropout_repeats_with_the_seed_and_not_without():
+    """The mask comes from torch's CPU generator: manual_seed repeats it, the next call differs; the
+    thread count and the dtype do not change it."""
+    x = torch.ones(50_000)
+    torch.manual_seed(3)
+    a, b = ops.dropout(x, 0.3, True), ops.dropout(x, 0.3, True)
+    torch.manual_seed(3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a1 = ops.dropout(x, 0.3, True)
+    finally:
+        torch.set_num_threads(threads)
+    torch.manual_seed(3)
+    a16 = ops.dropout(x.to(torch.bfloat16), 0.3, True)
+    assert torch.equal(a, a1) and not torch.equal(a, b)
+    assert torch.equal(a == 0, a16 == 0)
+    assert ops.dropout(x, 0.3, False) is x and ops.dropout(x, 0.0, True) is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_dropout_backward_is_the_same_mask(dtype):
+    """dx = dy * mask / (1 - p) with the forward's mask, recomputed (nothing stored); the op is linear,
+    so a second derivative goes through it too (float64 gradcheck and gradgradcheck)."""
+    gen = torch.Generator().manual_seed(4)
+    x = rand(3, 1000, dtype=dtype, device="cpu", gen=gen).requires_grad_()
+    dy = rand(3, 1000, dtype=dtype, device="cpu", gen=gen)
+    y = ops.dropout(x, 0.25, True)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32  # the kernel's arithmetic
+    expected = torch.where(y != 0, dy.to(acc) * torch.tensor(1 / 0.75, dtype=acc), 0).to(dtype)
+    torch.testing.assert_close(dx, expected, rtol=0, atol=0)
+    x64 = rand(4, 33, dtype=torch.float64, device="cpu", gen=gen).requires_grad_()
+    seed = torch.tensor(11)
+    f = lambda t: torch.ops.bertctl.dropout(t, 0.4, seed)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x64,)) and torch.autograd.gradgradcheck(f, (x64,))
+
+
+def test_dropout_elsewhere_is_torchs():
+    """No kernel for the device or p outside (0, 1): torch's dropout (p = 1 drops everything)."""
+    x = torch.ones(100)
+    assert not ops.dropout_kernel_ok(x, 1.0) and torch.equal(ops.dropout(x, 1.0, True), torch.zeros(100))
+    assert not ops.dropout_kernel_ok(torch.ones(0), 0.1)
+    assert ops.dropout_kernel_ok(x, 0.1) and not ops.dropout_kernel_ok(torch.ones(4, dtype=torch.int64), 0.1)
 
 
 def test_kernels_loaded_lists_every_op_for_cpu():

@@ -12,6 +12,10 @@ Public entry points (stable; the model calls only these):
   which stores no statistics.
 - ``bias_gelu(x, bias, approximate="none")``: GELU(x + bias), "none" = exact erf (BERT's),
   "tanh" = the tanh approximation.
+- ``dropout(x, p, training)``: x * mask / (1 - p) in training, x otherwise. On the CPU the
+  compiled kernel draws the mask from a hash of (seed, element index), the seed from torch's
+  CPU generator (so ``torch.manual_seed`` and a restored RNG state repeat it), and its backward
+  recomputes the mask instead of storing it; elsewhere ``torch.nn.functional.dropout``.
 
 Each op runs the compiled ``torch.ops.bertctl`` kernel (C++ on CPU, CUDA on NVIDIA GPUs)
 when the extension loaded and the inputs meet the kernel's preconditions (one gate
@@ -28,8 +32,8 @@ import torch
 from bertctl._ext import OP_NAMES, compiled, kernels_loaded
 from bertctl.ops import reference
 
-__all__ = ["softmax", "layer_norm", "bias_gelu", "fused_available",
-           "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "reference"]
+__all__ = ["softmax", "layer_norm", "bias_gelu", "dropout", "fused_available",
+           "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "dropout_kernel_ok", "reference"]
 
 # Which compiled ops are registered for which dispatch keys, read once at import
 # (a constant for torch.compile's tracer).
@@ -141,6 +145,26 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     return reference.bias_gelu(x, bias, approximate)
 
 
+# --- dropout ------------------------------------------------------------------------------
+
+def dropout_kernel_ok(x: torch.Tensor, p: float) -> bool:
+    """The compiled dropout takes: x of a supported dtype on the CPU (the only device it has a kernel for),
+    non-empty, fewer than 2^32 elements; 0 < p < 1."""
+    key = _KEY.get(x.device.type)
+    return (key is not None and key in _KERNELS.get("dropout", ()) and x.dtype in _DTYPES[x.device.type]
+            and 0 < x.numel() < 2 ** 32 and 0 < p < 1)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """x * mask / (1 - p), each element kept with probability 1 - p, in training; x otherwise."""
+    if not training or p == 0:
+        return x
+    if dropout_kernel_ok(x, p):
+        seed = torch.randint(0, 2 ** 62, (), dtype=torch.int64)  # torch's CPU generator
+        return torch.ops.bertctl.dropout(x, float(p), seed)
+    return torch.nn.functional.dropout(x, p, True)
+
+
 # --- registration: fake (meta) kernels for torch.compile ------------------------------------
 # (autograd is in C++, csrc/autograd.cpp, on the Autograd dispatch key)
 
@@ -173,6 +197,10 @@ def _register() -> None:
 
     @torch.library.register_fake(lib + "bias_gelu")
     def _bias_gelu_fake(x, bias, approximate):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake(lib + "dropout")
+    def _dropout_fake(x, p, seed):
         return x.new_empty(x.shape)
 
     @torch.library.register_fake(lib + "bias_gelu_backward")
