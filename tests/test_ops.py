@@ -557,6 +557,33 @@ def test_dropout_backward_is_the_same_mask(dtype):
     assert torch.autograd.gradcheck(f, (x64,)) and torch.autograd.gradgradcheck(f, (x64,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (3, 5, 1027)])
+def test_dropout_matches_the_reference_hash(dtype, shape):
+    """The kernel's output equals the plain-PyTorch reference (the same hash in int64 arithmetic)
+    bit for bit, for odd shapes, every dtype, seeds with high bits set, and a non-contiguous input."""
+    gen = torch.Generator().manual_seed(5)
+    for seed, p in ((0, 0.1), (2 ** 61 + 12345, 0.5), (987654321, 0.9)):
+        x = rand(*shape, dtype=dtype, device="cpu", gen=gen)
+        s = torch.tensor(seed)
+        torch.testing.assert_close(torch.ops.bertctl.dropout(x, p, s), reference.dropout_forward(x, p, s),
+                                   rtol=0, atol=0)
+    xt = rand(shape[-1], 6, dtype=dtype, device="cpu", gen=gen).t()  # non-contiguous: row-major order of x
+    torch.testing.assert_close(torch.ops.bertctl.dropout(xt, 0.3, s), reference.dropout_forward(xt, 0.3, s),
+                               rtol=0, atol=0)
+
+
+def test_dropout_under_torch_compile():
+    """ops.dropout traces into one graph (its seed drawn in the graph, the fake kernel, the C++ autograd):
+    the share dropped is p, and the gradient is the output's mask times 1 / (1 - p)."""
+    torch._dynamo.reset()
+    x = (torch.rand(200_000) + 0.5).requires_grad_()
+    y = torch.compile(lambda t: ops.dropout(t, 0.2, True), fullgraph=True)(x)
+    (dx,) = torch.autograd.grad(y.sum(), x)
+    assert abs((y == 0).double().mean().item() - 0.2) < 5 * (0.2 * 0.8 / x.numel()) ** 0.5
+    torch.testing.assert_close(dx, (y != 0).float() * torch.tensor(1 / 0.8), rtol=0, atol=0)
+
+
 def test_dropout_elsewhere_is_torchs():
     """No kernel for the device or p outside (0, 1): torch's dropout (p = 1 drops everything)."""
     x = torch.ones(100)

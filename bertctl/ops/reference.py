@@ -88,6 +88,30 @@ def layer_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, residual: torch.T
 
 # --- bias + GELU --------------------------------------------------------------------------
 
+_U32 = 0xFFFFFFFF
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """The CPU dropout kernel's 32-bit hash, in int64 arithmetic kept to 32 bits (x: int64 < 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _U32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _U32
+    return x ^ (x >> 16)
+
+
+def dropout_forward(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
+    """``torch.ops.bertctl.dropout``: element i (of x in row-major order) is kept when
+    lowbias32(i * 0x9E3779B9 + key) >= p * 2^32, key = lowbias32(low 32 bits of seed) ^ high 32
+    bits; kept elements are x / (1 - p) (times the rounded scale, in the accumulation dtype)."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    key = int(_lowbias32(torch.tensor(s & _U32))) ^ (s >> 32)
+    i = torch.arange(x.numel(), dtype=torch.int64)
+    keep = (_lowbias32((i * 0x9E3779B9 + key) & _U32) >= int(p * 4294967296.0)).view(x.shape)
+    acc = acc_dtype(x)
+    return torch.where(keep.to(x.device), x.to(acc) * torch.tensor(1.0 / (1.0 - p), dtype=acc), 0).to(x.dtype)
+
+
 def _check_approximate(approximate: str) -> None:
     if approximate not in ("none", "tanh"):
         raise ValueError(f'bias_gelu: approximate must be "none" or "tanh", got {approximate!r}')
