@@ -11,8 +11,6 @@ above the GPU's busy time is bound by the host. JSON on stdout (``-o`` writes it
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import statistics
 import sys
 import time
@@ -26,8 +24,8 @@ sys.path.insert(0, str(ROOT))
 from bertctl.embed import EmbedConfig, embed_texts, length_batches, load_encoder, tokenize_texts  # noqa: E402
 from bertctl._ext import kernels_loaded  # noqa: E402
 from bertctl.tokenizer import load_tokenizer  # noqa: E402
+from host_profile import emit, summarize  # noqa: E402  (beside this script)
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def read_sentences(path: Path, n: int) -> list[str]:
@@ -90,31 +88,19 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
             embed_texts(model, tokenizer, texts, config, progress=False)
             sync()
-        events = prof.events()
         n = len(batches)
-        kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-        gpu_busy = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-        syncs = collections.Counter(e.name for e in events if e.name in SYNC_CALLS)
-        rows = [{"op": k.key, "calls_per_batch": round(k.count / n, 2),
-                 "self_host_ms_per_batch": k.self_cpu_time_total / 1e3 / n}
-                for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[: a.rows]]
         wall = statistics.median(runs)
         results.append({"batch_size": batch_size or "none (the token budget)", "batches": n,
                         "least_cosine_vs_fp32": least_cosine, "warm_runs_s": [round(r, 3) for r in runs],
                         "wall_s_median": round(wall, 3), "ms_per_batch": wall * 1e3 / n,
-                        "gpu_kernel_ms_per_batch": gpu_busy / n, "gpu_kernel_s": gpu_busy / 1e3,
-                        "kernels_per_batch": kernels / n, "syncs_per_batch": {k: v / n for k, v in syncs.items()},
-                        "top_host_ops": rows})
+                        **summarize(prof, n, "batch", a.rows)})
     out = {"what": "embed_texts host profile (benchmarks/profile_embed.py)", "model": str(a.model),
            "attn": model.config.attn_implementation, "precision": config.precision, "weights": a.weights,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
            "compiled_kernels": kernels_loaded() or "none: the extension did not load (plain PyTorch ops)",
            "texts": len(texts), "tokens": int(lengths.sum()), "tokenize_s_one_process": round(tokenize_s, 3),
            "by_batch_size": results}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.output:
-        a.output.write_text(text + "\n")
+    emit(out, a.output)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ on stdout (``-o`` writes it too).
 from __future__ import annotations
 
 import argparse
-import collections
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,8 +31,8 @@ from bertctl.tokenizer import BertTokenizer  # noqa: E402
 from bertctl.train import distributed  # noqa: E402
 from bertctl.train.engine import Engine, EngineConfig  # noqa: E402
 from bertctl.train.loader import Prefetcher, steps_per_epoch, task_batches  # noqa: E402
+from host_profile import emit, summarize  # noqa: E402  (beside this script)
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def main() -> None:
@@ -102,27 +100,13 @@ def main() -> None:
             engine.train_step(next(batches), stats)
         sync()
     batches.close()
-    events = prof.events()
-    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    syncs = collections.Counter(e.name for e in events if e.name in SYNC_CALLS)
-    d2h = sum(1 for e in events if e.name == "Memcpy DtoH (Device -> Pinned)" or e.name == "Memcpy DtoH (Device -> Pageable)")
-    gpu_busy = sum(e.device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-    rows = []
-    for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[: a.rows]:
-        rows.append({"op": k.key, "calls_per_step": k.count / a.steps,
-                     "self_host_ms_per_step": k.self_cpu_time_total / 1e3 / a.steps})
     out = {"what": "fine-tuning step host profile", "size": a.size, "attn": a.attn,
            "compile": a.compile_mode or a.compile,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
            "examples": len(feats), "mean_tokens": sum(len(f["input_ids"]) for f in feats) / len(feats),
            "wall_ms_per_step": wall * 1e3, "host_issue_ms_per_step": sum(host) / len(host) * 1e3,
-           "gpu_kernel_ms_per_step": gpu_busy / a.steps, "kernels_per_step": kernels / a.steps,
-           "syncs_per_step": {k: v / a.steps for k, v in syncs.items()}, "d2h_copies_per_step": d2h / a.steps,
-           "top_host_ops": rows}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.output:
-        a.output.write_text(text + "\n")
+           **summarize(prof, a.steps, "step", a.rows)}
+    emit(out, a.output)
 
 
 if __name__ == "__main__":
