@@ -262,11 +262,13 @@ def test_varlen_attention_dropout_backward_replays_the_forward_mask():
     assert (mean - exact).abs().mean() < 0.1 * exact.abs().mean()
 
 
-def test_auto_attention_is_unpadded_except_compiled_or_pretraining_on_a_gpu():
+def test_auto_attention_is_unpadded_except_compiled_or_pretraining():
     from bertctl.config import resolve_attention
 
     assert resolve_attention("auto", "cpu") == resolve_attention("auto", "cuda") == "unpadded"
-    assert resolve_attention("auto", "cpu", packed_data=True) == "unpadded"
+    assert resolve_attention("auto", "cpu", packed_data=True) == "unpadded"  # no compiled kernels
+    assert resolve_attention("auto", "cpu", packed_data=True, fused_kernels=True) == "explicit"
+    assert resolve_attention("auto", "cpu", compiled=True, packed_data=True, fused_kernels=True) == "sdpa"
     assert resolve_attention("auto", "cuda", packed_data=True) == "sdpa"
     assert resolve_attention("auto", "cpu", compiled=True) == resolve_attention("auto", "cuda", compiled=True) == "sdpa"
     assert resolve_attention("explicit", "cuda") == "explicit"

@@ -21,7 +21,8 @@ from bertctl.errors import BertctlError
 
 ATTN = typer.Option("auto", "--attn", help="Attention: sdpa (PyTorch's fused attention), explicit, unpadded (the "
                     "encoder runs on the real tokens only; on a GPU with FlashAttention's variable-length kernel), "
-                    "or auto: unpadded, but sdpa under --compile and for pretraining on a GPU.")
+                    "or auto: unpadded, but sdpa under --compile and for pretraining on a GPU, explicit for "
+                    "pretraining on a CPU with the compiled kernels.")
 PRECISION = typer.Option("auto", "--precision", help="auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp16 (with "
                                                      "loss scaling) or fp32.")
 NO_PROGRESS = typer.Option(False, "--no-progress", help="No progress bar (metrics are still logged).")

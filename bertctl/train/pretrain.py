@@ -304,7 +304,10 @@ class Trainer:
         from bertctl import checkpoint
         from bertctl.config import BertConfig
 
-        attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile, packed_data=True)
+        from bertctl.ops import fused_available
+
+        attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile, packed_data=True,
+                                 fused_kernels=self.cfg.kernels != "torch" and fused_available())
         runtime = dict(attn_implementation=attn, kernels=self.cfg.kernels)
         over = {**self.cfg.model_overrides, **runtime}
         if ckpt_state is not None:  # resume, or init from a previous run's checkpoint
