@@ -61,7 +61,7 @@ def _train_config(v: dict) -> TrainConfig:
                        precision=v["precision"], group_by_length=v["group_by_length"], compile=v["compile_"],
                        max_steps=v["max_steps"], save_every=v["save_every"], progress=not v["no_progress"],
                        log_every=v["log_every"], kernels=v["kernels"], attn=v["attn"], tensorboard=v["tensorboard"],
-                       from_scratch=v["from_scratch"])
+                       from_scratch=v["from_scratch"], cuda_graphs=v["cuda_graphs"])
 
 
 @contextlib.contextmanager
@@ -100,7 +100,7 @@ def glue(
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
     max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
     no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
     quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
     log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
 ) -> None:
@@ -138,7 +138,7 @@ def squad(
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
     max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
     no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
     quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
     log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
 ) -> None:
@@ -165,7 +165,7 @@ def ner(
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
     max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
     no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
     quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
     log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
 ) -> None:
@@ -190,7 +190,7 @@ def swag(
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
     max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
     no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
     quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
     log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
 ) -> None:

@@ -47,10 +47,11 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     """
     from bertctl.checkpoint import load_config, load_pretrained
     from bertctl.config import resolve_attention
+    from bertctl.tasks.trainer import uses_graphs
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
-        attn = resolve_attention(cfg.attn, device_for(cfg).type, compiled=cfg.compile)
+        attn = resolve_attention(cfg.attn, device_for(cfg).type, compiled=cfg.compile, graphs=uses_graphs(cfg))
         overrides.update(kernels=cfg.kernels, attn_implementation=attn)
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from bertctl.errors import BertctlError, Stopped
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.train import distributed, state
+from bertctl.train.graphs import graphs_unsupported
 from bertctl.train.engine import IGNORE_INDEX, Engine, EngineConfig, autocast, resolve_precision, to_device, warmup_steps
 from bertctl.train.loader import Prefetcher, collate, feature_length, steps_per_epoch, task_batches
 
@@ -56,6 +57,7 @@ class TrainConfig:
     compile: bool = False
     kernels: str = "auto"                 # model ops: "auto" (compiled kernels where built), "fused" or "torch"
     attn: str = "auto"                    # attention backend: "auto", "sdpa", "explicit" or "unpadded"
+    cuda_graphs: bool | None = None       # whole-step CUDA graphs; None = wherever they apply
     max_steps: int | None = None          # stop early (tests, smoke runs)
     from_scratch: bool = False            # the model's architecture with random weights (no pretraining)
     save_every: int = 0                   # also checkpoint every N optimizer steps (0 = only at epoch ends)
@@ -86,6 +88,21 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise BertctlError(f"--device {name}: no CUDA device is available")
     return torch.device(name)
+
+
+def uses_graphs(cfg: TrainConfig) -> bool:
+    """Whether the steps replay as CUDA graphs: ``cfg.cuda_graphs``, or (None) wherever they apply.
+    Asked for where they cannot run, a clear error; decided before the model is built, since with
+    graphs ``--attn auto`` picks the padded attention."""
+    if cfg.cuda_graphs is False:
+        return False
+    device = resolve_device(cfg.device)
+    why = graphs_unsupported(device=device, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                             precision=resolve_precision(cfg.precision, device), optimizer="adamw",
+                             compile=cfg.compile, attn=cfg.attn)
+    if why and cfg.cuda_graphs:
+        raise BertctlError(f"--cuda-graphs: {why}")
+    return why is None
 
 
 def _dist(cfg: TrainConfig) -> distributed.Dist:
@@ -211,6 +228,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                         lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
                         warmup_steps=warmup_steps(steps, None, cfg.warmup_fraction), max_grad_norm=cfg.max_grad_norm,
                         seed=cfg.seed, precision=cfg.precision, compile=cfg.compile, compile_dynamic=True,
+                        cuda_graphs=uses_graphs(cfg),
                         log_every=max(1, cfg.log_every), save_every=cfg.save_every or None, keep=1,
                         show_progress=cfg.progress and dist.is_main, description="finetune")
     engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)

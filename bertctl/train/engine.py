@@ -47,6 +47,7 @@ import torch
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, progress
 from bertctl.train import distributed, state
+from bertctl.train.graphs import StepGraphs, graphs_unsupported
 from bertctl.train.optim import build_optimizer, build_scheduler
 
 IGNORE_INDEX = -100
@@ -71,6 +72,7 @@ class EngineConfig:
     precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU
     compile: bool = False
     compile_dynamic: bool | None = None   # torch.compile(dynamic=...): True for varied task shapes
+    cuda_graphs: bool = False             # replay each step as one CUDA graph (bertctl.train.graphs)
     log_every: int = 10
     save_every: int | None = None         # steps
     save_minutes: float | None = None
@@ -238,9 +240,22 @@ class Engine:
         self.log = log or MetricsLog(None)
         self.flops = flops  # counts -> training FLOPs of a step (for TFLOP/s and MFU), optional
         self.model = model.to(self.device)
+        if cfg.cuda_graphs:
+            why = graphs_unsupported(device=self.device, world_size=dist.world_size, precision=self.precision,
+                                     optimizer=cfg.optimizer, compile=cfg.compile,
+                                     attn=getattr(getattr(model, "config", None), "attn_implementation", None))
+            if why:
+                raise BertctlError(f"--cuda-graphs: {why}")
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         betas=tuple(cfg.betas), eps=cfg.eps)
+                                         betas=tuple(cfg.betas), eps=cfg.eps, capturable=cfg.cuda_graphs)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.schedule)
+        self.graphs = None
+        if cfg.cuda_graphs:
+            self._lr_to_tensors()
+            self.graphs = StepGraphs(self._graph_body, self._graph_state, self.device)
+            self._graph_stats: torch.Tensor | None = None
+            self._graph_loss = torch.zeros((), device=self.device)
+            self._graph_scales = torch.zeros(len(objective.loss_terms), device=self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step = 0
         step_model = self.model
@@ -255,6 +270,57 @@ class Engine:
     def autocast(self):
         return autocast(self.precision, self.device)
 
+    # ----------------------------------------------------------------- CUDA graphs
+
+    def _lr_to_tensors(self) -> None:
+        """The captured AdamW reads its lr from a device tensor that the scheduler fills in place."""
+        for group in self.optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+
+    def _graph_state(self) -> list[torch.Tensor]:
+        """Every tensor a step mutates: parameters, gradients, optimizer state, running sums."""
+        out = []
+        for p in self.model.parameters():
+            out.append(p.data)
+            if p.grad is not None:
+                out.append(p.grad)
+        for st in self.optimizer.state.values():
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        out += [self._graph_stats, self._graph_loss]
+        return out
+
+    def _graph_body(self, micro: list[dict[str, torch.Tensor]]) -> None:
+        """One whole optimizer step on static tensors, as ``train_step`` does it eagerly; its results go to
+        ``_graph_loss`` and ``_graph_stats`` (allocated outside the graph)."""
+        terms = self.objective.loss_terms
+        self._graph_loss.zero_()
+        for mb in micro:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16",
+                                cache_enabled=False):
+                s = self.objective.sums(self.step_model, mb)
+            loss = sum(s[t] * self._graph_scales[j] for j, t in enumerate(terms))
+            loss.backward()
+            with torch.no_grad():
+                self._graph_loss.add_(loss.detach())
+                self._graph_stats.add_(torch.stack([s[k].detach().float()
+                                                    for k in (*terms, *self.objective.stat_names)]))
+        if self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+
+    def _graph_step(self, micro: list[dict[str, torch.Tensor]], sb: StepBatch, stats: torch.Tensor) -> bool:
+        if stats is not self._graph_stats:  # a new run's running sums: graphs write to fixed tensors
+            self.graphs.clear()
+            self._graph_stats = stats
+        scales = [1.0 / max(sb.counts[t], 1.0) for t in self.objective.loss_terms]
+        self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
+        if not self.graphs.step(micro):
+            return False
+        self.scheduler.step()
+        return True
+
     # ----------------------------------------------------------------- one step
 
     def train_step(self, sb: StepBatch, stats: torch.Tensor) -> torch.Tensor:
@@ -266,6 +332,8 @@ class Engine:
         """
         terms = self.objective.loss_terms
         W = self.dist.world_size
+        if self.graphs is not None and self._graph_step(sb.micro, sb, stats):
+            return self._graph_loss
         micro = [to_device(m, self.device) for m in sb.micro]
         if self.dist.enabled:
             # Pinned and non-blocking: a copy from pageable memory would make the host wait for the
@@ -294,7 +362,7 @@ class Engine:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphs keep gradients at fixed addresses
         return step_loss
 
     # ----------------------------------------------------------------- checkpoints
@@ -304,8 +372,8 @@ class Engine:
         rngs = distributed.gather_to_main(state.capture_rng(), self.dist)
         path = None
         if self.dist.is_main:
-            blob = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            blob = {"model": self.model.state_dict(), "optimizer": _plain_lr(self.optimizer.state_dict()),
+                    "scheduler": _plain_last_lr(self.scheduler.state_dict()), "scaler": self.scaler.state_dict(),
                     "step": self.step, "rng": rngs, **extra}
             info = {"step": self.step, "reason": reason, "world_size": self.dist.world_size, **(meta or {})}
             path = state.save_checkpoint(self.run_dir, self.step, blob, info, keep=self.cfg.keep)
@@ -319,6 +387,9 @@ class Engine:
         self.model.load_state_dict(blob["model"])
         self.optimizer.load_state_dict(blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
+        if self.graphs is not None:  # new optimizer state tensors: capture again
+            self._lr_to_tensors()
+            self.graphs.clear()
         if blob.get("scaler"):
             self.scaler.load_state_dict(blob["scaler"])
         self.step = int(blob["step"])
@@ -466,7 +537,7 @@ class Engine:
         if not counts.get("sequences"):
             return {}
         dt = max(seconds, 1e-9)
-        rec = {"step": self.step, **self.objective.record(sums, counts), "lr": self.scheduler.get_last_lr()[0],
+        rec = {"step": self.step, **self.objective.record(sums, counts), "lr": float(self.scheduler.get_last_lr()[0]),
                "seq_per_s": counts["sequences"] / dt, "tokens_per_s": counts.get("tokens", 0.0) / dt}
         if self.flops:
             from bertctl.train.metrics import peak_flops
@@ -479,6 +550,21 @@ class Engine:
             rec["loss_scale"] = self.scaler.get_scale()
         self.log.log(event="train", **rec)
         return rec
+
+
+def _plain_lr(opt_state: dict) -> dict:
+    """An optimizer state dict with float learning rates (the CUDA-graph step keeps them as device
+    tensors): one checkpoint format, whichever way the step ran."""
+    for group in opt_state["param_groups"]:
+        for key in ("lr", "initial_lr"):
+            if isinstance(group.get(key), torch.Tensor):
+                group[key] = float(group[key])
+    return opt_state
+
+
+def _plain_last_lr(sched_state: dict) -> dict:
+    sched_state["_last_lr"] = [float(v) for v in sched_state.get("_last_lr", [])]
+    return sched_state
 
 
 class _Window:

@@ -138,13 +138,14 @@ class Lamb(torch.optim.Optimizer):
 
 def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-4, weight_decay: float = 0.01,
                     betas: tuple[float, float] = (0.9, 0.999), eps: float | None = None,
-                    fused: bool | None = None, **lamb_options) -> torch.optim.Optimizer:
+                    fused: bool | None = None, capturable: bool = False, **lamb_options) -> torch.optim.Optimizer:
     """AdamW or LAMB over ``model``'s parameters, with no decay on biases and LayerNorm.
 
     ``eps`` defaults to 1e-6 (google-research/bert's AdamWeightDecayOptimizer and
     NVIDIA's LAMB).  ``fused=None`` uses PyTorch's fused AdamW when every parameter is on
     a CUDA device or every one on the CPU (there one vectorised pass per tensor: 4-5x the
     speed of ``foreach``, whose CPU form is a loop of elementwise ops, on the 2 cores);
+    ``capturable`` keeps AdamW's step counts on the device, for CUDA-graph capture;
     ``lamb_options`` go to :class:`Lamb`
     (``grad_pre_normalization``, ``max_grad_norm``, ``bias_correction``).
     """
@@ -160,7 +161,8 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-4, wei
         if fused is None:
             fused = devices in ({"cuda"}, {"cpu"})
         kwargs = {"fused": True} if fused else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                 capturable=capturable, **kwargs)
     if name == "lamb":
         return Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **lamb_options)
     raise BertctlError(f"unknown optimizer {name!r}: choose adamw or lamb")

@@ -582,7 +582,7 @@ class Trainer:
             "curves": str(png) if png else None, "metrics": str(self.out / "metrics.jsonl"),
             "seconds": round(elapsed, 2), "world_size": self.dist.world_size, "precision": self.precision,
             "parameters": self.n_params, "train": result.last_record, "eval_start": eval_start, "eval_end": eval_end,
-            "final_lr": self.engine.scheduler.get_last_lr()[0], "collapsed": self.collapsed,
+            "final_lr": float(self.engine.scheduler.get_last_lr()[0]), "collapsed": self.collapsed,
             "epochs": round(self.step / self.steps_per_epoch, 3), "passes_over_text": passes, "note": memorising,
         }
         self.log.log(event="end", **{k: v for k, v in summary.items() if k not in ("train",)})

@@ -1,0 +1,146 @@
+"""Whole-step CUDA graphs: the same training as the eager step (weights, losses, dropout masks), exact
+resume, the eager fallback past the graph budget; on the CPU, the choice and its errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bertctl.errors import BertctlError
+from bertctl.tasks import trainer as T
+from bertctl.train import graphs as G
+from bertctl.train import state
+from bertctl.train.engine import _plain_lr
+from test_finetune_trainer import _setup
+
+cuda = pytest.mark.cuda
+
+
+def _run(build, feats, **kw):
+    cfg = dict(epochs=2, lr=1e-3, batch_size=8, device="cuda", progress=False, attn="sdpa", log_every=1)
+    cfg.update(kw)
+    log_records = []
+
+    class Log:
+        def log(self, **rec):
+            log_records.append(rec)
+
+        def close(self):
+            pass
+
+    result = T.fine_tune(build(), feats, T.TrainConfig(**cfg), log=Log())
+    losses = [r["loss"] for r in log_records if r.get("event") == "train"]
+    return result, losses
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [False, True], ids=["sequence", "token"])
+def test_graph_steps_train_as_the_eager_steps(tmp_path, precision, tokens):
+    """Dropout 0.1, batches of every length: the graphs replay the eager step's maths and masks."""
+    build, feats = _setup(tmp_path, dropout=0.1, tokens=tokens)
+    eager, eager_losses = _run(build, feats, precision=precision, cuda_graphs=False)
+    graphed, graph_losses = _run(build, feats, precision=precision, cuda_graphs=True)
+    assert len(graph_losses) == len(eager_losses) == graphed.steps == 10
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for (k, a), b in zip(eager.model.state_dict().items(), graphed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    # Another seed gives other dropout masks under graphs too (the seed is read at each replay).
+    other, other_losses = _run(build, feats, precision=precision, cuda_graphs=True, seed=7)
+    assert other_losses != graph_losses
+
+
+@cuda
+def test_dropout_masks_change_from_step_to_step_under_graphs(tmp_path):
+    """Two identical batches in a row at lr 0: eager and graphs see the same pair of different losses."""
+    build, feats = _setup(tmp_path, dropout=0.3)
+    same = [feats[0]] * 16
+    _, eager = _run(build, same, epochs=1, lr=0.0, cuda_graphs=False)
+    _, graphed = _run(build, same, epochs=1, lr=0.0, cuda_graphs=True)
+    assert eager[0] != eager[1]
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=1e-5, atol=1e-6)
+
+
+@cuda
+def test_graph_resume_is_exact(tmp_path):
+    build, feats = _setup(tmp_path, dropout=0.1)
+    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cuda", progress=False, save_every=3,
+                        attn="sdpa", cuda_graphs=True)
+    straight = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "a")
+
+    class Crash(Exception):
+        pass
+
+    def crash(model):
+        raise Crash
+
+    with pytest.raises(Crash):
+        T.fine_tune(build(), feats, cfg, evaluate=crash, main_metric="score", output_dir=tmp_path / "b")
+    latest = state.latest_checkpoint(tmp_path / "b")
+    blob = state.load_checkpoint(latest.path)
+    assert latest.step == 3 and all(isinstance(g["lr"], float) for g in blob["optimizer"]["param_groups"])
+    resumed = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "b", resume=True)
+    for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)
+    # and an eager run resumes a graph run's checkpoint (one format)
+    with pytest.raises(Crash):
+        T.fine_tune(build(), feats, cfg, evaluate=crash, main_metric="score", output_dir=tmp_path / "c")
+    eager_cfg = T.TrainConfig(**{**cfg.__dict__, "cuda_graphs": False})
+    T.fine_tune(build(), feats, eager_cfg, output_dir=tmp_path / "c", resume=True)
+
+
+@cuda
+def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
+    build, feats = _setup(tmp_path, dropout=0.1)
+    eager, eager_losses = _run(build, feats, cuda_graphs=False)
+    made = []
+    real_init = G.StepGraphs.__init__
+
+    def small_budget(self, *a, **kw):
+        real_init(self, *a, **{**kw, "max_graphs": 2})
+        made.append(self)
+
+    monkeypatch.setattr(G.StepGraphs, "__init__", small_budget)
+    mixed, mixed_losses = _run(build, feats, cuda_graphs=True)
+    assert len(made[0].graphs) == 2 and made[0].eager_shapes > 0
+    torch.testing.assert_close(torch.tensor(mixed_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for (k, a), b in zip(eager.model.state_dict().items(), mixed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
+# ----------------------------------------------------------------------------- CPU: the choice
+
+
+def test_where_graphs_do_not_apply():
+    cuda_dev = torch.device("cuda")
+    ok = dict(device=cuda_dev, world_size=1, precision="bf16", optimizer="adamw", compile=False, attn="sdpa")
+    assert G.graphs_unsupported(**ok) is None
+    for change, words in [({"device": torch.device("cpu")}, "CUDA"), ({"world_size": 2}, "DDP"),
+                          ({"precision": "fp16"}, "fp16"), ({"optimizer": "lamb"}, "AdamW"),
+                          ({"compile": True}, "--compile"), ({"attn": "unpadded"}, "unpadded")]:
+        assert words in G.graphs_unsupported(**{**ok, **change})
+
+
+def test_auto_is_off_on_the_cpu_and_asking_there_is_one_clear_error():
+    assert not T.uses_graphs(T.TrainConfig(device="cpu"))
+    assert not T.uses_graphs(T.TrainConfig(device="cpu", cuda_graphs=False))
+    with pytest.raises(BertctlError, match="--cuda-graphs: they need a CUDA device"):
+        T.uses_graphs(T.TrainConfig(device="cpu", cuda_graphs=True))
+
+
+def test_attention_auto_is_padded_under_graphs():
+    from bertctl.config import resolve_attention
+
+    assert resolve_attention("auto", "cuda") == "unpadded"
+    assert resolve_attention("auto", "cuda", graphs=True) == "sdpa"
+    assert resolve_attention("unpadded", "cuda", graphs=True) == "unpadded"  # an explicit choice stays
+
+
+def test_checkpoints_hold_float_learning_rates():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    opt.param_groups[0]["lr"] = torch.tensor(2e-4)
+    opt.param_groups[0]["initial_lr"] = torch.tensor(1e-3)
+    sd = _plain_lr(opt.state_dict())
+    assert sd["param_groups"][0]["lr"] == pytest.approx(2e-4) and isinstance(sd["param_groups"][0]["lr"], float)
+    assert isinstance(sd["param_groups"][0]["initial_lr"], float)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # the live optimizer keeps its tensor
