@@ -571,6 +571,14 @@ def summarise_speed(task: str, runs: list[dict]) -> dict:
     for side in SIDES:
         result[side] = {k: _stats([p[side][k] for p in result["per_seed"]]) for k in ("seconds_to_metrics",
                                                                                       "seconds_to_exit")}
+    # Training throughput as each side reports it: bertctl's examples/s over its training steps (evaluation
+    # excluded), the Trainer's train_samples_per_second (examples x epochs / train() time).
+    own = {"bertctl": "train_examples_per_second", "hf": "train_samples_per_second"}
+    rates = {side: [by_side[side][s].get("own_metrics", {}).get(own[side]) for s in seeds] for side in SIDES}
+    if all(v for side in SIDES for v in rates[side]):
+        result["train_examples_per_second"] = {side: _stats(rates[side]) for side in SIDES}
+        result["train_examples_per_second"]["ratio"] = (result["train_examples_per_second"]["bertctl"]["mean"]
+                                                        / result["train_examples_per_second"]["hf"]["mean"])
     b, h = result["bertctl"]["seconds_to_metrics"]["mean"], result["hf"]["seconds_to_metrics"]["mean"]
     result["ratio"] = b / h
     result["meets_target"] = b / h <= SPEED_TARGET

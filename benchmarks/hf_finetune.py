@@ -112,6 +112,7 @@ def write_json(path: Path, obj) -> None:
 
 def finish(a, out: Path, metrics: dict, train_output) -> None:
     metrics.update(train_runtime=train_output.metrics.get("train_runtime"),
+                   train_samples_per_second=train_output.metrics.get("train_samples_per_second"),
                    train_steps=train_output.global_step, seconds_in_process=time.time() - PROCESS_START)
     write_json(out / "metrics.json", metrics)
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}), flush=True)
