@@ -480,6 +480,8 @@ class Engine:
             train_seconds += now - t_window
             record = self._log_window(stats, window, now - t_window) or record
         self.bad = bad
+        if self.graphs is not None:
+            self.log.log(event="cuda_graphs", step=self.step, **self.graphs.summary())
         self.check_finite()
         total = torch.tensor([float(sequences)], dtype=torch.float64, device=self.device)
         distributed.all_reduce_sum(total, self.dist)

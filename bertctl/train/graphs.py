@@ -29,6 +29,7 @@ fp16 (its loss scaler decides on the host whether to skip a step), LAMB (host-si
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -69,6 +70,7 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[dict[str, torch.Tensor]]]] = {}
         self.eager_shapes = 0  # steps run eagerly because max_graphs was reached
+        self.capture_seconds = 0.0  # host time spent warming up and capturing (the price of each new shape)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
 
@@ -99,6 +101,7 @@ class StepGraphs:
         return True
 
     def _capture(self, micro: list[dict[str, torch.Tensor]]):
+        t0 = time.perf_counter()
         static = [{k: torch.empty(v.shape, dtype=v.dtype, device=self.device) for k, v in m.items()}
                   for m in micro]
         for dst, src in zip(static, micro):
@@ -128,4 +131,9 @@ class StepGraphs:
         del snapshot
         torch.cuda.set_rng_state(rng, self.device)
         torch.set_rng_state(cpu_rng)
+        self.capture_seconds += time.perf_counter() - t0
         return graph, static
+
+    def summary(self) -> dict:
+        return {"graphs": len(self.graphs), "capture_seconds": round(self.capture_seconds, 3),
+                "eager_steps": self.eager_shapes}
