@@ -17,6 +17,7 @@ P masked positions per sequence, C choices.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -172,6 +173,26 @@ class Packed:
         B, S = self.shape
         out = x.new_zeros((B * S, *x.shape[1:]))
         return out.index_copy(0, self.index, x).view(B, S, *x.shape[1:])
+
+
+@contextlib.contextmanager
+def varied_shapes():
+    """SDPA without its cuDNN backend while batches come in many shapes (fine-tuning, evaluation).
+
+    cuDNN's attention builds an execution plan for every new shape. Measured on an H100 (MiniLM, an
+    RTE-size task, CUDA graphs, 9 batch shapes): warming up and capturing took 4.1 s with cuDNN and
+    1.2 s without, and the 234 steps themselves took 0.75 s either way. PyTorch's other fused
+    kernels (FlashAttention, memory-efficient) need no plan.
+    """
+    if not torch.cuda.is_available():
+        yield
+        return
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def varlen_ok(qkv: torch.Tensor, head_dim: int) -> bool:

@@ -2,6 +2,7 @@
 resume, the eager fallback past the graph budget; on the CPU, the choice and its errors."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,7 +92,11 @@ def test_graph_resume_is_exact(tmp_path):
 @cuda
 def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
     build, feats = _setup(tmp_path, dropout=0.1)
-    eager, eager_losses = _run(build, feats, cuda_graphs=False)
+    for i, f in enumerate(feats):  # lengths 5 to 68: batches of many padded widths
+        n = 3 + 9 * (i % 8)
+        f["input_ids"] = np.concatenate([[101], np.arange(1000, 1000 + n), [102]])
+        f["token_type_ids"] = np.zeros(n + 2, dtype=np.int8)
+    eager, eager_losses = _run(build, feats, cuda_graphs=False, group_by_length=True)
     made = []
     real_init = G.StepGraphs.__init__
 
@@ -100,7 +105,7 @@ def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
         made.append(self)
 
     monkeypatch.setattr(G.StepGraphs, "__init__", small_budget)
-    mixed, mixed_losses = _run(build, feats, cuda_graphs=True)
+    mixed, mixed_losses = _run(build, feats, cuda_graphs=True, group_by_length=True)
     assert len(made[0].graphs) == 2 and made[0].eager_shapes > 0
     torch.testing.assert_close(torch.tensor(mixed_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
     for (k, a), b in zip(eager.model.state_dict().items(), mixed.model.state_dict().values()):
@@ -144,3 +149,13 @@ def test_checkpoints_hold_float_learning_rates():
     assert sd["param_groups"][0]["lr"] == pytest.approx(2e-4) and isinstance(sd["param_groups"][0]["lr"], float)
     assert isinstance(sd["param_groups"][0]["initial_lr"], float)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # the live optimizer keeps its tensor
+
+
+@cuda
+def test_varied_shapes_leaves_cudnn_attention_as_it_found_it():
+    from bertctl.model import varied_shapes
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with varied_shapes():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from bertctl.errors import BertctlError, Stopped
+from bertctl.model import varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.train import distributed, state
 from bertctl.train.graphs import graphs_unsupported
@@ -144,7 +145,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
                 results[i] = row
         pending.clear()
 
-    with track(description, len(features), disable=not progress) as advance:
+    with track(description, len(features), disable=not progress) as advance, varied_shapes():
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             batch = collate([features[i] for i in idx])
@@ -281,7 +282,8 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                                       rank=dist.rank, world_size=W, micro_batch_size=cfg.micro_batch_size),
                          lambda sb: sb, pin=pin)
     try:
-        result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")
+        with varied_shapes():
+            result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")
     finally:
         batches.close()
     if result.stopped is not None:
