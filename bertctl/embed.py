@@ -349,7 +349,9 @@ def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfi
     half = torch.float16 if precision == "fp16" else torch.bfloat16
     # A model cast once by load_encoder runs as it is; an fp32 one runs under autocast.
     autocast = precision != "fp32" and next(model.parameters()).dtype == torch.float32
-    with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=autocast):
+    from bertctl.model import varied_shapes  # no cuDNN attention plan per batch width (6.25 s against 7.35 s)
+
+    with torch.no_grad(), varied_shapes(), torch.autocast(device.type, dtype=half, enabled=autocast):
         encoded = model(ids_t, types, mask_t, output_hidden_states=all_layers)
     states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
     feats = pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)
