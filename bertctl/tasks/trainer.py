@@ -234,6 +234,9 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                         show_progress=cfg.progress and dist.is_main, description="finetune")
     engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)
     model = engine.model
+    if dist.enabled and engine.device.type == "cuda" and dist.is_main and cfg.progress:
+        stderr.print(f"note: {W} processes run eager steps (CUDA graphs need one process); at batch 32 one GPU "
+                     "with graphs fine-tuned MiniLM on SST-2 5.9x faster than an eager step (finetune-graphs-h100.json)")
     history: list[dict] = []
     best: dict | None = None
     best_state: dict | None = None
