@@ -6,7 +6,11 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   pretraining data (``bertctl build-data``): ``data-nsp`` (MLM + NSP, ``--max-seq-length`` of the
   main run), ``data-mlm`` (``--objective mlm``, the paper's "No NSP" ablation) and ``data-nsp128``
   (sequence length 128, for the preset check).
-- ``pretrain`` / ``pretrain-mlm``: ``bertctl pretrain --compile`` on one GPU, time-boxed (``--minutes``):
+- ``finetune-scratch``: the from-scratch fine-tuning runs (below), which need no pretraining: run first,
+  their measured stage plans the pretraining boxes.
+- ``pretrain`` / ``pretrain-mlm``: ``bertctl pretrain --compile`` on one GPU, time-boxed: ``--minutes``, or
+  by default the box that makes the whole benchmark fit ``--budget-minutes`` (25) with the measured data
+  preparation and three fine-tuning stages as long as the measured from-scratch one:
   ``main`` on ``data-nsp``, ``mlm`` (the ablation) on ``data-mlm`` with the same GPU time. The two
   need not share a GPU or wait for each other.
 - ``finetune``: SST-2 (dev accuracy), CoNLL-2003 (test F1, epoch chosen on valid) and the SQuAD v1.1
@@ -34,7 +38,8 @@ Every record keeps the GPU it ran on (``CUDA_VISIBLE_DEVICES``), so stages may r
 the GPUs of one machine, each with ``CUDA_VISIBLE_DEVICES`` set.
 
     python benchmarks/convergence/gather_corpus.py --out build/convergence-corpus
-    python benchmarks/convergence/run.py prepare pretrain finetune --work /tmp/conv --data ../shared/data
+    python benchmarks/convergence/run.py prepare finetune-scratch pretrain pretrain-mlm finetune \
+        --work /tmp/conv --data ../shared/data
     python benchmarks/convergence/run.py report --work /tmp/conv --results benchmarks/results
 """
 from __future__ import annotations
@@ -57,6 +62,7 @@ import finetune_vs_hf  # noqa: E402  (scoring from prediction files, commit and 
 
 BERTCTL = [sys.executable, "-m", "bertctl"]
 TASKS = ("sst2", "conll", "squad")
+TARGET_MINUTES = 25.0  # the whole benchmark on one GPU
 INITS = ("pretrained", "scratch", "mlm")
 METRIC = {"sst2": "accuracy", "conll": "test_f1", "squad": "f1"}
 TARGET_GAP = {"sst2": 5.0, "conll": 10.0, "squad": 10.0}  # (a) - (b), points
@@ -159,10 +165,49 @@ def pretrain_cmd(a, data: str, out: Path, *, minutes: float | None = None, max_s
     return cmd
 
 
+#: Seconds a pretraining process takes beyond its time box: start-up, the final evaluation and the
+#: export (501.6 s for an 8-minute box at 43ab90f, 501.4 s for the ablation's).
+PRETRAIN_OVERHEAD_S = 25.0
+#: Seconds kept back from the budget when planning the boxes: the plan rests on measured stages.
+PLAN_MARGIN_S = 30.0
+
+
+def plan_minutes(a) -> tuple[float, dict]:
+    """Each pretraining run's time box: ``--minutes``, or planned so that the whole benchmark fits
+    ``--budget-minutes`` of one GPU. The plan takes the measured data preparation and the measured
+    from-scratch fine-tuning stage (``finetune-scratch``, which needs no pretraining and so runs
+    first), and counts the two fine-tuning stages still to come (the pretrained model's and the
+    ablation's: the same architecture, tasks, seeds and runs) as long as that one."""
+    if a.minutes is not None:
+        return a.minutes, {"minutes": a.minutes, "how": "--minutes"}
+    stages = benchmark_time(load_records(a))
+    scratch = [v for k, v in stages["finetune_stage_seconds"].items() if k.endswith("scratch")]
+    if not scratch:
+        raise SystemExit("pretrain: no --minutes and no measured from-scratch fine-tuning stage to plan the boxes "
+                         "from; run the finetune-scratch stage first, or give --minutes")
+    prep = sum(stages["prepare_seconds"].values())
+    ft = max(scratch)
+    box = (a.budget_minutes * 60 - prep - 3 * ft - 2 * PRETRAIN_OVERHEAD_S - PLAN_MARGIN_S) / 2
+    if box < 60:
+        raise SystemExit(f"pretrain: a {a.budget_minutes:g}-minute budget leaves {box:.0f} s per pretraining run "
+                         f"after the data ({prep:.0f} s) and three fine-tuning stages of {ft:.0f} s")
+    plan = {"minutes": round(box / 60, 2), "how": "planned from --budget-minutes", "budget_minutes": a.budget_minutes,
+            "prepare_seconds": round(prep, 2), "finetune_scratch_stage_seconds": round(ft, 2),
+            "finetune_stages_counted": 3, "pretrain_overhead_seconds": PRETRAIN_OVERHEAD_S,
+            "margin_seconds": PLAN_MARGIN_S}
+    return plan["minutes"], plan
+
+
 def pretrain(a, name: str) -> dict:
     data = "data-nsp" if name == "main" else "data-mlm"
-    return record(a, f"pretrain-{name}", lambda: run(
-        pretrain_cmd(a, data, a.work / f"pretrain-{name}", minutes=a.minutes), a, f"pretrain-{name}"))
+
+    def make():
+        minutes, plan = plan_minutes(a)
+        print(f"pretrain-{name}: a {minutes:g}-minute box ({plan['how']})", file=sys.stderr, flush=True)
+        rec = run(pretrain_cmd(a, data, a.work / f"pretrain-{name}", minutes=minutes), a, f"pretrain-{name}")
+        rec["box"] = plan
+        return rec
+    return record(a, f"pretrain-{name}", make)
 
 
 def task_inputs(a) -> dict:
@@ -171,8 +216,18 @@ def task_inputs(a) -> dict:
             "squad": {"json": d / "squad" / "dev-v1.1.json", "split": d / "squad" / "split.json"}}
 
 
+def architecture(a) -> dict:
+    """The main run's architecture for the from-scratch runs, before any pretraining: ``bertctl pretrain``
+    on the same data and settings for one step, uncompiled; its exported ``model/config.json`` is all
+    ``finetune --from-scratch`` reads."""
+    cmd = pretrain_cmd(a, "data-nsp", a.work / "architecture", max_steps=1)
+    cmd.remove("--compile") if "--compile" in cmd else None
+    return record(a, "architecture", lambda: run(cmd, a, "architecture"))
+
+
 def finetune_cmd(a, task: str, init: str, seed: int, out: Path) -> list[str]:
-    model = a.work / ("pretrain-mlm" if init == "mlm" else "pretrain-main") / "model"
+    run_dir = {"mlm": "pretrain-mlm", "pretrained": "pretrain-main", "scratch": "architecture"}[init]
+    model = a.work / run_dir / "model"
     inputs = task_inputs(a)[task]
     if task == "sst2":
         cmd = BERTCTL + ["finetune", "glue", "--task", "sst2", "--data-dir", str(inputs["dir"])]
@@ -187,8 +242,14 @@ def finetune_cmd(a, task: str, init: str, seed: int, out: Path) -> list[str]:
     return cmd + (["--from-scratch"] if init == "scratch" else [])
 
 
-def finetune(a) -> list[dict]:
-    jobs = [(task, init, seed) for task in a.tasks for init in a.inits for seed in a.seeds]  # SST-2, the longest, first
+def finetune(a, inits: list[str] | None = None) -> list[dict]:
+    """Fine-tune every (task, init, seed), ``--jobs`` at a time; each record names its stage (the inits
+    fine-tuned together), whose span on its GPU is what the benchmark's time counts."""
+    inits = inits or a.inits
+    stage = "+".join(inits)
+    if "scratch" in inits:
+        architecture(a)
+    jobs = [(task, init, seed) for task in a.tasks for init in inits for seed in a.seeds]  # SST-2, the longest, first
 
     def one(job):
         task, init, seed = job
@@ -197,7 +258,8 @@ def finetune(a) -> list[dict]:
 
         def make():
             rec = run(finetune_cmd(a, task, init, seed, out), a, name)
-            rec.update(task=task, init=init, seed=seed, **finetune_vs_hf.score(task, task_inputs(a)[task], out))
+            rec.update(task=task, init=init, seed=seed, stage=stage,
+                       **finetune_vs_hf.score(task, task_inputs(a)[task], out))
             return rec
         try:
             return record(a, name, make)
@@ -279,6 +341,10 @@ def report(a) -> dict:
             "seed", "compile", "tasks", "seeds")
     res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(),
                  "settings": {k: getattr(a, k) for k in keep}}
+    box = (recs.get("pretrain-main") or {}).get("box")
+    if box:  # the time box each pretraining run had, and how it was planned
+        res["settings"]["minutes"] = box["minutes"]
+        res["settings"]["box"] = box
     if a.note:
         res["note"] = a.note
     # where the runs ran (the report may be written elsewhere)
@@ -416,19 +482,22 @@ def _preset_curve(run_dir: Path) -> list[dict]:
 
 def benchmark_time(recs: dict[str, dict]) -> dict:
     """What the benchmark costs on one GPU machine: the data (vocabulary and both builds), both
-    pretraining runs and the fine-tuning stage on each GPU it used (runs sharing a GPU overlap, so
-    a stage counts from its first start to its last finish). The race and the presets are apart."""
-    prep = {k: recs[k]["seconds"] for k in ("vocab", "data-nsp", "data-mlm") if k in recs}
+    pretraining runs and each fine-tuning stage on each GPU it used (runs sharing a GPU overlap, so
+    a stage counts from its first start to its last finish; a stage is the inits fine-tuned
+    together, e.g. ``scratch`` before pretraining). The race and the presets are apart."""
+    prep = {k: recs[k]["seconds"] for k in ("vocab", "data-nsp", "data-mlm", "architecture") if k in recs}
     pre = {k: recs[k]["seconds"] for k in ("pretrain-main", "pretrain-mlm") if k in recs}
     spans: dict[str, list[float]] = {}
     for k, r in recs.items():
-        if k.startswith("ft-"):
-            lo, hi = spans.setdefault(str(r.get("gpu", "0")), [float("inf"), 0.0])
-            spans[str(r.get("gpu", "0"))] = [min(lo, r["started"]), max(hi, r["started"] + r["seconds"])]
-    ft = {f"gpu {g}": round(hi - lo, 2) for g, (lo, hi) in sorted(spans.items())}
+        if k.startswith("ft-") and "started" in r:
+            key = f"gpu {r.get('gpu', '0')}" + (f", {r['stage']}" if r.get("stage") else "")
+            lo, hi = spans.setdefault(key, [float("inf"), 0.0])
+            spans[key] = [min(lo, r["started"]), max(hi, r["started"] + r["seconds"])]
+    ft = {g: round(hi - lo, 2) for g, (lo, hi) in sorted(spans.items())}
     total = sum(prep.values()) + sum(pre.values()) + sum(ft.values())
     return {"prepare_seconds": prep, "pretrain_seconds": pre, "finetune_stage_seconds": ft,
-            "total_minutes": round(total / 60, 2), "target_minutes": 25.0, "meets_target": total <= 25 * 60}
+            "total_minutes": round(total / 60, 2), "target_minutes": TARGET_MINUTES,
+            "meets_target": total <= TARGET_MINUTES * 60}
 
 
 def partial_race(a, main: dict) -> dict:
@@ -534,8 +603,8 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stages", nargs="+", choices=("prepare", "pretrain", "pretrain-mlm", "finetune", "race",
-                                                  "presets", "report"))
+    p.add_argument("stages", nargs="+", choices=("prepare", "finetune-scratch", "pretrain", "pretrain-mlm",
+                                                  "finetune", "race", "presets", "report"))
     p.add_argument("--work", type=Path, default=ROOT / "build" / "conv")
     p.add_argument("--corpus", type=Path, default=ROOT / "build" / "convergence-corpus")
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data", help="shared task data")
@@ -548,7 +617,11 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--model-size", default="medium")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--minutes", type=float, default=7.0, help="each pretraining run's time box")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="each pretraining run's time box (default: planned from --budget-minutes, the measured data "
+                        "preparation and the measured finetune-scratch stage, which must then have run)")
+    p.add_argument("--budget-minutes", type=float, default=TARGET_MINUTES,
+                   help="the whole benchmark's GPU time that the planned boxes fill (default 25)")
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -582,8 +655,10 @@ def main(argv=None) -> int:
             pretrain(a, "main")
         elif stage == "pretrain-mlm":
             pretrain(a, "mlm")
+        elif stage == "finetune-scratch":
+            finetune(a, ["scratch"])
         elif stage == "finetune":
-            finetune(a)
+            finetune(a, [i for i in a.inits if i != "scratch"] if "finetune-scratch" in a.stages else None)
         elif stage == "race":
             race(a)
         elif stage == "presets":
