@@ -289,6 +289,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
             result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")
     finally:
         batches.close()
+        engine.graphs = None  # the graphs' memory goes now, not at the next garbage collection (--lr-sweep)
     if result.stopped is not None:
         checkpoint("interrupted")
         if dist.is_main:

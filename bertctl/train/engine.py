@@ -124,11 +124,13 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
-def autocast(precision: str, device: torch.device):
-    """The autocast context of a resolved precision (fp32: none)."""
+def autocast(precision: str, device: torch.device, cache: bool = True):
+    """The autocast context of a resolved precision (fp32: none); ``cache=False`` casts the weights at
+    every use (under CUDA-graph capture, where the cast copies must not outlive the capture)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16,
+                          cache_enabled=cache)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -291,35 +293,10 @@ class Engine:
         return out
 
     def _graph_body(self, micro: list[dict[str, torch.Tensor]]) -> None:
-        """One whole optimizer step on static tensors, as ``train_step`` does it eagerly; its results go to
-        ``_graph_loss`` and ``_graph_stats`` (allocated outside the graph)."""
-        terms = self.objective.loss_terms
+        """The step that the graphs capture: ``_step`` on static tensors, its results in tensors
+        allocated outside the graph."""
         self._graph_loss.zero_()
-        for mb in micro:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16",
-                                cache_enabled=False):
-                s = self.objective.sums(self.step_model, mb)
-            loss = sum(s[t] * self._graph_scales[j] for j, t in enumerate(terms))
-            loss.backward()
-            with torch.no_grad():
-                self._graph_loss.add_(loss.detach())
-                self._graph_stats.add_(torch.stack([s[k].detach().float()
-                                                    for k in (*terms, *self.objective.stat_names)]))
-        if self.cfg.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-
-    def _graph_step(self, micro: list[dict[str, torch.Tensor]], sb: StepBatch, stats: torch.Tensor) -> bool:
-        if stats is not self._graph_stats:  # a new run's running sums: graphs write to fixed tensors
-            self.graphs.clear()
-            self._graph_stats = stats
-        scales = [1.0 / max(sb.counts[t], 1.0) for t in self.objective.loss_terms]
-        self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
-        if not self.graphs.step(micro):
-            return False
-        self.scheduler.step()
-        return True
+        self._step(micro, self._graph_scales.unbind(), self._graph_stats, self._graph_loss)
 
     # ----------------------------------------------------------------- one step
 
@@ -328,11 +305,23 @@ class Engine:
 
         ``stats`` (device, fp32) accumulates the objective's loss terms then its stats, in order.
         Nothing here waits for the GPU: the normalisers are host numbers (one process) or an
-        asynchronous all-reduce (several).
+        asynchronous all-reduce (several). With CUDA graphs the step replays from its graph.
         """
         terms = self.objective.loss_terms
         W = self.dist.world_size
-        if self.graphs is not None and self._graph_step(sb.micro, sb, stats):
+        if self.graphs is not None:
+            if stats is not self._graph_stats:  # a new run's running sums: graphs write to fixed tensors
+                self.graphs.clear()
+                self._graph_stats = stats
+            scales = [1.0 / max(sb.counts[t], 1.0) for t in terms]
+            self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
+            if self.graphs.step(sb.micro):
+                self.scheduler.step()
+                return self._graph_loss
+            # past the graph budget: the same step, eagerly
+            micro = [to_device(m, self.device) for m in sb.micro]
+            self._graph_body(micro)
+            self.scheduler.step()
             return self._graph_loss
         micro = [to_device(m, self.device) for m in sb.micro]
         if self.dist.enabled:
@@ -345,11 +334,26 @@ class Engine:
         else:
             scales = [1.0 / max(sb.counts[t], 1.0) for t in terms]
         step_loss = torch.zeros((), device=self.device)
+        self._step(micro, scales, stats, step_loss)
+        self.scheduler.step()
+        return step_loss
+
+    def _step(self, micro: list[dict[str, torch.Tensor]], scales, stats: torch.Tensor,
+              step_loss: torch.Tensor) -> None:
+        """Forward and backward over the micro-batches, clipping, the optimizer step, gradients zeroed.
+
+        ``scales`` holds each loss term's 1 / (its global count) (floats, or device scalars under
+        graphs); the step's loss is added to ``step_loss`` and the terms and stats to ``stats``.
+        Under graphs nothing here may wait for the host: the scaler is off (no fp16) and DDP absent.
+        """
+        terms = self.objective.loss_terms
+        W = self.dist.world_size
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
             with sync:
-                with self.autocast():
+                # captured, autocast must not keep weight casts past the capture
+                with autocast(self.precision, self.device, cache=self.graphs is None):
                     s = self.objective.sums(self.step_model, mb)
                 loss = sum(s[t] * scale for t, scale in zip(terms, scales))
                 self.scaler.scale(loss).backward()
@@ -361,9 +365,7 @@ class Engine:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphs keep gradients at fixed addresses
-        return step_loss
 
     # ----------------------------------------------------------------- checkpoints
 
