@@ -13,6 +13,8 @@ A job plugs in three things and the engine owns everything else:
 What the engine does for every job, in one place:
 
 - precision: bf16 autocast (GPU default), fp16 autocast with dynamic loss scaling, or fp32;
+- CUDA graphs (``cuda_graphs``, one process, not fp16): each step replays as one graph per batch
+  shape (``bertctl.train.graphs``), the same maths and dropout masks as the eager step;
 - gradient accumulation: ``StepBatch.micro`` holds ``batch_size / (world_size · micro_batch_size)``
   micro-batches; each loss term is its sum divided by its count over the *global* batch (all ranks,
   all micro-batches), so N processes × k micro-batches compute exactly the one-process, one-batch
@@ -268,9 +270,6 @@ class Engine:
             step_model = torch.compile(step_model, dynamic=cfg.compile_dynamic)
         self.step_model = step_model
         self._last_save = time.monotonic()
-
-    def autocast(self):
-        return autocast(self.precision, self.device)
 
     # ----------------------------------------------------------------- CUDA graphs
 

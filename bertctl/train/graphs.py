@@ -115,9 +115,9 @@ class StepGraphs:
         with torch.cuda.stream(self.stream):
             self.body(static)  # warm-up: lazy allocations and plans happen outside the capture
             # the warm-up may have created state (AdamW's moments on the first step): fresh is zero
-            known = {id(t) for t, _ in snapshot}
+            known = {t.data_ptr() for t, _ in snapshot}  # by storage: ``p.data`` is a new object per call
             for t in self.state_tensors():
-                if id(t) not in known:
+                if t.data_ptr() not in known:
                     t.zero_()
             for t, saved in snapshot:
                 t.copy_(saved)
