@@ -229,7 +229,8 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                         lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
                         warmup_steps=warmup_steps(steps, None, cfg.warmup_fraction), max_grad_norm=cfg.max_grad_norm,
                         seed=cfg.seed, precision=cfg.precision, compile=cfg.compile, compile_dynamic=True,
-                        cuda_graphs=uses_graphs(cfg),
+                        cuda_graphs=uses_graphs(cfg) and (cfg.cuda_graphs or getattr(
+                            getattr(model, "config", None), "attn_implementation", None) != "unpadded"),
                         log_every=max(1, cfg.log_every), save_every=cfg.save_every or None, keep=1,
                         show_progress=cfg.progress and dist.is_main, description="finetune")
     engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)
