@@ -535,7 +535,9 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    r, partial = res.get("race"), res.get("race_incomplete")
+    middle = bool(r or partial or res.get("presets"))  # a run without race or presets gets no empty panel
+    fig, axes = plt.subplots(1, 3 if middle else 2, figsize=(17 if middle else 11.5, 4.8))
     ax = axes[0]
     for name, style in (("main", "-"), ("mlm", "--")):
         p = res.get(f"pretrain_{name}")
@@ -549,7 +551,6 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title("bertctl pretraining (held out)")
     ax.legend()
     ax = axes[1]
-    r, partial = res.get("race"), res.get("race_incomplete")
     if partial and not r:
         for key, label in (("hf_curve", "transformers BertForPreTraining (stopped early)"),
                            ("bertctl_main_curve", "bertctl pretrain (main run)")):
@@ -583,7 +584,7 @@ def plot(res: dict, path: Path) -> None:
         ax.set_ylabel("held-out MLM accuracy")
         ax.set_title("presets at sequence length 128")
         ax.legend(fontsize=8)
-    ax = axes[2]
+    ax = axes[-1]
     t = (res.get("finetune") or {}).get("table") or {}
     labels = [k for k in TASKS if k in t]
     width = 0.27
