@@ -117,10 +117,9 @@ def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
 
 def test_where_graphs_do_not_apply():
     cuda_dev = torch.device("cuda")
-    ok = dict(device=cuda_dev, world_size=1, precision="bf16", optimizer="adamw", compile=False, attn="sdpa")
+    ok = dict(device=cuda_dev, precision="bf16", optimizer="adamw", compile=False, attn="sdpa")
     assert G.graphs_unsupported(**ok) is None
-    for change, words in [({"device": torch.device("cpu")}, "CUDA"), ({"world_size": 2}, "DDP"),
-                          ({"precision": "fp16"}, "fp16"), ({"optimizer": "lamb"}, "AdamW"),
+    for change, words in [({"device": torch.device("cpu")}, "CUDA"), ({"precision": "fp16"}, "fp16"), ({"optimizer": "lamb"}, "AdamW"),
                           ({"compile": True}, "--compile"), ({"attn": "unpadded"}, "unpadded")]:
         assert words in G.graphs_unsupported(**{**ok, **change})
 
@@ -159,3 +158,34 @@ def test_varied_shapes_leaves_cudnn_attention_as_it_found_it():
     with varied_shapes():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_every_rank_knows_every_ranks_shapes():
+    """Several processes capture and replay together, so each step's graph key must be the same on every
+    rank: the signature lists every rank's micro-batch shapes, and each rank's own shapes are in it."""
+    from bertctl.train.loader import task_step
+
+    rng = np.random.default_rng(0)
+    feats = [{"input_ids": np.ones(n, dtype=np.int64), "token_type_ids": np.zeros(n, dtype=np.int64), "labels": 1}
+             for n in rng.integers(3, 60, size=50)]
+    for idx, micro in ((np.arange(11), None), (rng.permutation(50)[:13], 3), (np.arange(7), 2)):
+        steps = [task_step(feats, idx, rank=r, world_size=3, micro_batch_size=micro) for r in range(3)]
+        assert len({sb.signature for sb in steps}) == 1
+        for r, sb in enumerate(steps):
+            assert tuple(tuple(m["input_ids"].shape) for m in sb.micro) == sb.signature[r]
+    assert task_step(feats, np.arange(11), rank=0, world_size=1, micro_batch_size=None).signature == ()
+
+
+def test_one_flat_buffer_holds_every_gradient_and_backward_fills_it():
+    from bertctl.train import distributed
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    flat = distributed.flat_gradients(model)
+    assert flat.numel() == sum(p.numel() for p in model.parameters()) and not flat.any()
+    model(torch.randn(5, 4)).square().sum().backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert flat.any() and torch.equal(flat, grads)  # accumulated in place: the views still point into it
+    flat.mul_(0.5)
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), grads * 0.5)
+    with pytest.raises(ValueError, match="one parameter dtype"):
+        distributed.flat_gradients(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))

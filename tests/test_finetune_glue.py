@@ -228,12 +228,25 @@ def test_tensorboard_events_follow_the_flag(tiny, sst2, tmp_path):
     assert not (tmp_path / "off" / "tensorboard").exists()
 
 
+def torchrun(args: list[str], env: dict, nproc: int = 2):
+    """``python -m bertctl ARGS`` under torchrun on a free local port."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "bertctl", *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
 def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
     """torchrun with 2 CPU processes (gloo) = 1 process on the same global batches: same weights, and
     rank 0 alone writes the outputs. Batch 10 over 2 ranks with micro-batches of 2 (accumulation and
     DDP's no_sync path) against one process with micro-batches of 5; dropout off."""
     import os
-    import socket
     import subprocess
     import sys
 
@@ -247,12 +260,7 @@ def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
     one = subprocess.run([sys.executable, "-m", "bertctl", *common, str(tmp_path / "one"), "--micro-batch-size", "5"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(port), "-m", "bertctl", *common, str(tmp_path / "two"),
-                          "--micro-batch-size", "2"], env=env, capture_output=True, text=True, timeout=300)
+    two = torchrun([*common, str(tmp_path / "two"), "--micro-batch-size", "2"], env)
     assert two.returncode == 0, two.stderr
     m1, m2 = json.loads(one.stdout), json.loads(two.stdout)  # rank 0 prints once
     assert m2["device"]["world_size"] == 2 and m2["accuracy"] == m1["accuracy"]
@@ -261,6 +269,36 @@ def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
     evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["event"] == "final" for r in evals) == 1  # one writer
+
+
+@pytest.mark.cuda
+def test_two_gpus_with_cuda_graphs_train_as_eager_ddp(tiny, sst2, tmp_path):
+    """torchrun on 2 GPUs: the captured step (the normalisers and one flat gradient all-reduce inside
+    the graph) trains as DDP's eager step, over batches of every length, with accumulation (micro-batches
+    of 3 and 2 rows: the global batch 10 splits 5 + 5) and dropout on: same losses and weights."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    common = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--max-steps", "12",
+              "--batch-size", "10", "--micro-batch-size", "3", "--attn", "sdpa", "--device", "cuda", "--log-every", "1",
+              "--no-progress", "--no-tensorboard"]
+    runs = {}
+    for name, flag in (("eager", "--no-cuda-graphs"), ("graphs", "--cuda-graphs")):
+        r = torchrun([*common, flag, "--output", str(tmp_path / name)], {**os.environ})
+        assert r.returncode == 0, r.stderr
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    captured = [r for r in runs["graphs"] if r["event"] == "cuda_graphs"]
+    assert captured and captured[0]["graphs"] > 1 and not [r for r in runs["eager"] if r["event"] == "cuda_graphs"]
+    train = {k: [r["loss"] for r in v if r["event"] == "train"] for k, v in runs.items()}
+    assert len(train["graphs"]) == len(train["eager"]) == 12
+    torch.testing.assert_close(torch.tensor(train["graphs"]), torch.tensor(train["eager"]), rtol=1e-5, atol=1e-6)
+    w1, w2 = (load_file(tmp_path / d / "model" / "model.safetensors") for d in ("eager", "graphs"))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_a_short_run_reports_the_epochs_it_trained_and_a_failed_one_leaves_nothing(tiny, sst2, tmp_path):

@@ -24,8 +24,9 @@ ATTN = typer.Option("auto", "--attn", help="Attention: sdpa (PyTorch's fused att
                     "or auto: unpadded, but sdpa under --compile or CUDA graphs and for pretraining on a GPU, explicit for "
                     "pretraining on a CPU with the compiled kernels.")
 CUDA_GRAPHS = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay each training step as one CUDA "
-                           "graph (one launch instead of ~1,000: batch-32 steps are bound by the host). Needs one GPU, "
-                           "bf16 or fp32, AdamW, padded attention and no --compile; --attn auto then picks sdpa.",
+                           "graph (one launch instead of ~1,000: batch-32 steps are bound by the host); under torchrun the "
+                           "gradient all-reduce is in the graph. Needs GPUs, bf16 or fp32, AdamW, padded attention and "
+                           "no --compile; --attn auto then picks sdpa.",
                            show_default="on where it applies")
 PRECISION = typer.Option("auto", "--precision", help="auto (bf16 autocast on GPU, fp32 on CPU), bf16, fp16 (with "
                                                      "loss scaling) or fp32.")

@@ -88,6 +88,29 @@ def broadcast_from_main(obj, d: Dist):
     return box[0]
 
 
+def broadcast_parameters(model: torch.nn.Module, d: Dist) -> None:
+    """Rank 0's parameters and buffers on every rank (what DDP does when it wraps a model)."""
+    if d.enabled:
+        with torch.no_grad():
+            for t in (*model.parameters(), *model.buffers()):
+                dist.broadcast(t.data, src=0)
+
+
+def flat_gradients(model: torch.nn.Module) -> torch.Tensor:
+    """One zeroed buffer that every trainable parameter's ``.grad`` is a view of, so that one
+    all-reduce averages them all (backward accumulates into existing gradients in place)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"one gradient buffer needs one parameter dtype, not {sorted(map(str, dtypes))}")
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=dtypes.pop(), device=params[0].device)
+    offset = 0
+    for p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()

@@ -13,8 +13,9 @@ A job plugs in three things and the engine owns everything else:
 What the engine does for every job, in one place:
 
 - precision: bf16 autocast (GPU default), fp16 autocast with dynamic loss scaling, or fp32;
-- CUDA graphs (``cuda_graphs``, one process, not fp16): each step replays as one graph per batch
-  shape (``bertctl.train.graphs``), the same maths and dropout masks as the eager step;
+- CUDA graphs (``cuda_graphs``, not fp16): each step replays as one graph per batch shape
+  (``bertctl.train.graphs``), the same maths and dropout masks as the eager step; under torchrun the
+  graph holds the gradient all-reduce too (one flat gradient buffer instead of DDP's hooks);
 - gradient accumulation: ``StepBatch.micro`` holds ``batch_size / (world_size · micro_batch_size)``
   micro-batches; each loss term is its sum divided by its count over the *global* batch (all ranks,
   all micro-batches), so N processes × k micro-batches compute exactly the one-process, one-batch
@@ -96,6 +97,7 @@ class StepBatch:
 
     micro: list[dict[str, torch.Tensor]]
     counts: dict[str, float]
+    signature: tuple = ()  # several processes: the global step's shapes (every rank's), for the CUDA graphs
 
     @property
     def sequences(self) -> int:
@@ -245,8 +247,8 @@ class Engine:
         self.flops = flops  # counts -> training FLOPs of a step (for TFLOP/s and MFU), optional
         self.model = model.to(self.device)
         if cfg.cuda_graphs:
-            why = graphs_unsupported(device=self.device, world_size=dist.world_size, precision=self.precision,
-                                     optimizer=cfg.optimizer, compile=cfg.compile,
+            why = graphs_unsupported(device=self.device, precision=self.precision, optimizer=cfg.optimizer,
+                                     compile=cfg.compile,
                                      attn=getattr(getattr(model, "config", None), "attn_implementation", None))
             if why:
                 raise BertctlError(f"--cuda-graphs: {why}")
@@ -254,17 +256,22 @@ class Engine:
                                          betas=tuple(cfg.betas), eps=cfg.eps, capturable=cfg.cuda_graphs)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.schedule)
         self.graphs = None
+        self._flat_grad: torch.Tensor | None = None  # several processes under graphs: the all-reduced gradients
         if cfg.cuda_graphs:
             self._lr_to_tensors()
             self.graphs = StepGraphs(self._graph_body, self._graph_state, self.device)
             self._graph_stats: torch.Tensor | None = None
             self._graph_loss = torch.zeros((), device=self.device)
             self._graph_scales = torch.zeros(len(objective.loss_terms), device=self.device)
+            if dist.enabled:
+                self._graph_counts = torch.zeros(len(objective.loss_terms), device=self.device)
+                self._flat_grad = distributed.flat_gradients(self.model)
+                distributed.broadcast_parameters(self.model, dist)  # what DDP does when it wraps
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step = 0
         step_model = self.model
         self.ddp = None
-        if dist.enabled:
+        if dist.enabled and self._flat_grad is None:
             step_model = self.ddp = distributed.wrap_ddp(self.model, self.device)
         if cfg.compile:
             step_model = torch.compile(step_model, dynamic=cfg.compile_dynamic)
@@ -293,9 +300,16 @@ class Engine:
 
     def _graph_body(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """The step that the graphs capture: ``_step`` on static tensors, its results in tensors
-        allocated outside the graph."""
+        allocated outside the graph. Several processes: each loss term's normaliser is summed over
+        ranks here, as the eager step does (a copy: the input buffer must hold this rank's counts at
+        every replay)."""
         self._graph_loss.zero_()
-        self._step(micro, self._graph_scales.unbind(), self._graph_stats, self._graph_loss)
+        if self._flat_grad is None:
+            scales = self._graph_scales.unbind()
+        else:
+            counts = distributed.all_reduce_sum(self._graph_counts.clone(), self.dist)
+            scales = (self.dist.world_size / counts.clamp(min=1.0)).unbind()
+        self._step(micro, scales, self._graph_stats, self._graph_loss)
 
     # ----------------------------------------------------------------- one step
 
@@ -312,9 +326,13 @@ class Engine:
             if stats is not self._graph_stats:  # a new run's running sums: graphs write to fixed tensors
                 self.graphs.clear()
                 self._graph_stats = stats
-            scales = [1.0 / max(sb.counts[t], 1.0) for t in terms]
-            self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
-            if self.graphs.step(sb.micro):
+            if self._flat_grad is None:
+                scales = [1.0 / max(sb.counts[t], 1.0) for t in terms]
+                self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
+            else:
+                counts = [sb.counts[t] for t in terms]
+                self._graph_counts.copy_(torch.tensor(counts, dtype=torch.float32, pin_memory=True), non_blocking=True)
+            if self.graphs.step(sb.micro, sb.signature):
                 self.scheduler.step()
                 return self._graph_loss
             # past the graph budget: the same step, eagerly
@@ -343,7 +361,8 @@ class Engine:
 
         ``scales`` holds each loss term's 1 / (its global count) (floats, or device scalars under
         graphs); the step's loss is added to ``step_loss`` and the terms and stats to ``stats``.
-        Under graphs nothing here may wait for the host: the scaler is off (no fp16) and DDP absent.
+        Under graphs nothing here may wait for the host: the scaler is off (no fp16) and DDP absent
+        (several processes average the flat gradient buffer with one all-reduce instead, as DDP would).
         """
         terms = self.objective.loss_terms
         W = self.dist.world_size
@@ -359,6 +378,8 @@ class Engine:
             with torch.no_grad():
                 step_loss += loss.detach() / W
                 stats += torch.stack([s[k].detach().float() for k in (*terms, *self.objective.stat_names)])
+        if self._flat_grad is not None:
+            distributed.all_reduce_sum(self._flat_grad.div_(W), self.dist)
         if self.cfg.max_grad_norm and self.cfg.optimizer != "lamb":  # LAMB normalises by the global norm itself
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)

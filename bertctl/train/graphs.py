@@ -23,9 +23,16 @@ How, and what stays exact:
   the running sums and the RNG are snapshotted before it and restored after, so that warm-up leaves
   no trace.
 
-What cannot be captured runs eagerly and the engine says so at start: several processes (DDP),
-fp16 (its loss scaler decides on the host whether to skip a step), LAMB (host-side step count),
-``torch.compile`` (its own graphs) and the unpadded attention (data-dependent sizes).
+Several processes (torchrun): the graph holds the all-reduces too (NCCL collectives can be
+captured), so DDP's hooks are not used: gradients live in one flat buffer that one captured
+all-reduce averages, and the loss normalisers are summed over ranks inside the graph. NCCL requires
+that every rank captures, and replays, the same collectives at the same steps, so the graph key is
+the *global* step's signature (every rank's shapes, known to every rank from the global batch), not
+this rank's shapes alone: all ranks then hit, capture or fall back to eager at the same steps.
+
+What cannot be captured runs eagerly and the engine says so at start: fp16 (its loss scaler decides
+on the host whether to skip a step), LAMB (host-side step count), ``torch.compile`` (its own graphs)
+and the unpadded attention (data-dependent sizes).
 """
 from __future__ import annotations
 
@@ -35,13 +42,11 @@ from typing import Callable
 import torch
 
 
-def graphs_unsupported(*, device: torch.device, world_size: int, precision: str, optimizer: str,
-                       compile: bool, attn: str | None = None) -> str | None:
+def graphs_unsupported(*, device: torch.device, precision: str, optimizer: str, compile: bool,
+                       attn: str | None = None) -> str | None:
     """Why whole-step CUDA graphs cannot run this job, or None when they can."""
     if device.type != "cuda":
         return "they need a CUDA device"
-    if world_size > 1:
-        return "not under DDP (several processes)"
     if precision == "fp16":
         return "not with fp16 (the loss scaler decides on the host)"
     if optimizer.lower() != "adamw":
@@ -82,10 +87,11 @@ class StepGraphs:
         """Forget every graph (after the step's tensors were replaced, e.g. an optimizer state load)."""
         self.graphs.clear()
 
-    def step(self, micro: list[dict[str, torch.Tensor]]) -> bool:
+    def step(self, micro: list[dict[str, torch.Tensor]], signature: tuple = ()) -> bool:
         """Run one step from ``micro`` (host or device tensors) through its graph; False when the
-        graph budget is spent and the caller must run the step eagerly."""
-        key = self.key(micro)
+        graph budget is spent and the caller must run the step eagerly. ``signature`` tells the
+        global step apart where several processes must capture and replay together."""
+        key = (self.key(micro), signature)
         entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= self.max_graphs:

@@ -217,9 +217,13 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
 
     Rank r takes the r-th of ``world_size`` near-equal contiguous slices. The loss term ``loss`` is
     normalised by examples, or by labelled tokens for per-token labels (NER), over the global batch.
+    Several processes: the step's ``signature`` lists every rank's micro-batch shapes (rows, padded
+    length), the same on every rank (what the CUDA graphs of all ranks must agree on).
     """
-    mine = np.array_split(idx, world_size)[rank]
+    parts = np.array_split(idx, world_size)
+    mine = parts[rank]
     micro_size = micro_batch_size or len(mine)
+    signature = () if world_size == 1 else tuple(_shapes(features, part, micro_batch_size) for part in parts)
     micro, counts = [], {"loss": 0.0, "sequences": float(len(mine)), "tokens": 0.0, "attn_pairs": 0.0,
                          "padded_tokens": 0.0}
     for start in range(0, len(mine), micro_size):
@@ -234,7 +238,14 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
         counts["attn_pairs"] += float((lengths * lengths).sum())
         counts["padded_tokens"] += float(mb["input_ids"].numel())
         micro.append(mb)
-    return StepBatch(micro, counts)
+    return StepBatch(micro, counts, signature)
+
+
+def _shapes(features: Sequence[dict], part: np.ndarray, micro_batch_size: int | None) -> tuple:
+    """(rows, padded length) of each micro-batch that ``collate`` makes of the examples ``part``."""
+    size = micro_batch_size or len(part)
+    chunks = [part[i:i + size] for i in range(0, len(part), size)]
+    return tuple((len(c), round_up(max(feature_length(features[j]) for j in c))) for c in chunks)
 
 
 def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_step: int, steps_per_epoch: int,
