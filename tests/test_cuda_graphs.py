@@ -162,18 +162,27 @@ def test_varied_shapes_leaves_cudnn_attention_as_it_found_it():
 
 def test_every_rank_knows_every_ranks_shapes():
     """Several processes capture and replay together, so each step's graph key must be the same on every
-    rank: the signature lists every rank's micro-batch shapes, and each rank's own shapes are in it."""
+    rank: every rank pads to the global batch's longest example, and the signature (that length, every
+    rank's rows, the micro-batch size) fixes each rank's shapes."""
     from bertctl.train.loader import task_step
 
     rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 60, size=50)
     feats = [{"input_ids": np.ones(n, dtype=np.int64), "token_type_ids": np.zeros(n, dtype=np.int64), "labels": 1}
-             for n in rng.integers(3, 60, size=50)]
+             for n in lengths]
     for idx, micro in ((np.arange(11), None), (rng.permutation(50)[:13], 3), (np.arange(7), 2)):
         steps = [task_step(feats, idx, rank=r, world_size=3, micro_batch_size=micro) for r in range(3)]
         assert len({sb.signature for sb in steps}) == 1
-        for r, sb in enumerate(steps):
-            assert tuple(tuple(m["input_ids"].shape) for m in sb.micro) == sb.signature[r]
-    assert task_step(feats, np.arange(11), rank=0, world_size=1, micro_batch_size=None).signature == ()
+        longest = -(-lengths[idx].max() // 8) * 8
+        for sb, part in zip(steps, np.array_split(idx, 3)):
+            assert sb.signature[0] == longest
+            assert {m["input_ids"].shape[1] for m in sb.micro} == {longest}
+            assert [m["input_ids"].shape[0] for m in sb.micro] == [len(part[i:i + (micro or len(part))])
+                                                                   for i in range(0, len(part), micro or len(part))]
+            for m, rows in zip(sb.micro, (part[i:i + (micro or len(part))] for i in range(0, len(part), micro or len(part)))):
+                assert m["attention_mask"].sum(dim=1).tolist() == lengths[rows].tolist()  # padding stays masked
+    one = task_step(feats, np.arange(11), rank=0, world_size=1, micro_batch_size=None)
+    assert one.signature == () and one.micro[0]["input_ids"].shape[1] == -(-lengths[:11].max() // 8) * 8
 
 
 def test_one_flat_buffer_holds_every_gradient_and_backward_fills_it():

@@ -146,8 +146,10 @@ def feature_length(feature: dict) -> int:
     return int(feature["input_ids"].shape[-1])
 
 
-def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
-    """Stack task features into padded int64 tensors (padded to the longest, rounded up to ``multiple``).
+def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTIPLE,
+            length: int | None = None) -> dict[str, torch.Tensor]:
+    """Stack task features into padded int64 tensors (padded to the longest, rounded up to ``multiple``,
+    or to ``length``).
 
     ``input_ids`` / ``token_type_ids`` are (S,) or (C, S) arrays (C choices); ``attention_mask``
     is derived from their lengths (``lengths`` per choice for multiple choice). ``labels`` may be a
@@ -155,7 +157,7 @@ def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTI
     ``start_positions`` / ``end_positions`` are ints. Keys starting with ``_`` stay out.
     """
     first = features[0]
-    length = round_up(max(feature_length(f) for f in features), multiple)
+    length = length or round_up(max(feature_length(f) for f in features), multiple)
     lead = first["input_ids"].shape[:-1]  # () or (C,)
     B = len(features)
     ids = np.full((B, *lead, length), pad_id, dtype=np.int64)
@@ -217,17 +219,22 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
 
     Rank r takes the r-th of ``world_size`` near-equal contiguous slices. The loss term ``loss`` is
     normalised by examples, or by labelled tokens for per-token labels (NER), over the global batch.
-    Several processes: the step's ``signature`` lists every rank's micro-batch shapes (rows, padded
-    length), the same on every rank (what the CUDA graphs of all ranks must agree on).
+    Several processes pad every micro-batch to the global batch's longest example, so that all ranks
+    share one sequence length per step; the step's ``signature`` (that length and every rank's rows)
+    is then the same on every rank, which the CUDA graphs of all ranks must agree on, and a task has
+    as many signatures as one process has shapes.
     """
     parts = np.array_split(idx, world_size)
     mine = parts[rank]
     micro_size = micro_batch_size or len(mine)
-    signature = () if world_size == 1 else tuple(_shapes(features, part, micro_batch_size) for part in parts)
+    length, signature = None, ()
+    if world_size > 1:
+        length = round_up(max(feature_length(features[i]) for i in idx))
+        signature = (length, tuple(len(part) for part in parts), micro_batch_size)
     micro, counts = [], {"loss": 0.0, "sequences": float(len(mine)), "tokens": 0.0, "attn_pairs": 0.0,
                          "padded_tokens": 0.0}
     for start in range(0, len(mine), micro_size):
-        mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id)
+        mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id, length=length)
         lengths = mb["attention_mask"].sum(dim=-1).double()
         labels = mb.get("labels")
         if labels is not None and labels.shape == mb["input_ids"].shape:
@@ -239,13 +246,6 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
         counts["padded_tokens"] += float(mb["input_ids"].numel())
         micro.append(mb)
     return StepBatch(micro, counts, signature)
-
-
-def _shapes(features: Sequence[dict], part: np.ndarray, micro_batch_size: int | None) -> tuple:
-    """(rows, padded length) of each micro-batch that ``collate`` makes of the examples ``part``."""
-    size = micro_batch_size or len(part)
-    chunks = [part[i:i + size] for i in range(0, len(part), size)]
-    return tuple((len(c), round_up(max(feature_length(features[j]) for j in c))) for c in chunks)
 
 
 def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_step: int, steps_per_epoch: int,
