@@ -1,5 +1,7 @@
-"""The CPU pretraining step with and without two CPU-side choices: PyTorch's dropout against
-bertctl's (a hashed mask, ``bertctl.ops.dropout``) and the ``foreach`` AdamW against the fused one.
+"""The CPU pretraining step with and without three CPU-side choices: PyTorch's dropout against
+bertctl's (a hashed mask, ``bertctl.ops.dropout``), the ``foreach`` AdamW against the fused one, and
+each sub-layer's output as separate ops (the Linear, dropout, LayerNorm+residual) against the matmul
+then ``bertctl.ops.bias_dropout_add_layer_norm``.
 
     python benchmarks/bench_cpu_step.py --output benchmarks/results/cpu-step.json
 
@@ -29,16 +31,23 @@ from bertctl.config import BertConfig  # noqa: E402
 from bertctl.train.optim import build_optimizer  # noqa: E402
 from bertctl.train.pretrain import pretraining_sums  # noqa: E402
 
-VARIANTS = {  # name: (bertctl's dropout, fused AdamW)
-    "torch dropout, foreach AdamW": (False, False),
-    "torch dropout, fused AdamW": (False, True),
-    "bertctl dropout, fused AdamW": (True, True),
+VARIANTS = {  # name: (bertctl's dropout, fused AdamW, fused bias+dropout+residual+LayerNorm)
+    "torch dropout, foreach AdamW": (False, False, False),
+    "torch dropout, fused AdamW": (False, True, False),
+    "bertctl dropout, fused AdamW": (True, True, False),
+    "bertctl dropout, fused AdamW, fused bias+dropout+add+LN": (True, True, True),
 }
-BERTCTL_DROPOUT = M.dropout
+BERTCTL_DROPOUT, FUSED_OUTPUT = M.dropout, M.dense_dropout_add_norm
 
 
-def step_ms(size: str, batch: int, steps: int, ours: bool, fused: bool) -> float:
+def separate_output(dense, drop, ln, h, residual, fused):
+    """A sub-layer's output as separate ops: the Linear (its bias in the matmul), M.dropout, LN(x + residual)."""
+    return M.layer_norm(ln, M.dropout(drop, dense(h), fused), residual, fused)
+
+
+def step_ms(size: str, batch: int, steps: int, ours: bool, fused: bool, fused_output: bool) -> float:
     M.dropout = BERTCTL_DROPOUT if ours else (lambda module, x, fused_kernels: module(x))
+    M.dense_dropout_add_norm = FUSED_OUTPUT if fused_output else separate_output
     try:
         cfg = BertConfig.preset(size, vocab_size=4000 if size == "tiny" else 30522)
         g = torch.Generator().manual_seed(0)
@@ -66,7 +75,7 @@ def step_ms(size: str, batch: int, steps: int, ours: bool, fused: bool) -> float
             step()
         return (time.perf_counter() - t) / steps * 1e3
     finally:
-        M.dropout = BERTCTL_DROPOUT
+        M.dropout, M.dense_dropout_add_norm = BERTCTL_DROPOUT, FUSED_OUTPUT
 
 
 def main() -> None:
@@ -86,8 +95,8 @@ def main() -> None:
         steps = a.steps or (40 if size == "tiny" else 8)
         times = {name: [] for name in VARIANTS}
         for _ in range(a.rounds):
-            for name, (ours, fused) in VARIANTS.items():
-                times[name].append(round(step_ms(size, int(batch), steps, ours, fused), 2))
+            for name, (ours, fused, fused_output) in VARIANTS.items():
+                times[name].append(round(step_ms(size, int(batch), steps, ours, fused, fused_output), 2))
         rows.append({"size": size, "batch": int(batch), "seq": 128, "steps_per_round": steps, "ms_per_step": times})
         print(json.dumps(rows[-1]), flush=True)
     out = {"what": __doc__.split("\n\n")[0].replace("\n", " "), "commit": commit, "machine": platform.machine(),

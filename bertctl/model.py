@@ -9,7 +9,8 @@ Two choices are made per config, over the same weights:
 - ``attn_implementation``: ``sdpa`` (torch's scaled_dot_product_attention), ``explicit``
   (materialised scores, the path the fused softmax serves) or ``unpadded`` (the encoder runs on
   the batch's real tokens only, (T, H) with T = the sum of the lengths; see ``Packed``);
-- ``kernels``: ``fused`` (bertctl's softmax / LayerNorm+residual / bias+GELU ops),
+- ``kernels``: ``fused`` (bertctl's softmax / LayerNorm+residual / bias+GELU ops, and on the CPU
+  its dropout and bias+dropout+residual+LayerNorm),
   ``torch`` (plain PyTorch), or ``auto`` (fused when the compiled module loaded).
 
 Shapes: B batch, S sequence, H hidden, nh heads, hs head size, I intermediate, V vocab,
@@ -71,6 +72,25 @@ def dropout(module: nn.Dropout, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """The module's dropout: with fused kernels bertctl's (on the CPU a hashed mask, recomputed in
     the backward, where torch draws each element from a Mersenne Twister), else torch's."""
     return ops.dropout(x, module.p, module.training) if fused else module(x)
+
+
+def dense_dropout_add_norm(dense: nn.Linear, drop: nn.Dropout, ln: nn.LayerNorm, h: torch.Tensor,
+                           residual: torch.Tensor, fused: bool) -> torch.Tensor:
+    """LN(Dropout(h W^T + b) + residual).
+
+    With fused kernels on the CPU: the matmul without its bias, then one op for the bias, dropout,
+    residual add and LayerNorm (the dropout mask that ``dropout`` would draw, so the same seed trains
+    the same), which never writes the dropped-out sum to memory.  Elsewhere, and on CUDA (no kernel
+    there), the Linear, the dropout, then LN(x + residual).
+    """
+    if fused and h.device.type == "cpu":
+        y = F.linear(h, dense.weight)  # (..., H), the bias added by the fused op
+        if torch.is_autocast_enabled("cpu"):  # as layer_norm: the residual stream in the autocast dtype
+            dtype = torch.get_autocast_dtype("cpu")
+            y, residual = y.to(dtype), residual.to(dtype)
+        return ops.bias_dropout_add_layer_norm(y, dense.bias, residual, ln.weight, ln.bias, ln.eps, drop.p,
+                                               drop.training)
+    return layer_norm(ln, dropout(drop, dense(h), fused), residual, fused)
 
 
 def dense_act(dense: nn.Linear, act_name: str, x: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -302,8 +322,7 @@ class ProjectAddNorm(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        fused = use_fused(self.config)
-        return layer_norm(self.LayerNorm, dropout(self.dropout, self.dense(h), fused), residual, fused)
+        return dense_dropout_add_norm(self.dense, self.dropout, self.LayerNorm, h, residual, use_fused(self.config))
 
 
 class BertAttention(nn.Module):

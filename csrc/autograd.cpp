@@ -84,6 +84,27 @@ Tensor dropout_op(const Tensor& x, double p, const Tensor& seed) {
   return handle.call(x, p, seed);
 }
 
+using BdalnOut = std::tuple<Tensor, Tensor, Tensor>;
+using BdalnGrads = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+BdalnOut bias_dropout_add_layer_norm_op(const Tensor& x, const Tensor& bias, const Tensor& residual,
+                                        const Tensor& weight, const Tensor& ln_bias, double eps, double p,
+                                        const std::optional<Tensor>& seed) {
+  static const auto handle = op<BdalnOut(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                         double, double, const std::optional<Tensor>&)>(
+      "bertctl::bias_dropout_add_layer_norm");
+  return handle.call(x, bias, residual, weight, ln_bias, eps, p, seed);
+}
+
+BdalnGrads bias_dropout_add_layer_norm_backward_op(const Tensor& grad_y, const Tensor& x, const Tensor& bias,
+                                                   const Tensor& residual, const Tensor& weight, const Tensor& mean,
+                                                   const Tensor& rstd, double p, const std::optional<Tensor>& seed) {
+  static const auto handle = op<BdalnGrads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                           const Tensor&, const Tensor&, double, const std::optional<Tensor>&)>(
+      "bertctl::bias_dropout_add_layer_norm_backward");
+  return handle.call(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
+}
+
 // Linear in x: the backward is the same mask on the gradient, through the dispatcher, so a
 // double backward works too.
 class Dropout : public torch::autograd::Function<Dropout> {
@@ -165,6 +186,39 @@ class BiasGelu : public torch::autograd::Function<BiasGelu> {
   }
 };
 
+// Saves x, bias, residual (not their dropped-out sum: the backward recomputes it, and the mask, from
+// (p, seed)), the LayerNorm weight and the statistics.
+class BiasDropoutAddLayerNorm : public torch::autograd::Function<BiasDropoutAddLayerNorm> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const Tensor& residual,
+                               const Tensor& weight, const Tensor& ln_bias, double eps, double p,
+                               const std::optional<Tensor>& seed) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, mean, rstd] = bias_dropout_add_layer_norm_op(x, bias, residual, weight, ln_bias, eps, p, seed);
+    ctx->save_for_backward({x, bias, residual, weight, mean, rstd, seed.value_or(Tensor())});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["ln_bias_dtype"] = ln_bias.scalar_type();
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) {  // only the statistics were used downstream
+      return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    }
+    const variable_list saved = ctx->get_saved_variables();
+    const double p = ctx->saved_data["p"].toDouble();
+    const std::optional<Tensor> seed = saved[6].defined() ? std::optional<Tensor>(saved[6]) : std::nullopt;
+    auto [dx, dbias, dres, dweight, dln_bias] =
+        bias_dropout_add_layer_norm_backward_op(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
+                                                p, seed);
+    // Without dropout x's gradient is the residual's (the op returns it empty).
+    return {p > 0 ? dx : dres, dbias, dres, dweight,
+            dln_bias.to(ctx->saved_data["ln_bias_dtype"].toScalarType()), Tensor(), Tensor(), Tensor()};
+  }
+};
+
 // The backward ops under create_graph=True: their outputs are differentiable, through a node that
 // raises.  Without grad mode (a plain backward) they run straight below autograd.
 [[noreturn]] void no_double_backward(const char* op_name) {
@@ -207,6 +261,21 @@ class BiasGeluBackward : public torch::autograd::Function<BiasGeluBackward> {
   static variable_list backward(AutogradContext*, variable_list) { no_double_backward("bertctl::bias_gelu_backward"); }
 };
 
+class BiasDropoutAddLayerNormBackward : public torch::autograd::Function<BiasDropoutAddLayerNormBackward> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& x, const Tensor& bias,
+                               const Tensor& residual, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                               double p, const std::optional<Tensor>& seed) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [dx, dbias, dres, dweight, dln_bias] =
+        bias_dropout_add_layer_norm_backward_op(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
+    return {dx, dbias, dres, dweight, dln_bias};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    no_double_backward("bertctl::bias_dropout_add_layer_norm_backward");
+  }
+};
+
 Tensor softmax_backward_autograd(const Tensor& grad_y, const Tensor& y, double scale) {
   if (!at::GradMode::is_enabled()) {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -233,6 +302,19 @@ std::tuple<Tensor, Tensor> bias_gelu_backward_autograd(const Tensor& grad_y, con
   }
   const variable_list out = BiasGeluBackward::apply(grad_y, x, bias, approximate);
   return {out[0], out[1]};
+}
+
+BdalnGrads bias_dropout_add_layer_norm_backward_autograd(const Tensor& grad_y, const Tensor& x, const Tensor& bias,
+                                                         const Tensor& residual, const Tensor& weight,
+                                                         const Tensor& mean, const Tensor& rstd, double p,
+                                                         const std::optional<Tensor>& seed) {
+  if (!at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return bias_dropout_add_layer_norm_backward_op(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
+  }
+  const variable_list out =
+      BiasDropoutAddLayerNormBackward::apply(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
+  return {out[0], out[1], out[2], out[3], out[4]};
 }
 
 Tensor softmax_autograd(const Tensor& x, const std::optional<Tensor>& mask, double scale) {
@@ -264,6 +346,13 @@ Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias, std::string appro
 
 Tensor dropout_autograd(const Tensor& x, double p, const Tensor& seed) { return Dropout::apply(x, p, seed); }
 
+BdalnOut bias_dropout_add_layer_norm_autograd(const Tensor& x, const Tensor& bias, const Tensor& residual,
+                                              const Tensor& weight, const Tensor& ln_bias, double eps, double p,
+                                              const std::optional<Tensor>& seed) {
+  const variable_list out = BiasDropoutAddLayerNorm::apply(x, bias, residual, weight, ln_bias, eps, p, seed);
+  return {out[0], out[1], out[2]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
@@ -275,4 +364,6 @@ TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
   m.impl("layer_norm_backward", &layer_norm_backward_autograd);
   m.impl("bias_gelu_backward", &bias_gelu_backward_autograd);
   m.impl("dropout", &dropout_autograd);
+  m.impl("bias_dropout_add_layer_norm", &bias_dropout_add_layer_norm_autograd);
+  m.impl("bias_dropout_add_layer_norm_backward", &bias_dropout_add_layer_norm_backward_autograd);
 }

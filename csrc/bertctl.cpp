@@ -58,4 +58,12 @@ TORCH_LIBRARY(bertctl, m) {
   // x * mask / (1 - p), the mask a function of (p, seed, element index) (CPU only): the op is
   // linear in x, so its backward is the same op on the gradient, and no mask is stored.
   m.def("dropout(Tensor x, float p, Tensor seed) -> Tensor");
+  // (y, mean, rstd) of LayerNorm(dropout(x + bias) + residual) over the last dim (CPU only): x is a
+  // matmul's output without its bias, weight and ln_bias the LayerNorm's; the mask is dropout's for
+  // the same (p, seed), recomputed in the backward; p = 0 (eval) needs no seed.
+  m.def("bias_dropout_add_layer_norm(Tensor x, Tensor bias, Tensor residual, Tensor weight, Tensor ln_bias, "
+        "float eps, float p, Tensor? seed) -> (Tensor, Tensor, Tensor)");
+  // (dx, dbias, dresidual, dweight, dln_bias); with p = 0, dx is dresidual and comes back empty.
+  m.def("bias_dropout_add_layer_norm_backward(Tensor grad_y, Tensor x, Tensor bias, Tensor residual, "
+        "Tensor weight, Tensor mean, Tensor rstd, float p, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import bertctl.model as M
 from bertctl import ops
 from bertctl.config import BertConfig
 from bertctl.model import BertForPreTraining
@@ -51,7 +52,7 @@ def synthetic_batch(gen: torch.Generator, B: int = 8, S: int = 24, device="cpu")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new"])
 def test_fused_model_matches_torch(device, hidden_act, monkeypatch):
-    calls = {"softmax": 0, "layer_norm": 0, "bias_gelu": 0}
+    calls = {"softmax": 0, "layer_norm": 0, "bias_gelu": 0, "bias_dropout_add_layer_norm": 0}
     for name in calls:  # count that the fused model really goes through bertctl.ops
         original = getattr(ops, name)
 
@@ -63,8 +64,11 @@ def test_fused_model_matches_torch(device, hidden_act, monkeypatch):
     batch = synthetic_batch(torch.Generator().manual_seed(1), device=device)
     out_f, out_p = fused(**batch), plain(**batch)
     layers = fused.config.num_hidden_layers
-    # per layer: 1 softmax, 2 LayerNorms, 1 bias+GELU; plus the embedding and MLM-head LayerNorms / GELU
-    assert calls == {"softmax": layers, "layer_norm": 2 * layers + 2, "bias_gelu": layers + 1}
+    # per layer: 1 softmax, 2 LayerNorms (on the CPU: 2 bias+dropout+residual+LayerNorms), 1 bias+GELU; plus the
+    # embedding and MLM-head LayerNorms / GELU
+    outputs = 2 * layers if device == "cpu" else 0
+    assert calls == {"softmax": layers, "layer_norm": 2 * layers + 2 - outputs, "bias_gelu": layers + 1,
+                     "bias_dropout_add_layer_norm": outputs}
     torch.testing.assert_close(out_f.prediction_logits, out_p.prediction_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out_f.loss, out_p.loss, atol=1e-5, rtol=1e-5)
     out_f.loss.backward()
@@ -72,6 +76,46 @@ def test_fused_model_matches_torch(device, hidden_act, monkeypatch):
     grads_p = dict(plain.named_parameters())
     for name, p in fused.named_parameters():
         torch.testing.assert_close(p.grad, grads_p[name].grad, atol=1e-5, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def separate_output(dense, drop, ln, h, residual, fused):
+    """A sub-layer's output as the model ran it before bias_dropout_add_layer_norm: the Linear (its bias in the
+    matmul), bertctl's dropout, then LayerNorm(+residual)."""
+    return M.layer_norm(ln, M.dropout(drop, dense(h), fused), residual, fused)
+
+
+def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):
+    """The CPU model with bias_dropout_add_layer_norm against the same model with the ops apart, dropout 0.1 in
+    training, two steps of AdamW from one torch.manual_seed: the same masks (same seeds, drawn in the same order),
+    so the same losses and gradients up to fp32 rounding; then in eval the same outputs."""
+    drop = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+    results = {}
+    for name in ("fused", "apart"):
+        if name == "apart":
+            monkeypatch.setattr(M, "dense_dropout_add_norm", separate_output)
+        torch.manual_seed(0)
+        model = BertForPreTraining(tiny_config("fused", **drop))
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        gen = torch.Generator().manual_seed(4)
+        torch.manual_seed(7)  # the dropout masks' generator
+        losses, grads = [], []
+        for _ in range(2):
+            loss = model(**synthetic_batch(gen)).loss
+            opt.zero_grad()
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            losses.append(loss.detach())
+        model.eval()
+        with torch.no_grad():
+            logits = model(**synthetic_batch(gen)).prediction_logits
+        results[name] = (torch.stack(losses), grads, logits)
+    (loss_f, grads_f, logits_f), (loss_a, grads_a, logits_a) = results["fused"], results["apart"]
+    torch.testing.assert_close(loss_f, loss_a, atol=1e-5, rtol=1e-5)
+    for step, (gf, ga) in enumerate(zip(grads_f, grads_a)):
+        for n in gf:
+            torch.testing.assert_close(gf[n], ga[n], atol=1e-5, rtol=1e-3, msg=lambda m: f"step {step}, {n}: {m}")
+    torch.testing.assert_close(logits_f, logits_a, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -15,7 +15,7 @@ from bertctl._ext import kernels_loaded
 from bertctl.ops import reference
 
 OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference", "bias_gelu",
-            "bias_gelu_backward", "dropout")
+            "bias_gelu_backward", "dropout", "bias_dropout_add_layer_norm", "bias_dropout_add_layer_norm_backward")
 SIZES = (1, 7, 13, 127, 768, 1000, 1024, 4096)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One rounding of an O(1) result: fp32 math inside; fp16 has 11 significant bits, bf16 8.
@@ -423,6 +423,12 @@ def test_reference_backward_matches_autograd():
     for approximate in ("none", "tanh"):
         torch.testing.assert_close(torch.autograd.grad(reference.bias_gelu(h, b, approximate), (h, b), g),
                                    torch.autograd.grad(F.gelu(h + b, approximate=approximate), (h, b), g))
+    c = torch.randn(11, generator=gen, dtype=torch.float64, requires_grad=True)
+    for p, seed in ((0.25, torch.tensor(5)), (0.0, None)):
+        dropped = reference.dropout_forward(h + c, p, seed) if p > 0 else h + c  # differentiable: a torch.where
+        torch.testing.assert_close(
+            torch.autograd.grad(reference.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-5, p, seed), (h, c, r, w, b), g),
+            torch.autograd.grad(F.layer_norm(dropped + r, (11,), w, b, 1e-5), (h, c, r, w, b), g))
 
 
 def test_gradcheck_float64_cpu():
@@ -450,11 +456,14 @@ def test_create_graph_first_order_right_second_order_refused():
     w = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
     s = torch.randn(2, 2, 3, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(13, generator=gen, dtype=torch.float64, requires_grad=True)
     cases = [
         ("layer_norm_backward", ops.layer_norm(h, w, b, 1e-12, residual=r),
          F.layer_norm(h + r, (13,), w, b, 1e-12), (h, r, w, b)),
         ("bias_gelu_backward", ops.bias_gelu(h, b, "none"), F.gelu(h + b), (h, b)),
         ("softmax_backward", ops.softmax(s, None, 0.7), torch.softmax(0.7 * s, -1), (s,)),
+        ("bias_dropout_add_layer_norm_backward", ops.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-12, 0.1, False),
+         F.layer_norm(h + c + r, (13,), w, b, 1e-12), (h, c, r, w, b)),
     ]
     for name, y, y_torch, wrt in cases:
         dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
@@ -489,8 +498,15 @@ def test_opcheck(device):
         (bl.bias_gelu.default, (h, b, "tanh")),
         (bl.bias_gelu_backward.default, (torch.randn_like(h), h.detach(), b.detach(), "none")),
     ]
-    if device == "cpu":  # a CPU kernel only
-        cases.append((bl.dropout.default, (h, 0.1, torch.tensor(7))))
+    if device == "cpu":  # CPU kernels only
+        seed, c = torch.tensor(7), rand(32, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+        cases.append((bl.dropout.default, (h, 0.1, seed)))
+        dh = torch.randn_like(h)
+        for p, s in ((0.1, seed), (0.0, None)):
+            _, m, sd = bl.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-12, p, s)
+            cases.append((bl.bias_dropout_add_layer_norm.default, (h, c, r, w, b, 1e-12, p, s)))
+            cases.append((bl.bias_dropout_add_layer_norm_backward.default,
+                          (dh, h.detach(), c.detach(), r.detach(), w.detach(), m, sd, p, s)))
     for op, args in cases:
         # The backward ops' and layer_norm_inference's inputs do not require grad: they have no
         # derivative of their own (test_create_graph_first_order_right_second_order_refused,
@@ -590,6 +606,209 @@ def test_dropout_elsewhere_is_torchs():
     assert not ops.dropout_kernel_ok(x, 1.0) and torch.equal(ops.dropout(x, 1.0, True), torch.zeros(100))
     assert not ops.dropout_kernel_ok(torch.ones(0), 0.1)
     assert ops.dropout_kernel_ok(x, 0.1) and not ops.dropout_kernel_ok(torch.ones(4, dtype=torch.int64), 0.1)
+
+
+# --- bias + dropout + residual + LayerNorm (CPU) ------------------------------------------
+
+BDALN_GRADS = ("dx", "dbias", "dresidual", "dweight", "dln_bias")
+
+
+def seed_after(rng_seed: int) -> torch.Tensor:
+    """The seed that ops.dropout (and ops.bias_dropout_add_layer_norm) draws first after torch.manual_seed(rng_seed)."""
+    torch.manual_seed(rng_seed)
+    return torch.randint(0, 2 ** 62, (), dtype=torch.int64)
+
+
+def bdaln_inputs(N: int, H: int, dtype: torch.dtype, gen: torch.Generator, param_dtype=torch.float32):
+    """(x, bias, residual, weight, ln_bias), all requiring grad: x a matmul's output, parameters BERT-like."""
+    x = rand(N, H, dtype=dtype, device="cpu", std=2.0, gen=gen)
+    bias = rand(H, dtype=param_dtype, device="cpu", std=0.5, gen=gen)
+    res = rand(N, H, dtype=dtype, device="cpu", gen=gen)
+    w = (1 + rand(H, dtype=torch.float64, device="cpu", std=0.2, gen=gen)).to(param_dtype)
+    lb = rand(H, dtype=param_dtype, device="cpu", std=0.5, gen=gen)
+    return tuple(t.requires_grad_() for t in (x, bias, res, w, lb))
+
+
+def check_bdaln(x, bias, res, w, lb, eps, p, tol_dtype, training=True, rng_seed=0):
+    """ops.bias_dropout_add_layer_norm and its five gradients against the float64 reference on the same rounded
+    inputs, with the mask of the seed the op draws after torch.manual_seed(rng_seed); column sums (dbias,
+    dweight, dln_bias) at atol times sqrt(rows).  Returns (y, grads)."""
+    rows = x.numel() // x.shape[-1]
+    p_run = p if training else 0.0
+    seed = seed_after(rng_seed) if p_run > 0 else None
+    torch.manual_seed(rng_seed)
+    y = ops.bias_dropout_add_layer_norm(x, bias, res, w, lb, eps, p, training)
+    d = lambda t: t.detach().double()  # noqa: E731
+    y_ref, mean, rstd = reference.bias_dropout_add_layer_norm_forward(d(x), d(bias), d(res), d(w), d(lb), eps, p_run,
+                                                                      seed)
+    assert y.dtype == x.dtype
+    close(y, y_ref, tol_dtype, f"bias_dropout_add_layer_norm forward (p={p_run})")
+    dy = rand(*x.shape, dtype=x.dtype, device="cpu", gen=torch.Generator().manual_seed(rng_seed + 1))
+    grads = torch.autograd.grad(y, (x, bias, res, w, lb), dy)
+    refs = reference.bias_dropout_add_layer_norm_backward(dy.double(), d(x), d(bias), d(res), d(w), mean, rstd, p_run,
+                                                          seed)
+    for g, ref, what in zip(grads, refs, BDALN_GRADS):
+        assert g.dtype == {"dx": x, "dresidual": res, "dbias": bias, "dweight": w, "dln_bias": lb}[what].dtype
+        close(g, ref, tol_dtype, f"bias_dropout_add_layer_norm {what} (p={p_run})",
+              scale=1.0 if what in ("dx", "dresidual") else rows**0.5)
+    return y, grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", SIZES)
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
+def test_bias_dropout_add_layer_norm_matches_float64(dtype, H, p):
+    """Forward and every gradient against the float64 reference (dropout_forward's hashed mask for the drawn seed),
+    every H of SIZES: 1 and 7 are shorter than a vector, 13, 127 and 1000 end in a partial one."""
+    gen = torch.Generator().manual_seed(H)
+    args = bdaln_inputs(37, H, dtype, gen)
+    assert ops.bias_dropout_add_layer_norm_kernel_ok(*args, p)
+    check_bdaln(*args, 1e-12, p, dtype, rng_seed=H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_dropout_add_layer_norm_one_and_two_threads(dtype):
+    """1 and 2 threads (301 rows of 768: the forward's rows and the backward's chunks split over both at 2): each
+    matches the reference, and y, dx and dresidual are the same bits (a row is one thread's work, the mask a
+    function of the element's index)."""
+    args = bdaln_inputs(301, 768, dtype, torch.Generator().manual_seed(31))
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out[n] = check_bdaln(*args, 1e-12, 0.1, dtype, rng_seed=5)
+    finally:
+        torch.set_num_threads(threads)
+    (y1, g1), (y2, g2) = out[1], out[2]
+    assert torch.equal(y1, y2) and torch.equal(g1[0], g2[0]) and torch.equal(g1[2], g2[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_bias_dropout_add_layer_norm_masks_like_the_ops_apart(dtype, p):
+    """After one torch.manual_seed the fused op drops exactly the elements that ops.dropout drops of x + bias (the
+    ops apart, as the model ran them), takes one draw from the generator as ops.dropout does, and agrees in
+    value with ops.layer_norm(ops.dropout(x + bias), residual)."""
+    gen = torch.Generator().manual_seed(17)
+    x, bias, res, w, lb = bdaln_inputs(64, 1000, dtype, gen)
+    dy = rand(64, 1000, dtype=dtype, device="cpu", gen=gen)
+    torch.manual_seed(3)
+    y = ops.bias_dropout_add_layer_norm(x, bias, res, w, lb, 1e-12, p)
+    after_fused = torch.rand(4)
+    torch.manual_seed(3)
+    dropped = ops.dropout(x + bias, p, True)
+    y_apart = ops.layer_norm(dropped, w, lb, 1e-12, residual=res)
+    after_apart = torch.rand(4)
+    assert torch.equal(after_fused, after_apart)
+    dx, dres = torch.autograd.grad(y, (x, res), dy)
+    kept = dx != 0  # dx = dresidual * mask / (1 - p), and dresidual has no zeros here
+    assert torch.count_nonzero(dres) == dres.numel()
+    assert torch.equal(kept, dropped != 0)
+    assert abs(1 - kept.double().mean().item() - p) < 5 * (p * (1 - p) / kept.numel()) ** 0.5
+    close(y, y_apart.detach().double(), dtype, "fused against the ops apart")
+    dx_apart, dres_apart = torch.autograd.grad(y_apart, (x, res), dy)
+    close(dx, dx_apart.double(), dtype, "dx against the ops apart")
+    close(dres, dres_apart.double(), dtype, "dresidual against the ops apart")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_dropout_add_layer_norm_eval_and_p0(dtype):
+    """In eval (training=False) and with p = 0 the op is LayerNorm(x + bias + residual): it draws no seed (the
+    generator is untouched, no randint runs), and x's gradient is the residual's."""
+    gen = torch.Generator().manual_seed(19)
+    args = bdaln_inputs(45, 1000, dtype, gen)
+    for p, training in ((0.1, False), (0.0, True)):
+        torch.manual_seed(0)
+        with OpsRun() as run:
+            y = ops.bias_dropout_add_layer_norm(*args, 1e-12, p, training)
+        assert run.names == ["bertctl::bias_dropout_add_layer_norm"]
+        after = torch.rand(4)
+        torch.manual_seed(0)
+        assert torch.equal(after, torch.rand(4))  # nothing drawn
+        y2, grads = check_bdaln(*args, 1e-12, p, dtype, training=training)
+        assert torch.equal(y, y2) and torch.equal(grads[0], grads[2])
+
+
+def test_bias_dropout_add_layer_norm_noncontiguous_and_16bit_params():
+    """Views that are not contiguous (the mask follows x's row-major order, as dropout's does), and bf16
+    parameters beside bf16 activations."""
+    gen = torch.Generator().manual_seed(21)
+    x = rand(64, 10, dtype=torch.float32, device="cpu", gen=gen).t().requires_grad_()  # (10, 64) view
+    res = rand(10, 128, dtype=torch.float32, device="cpu", gen=gen)[:, ::2].requires_grad_()
+    bias = rand(128, dtype=torch.float32, device="cpu", gen=gen)[::2].requires_grad_()
+    w = rand(64, dtype=torch.float32, device="cpu", gen=gen).requires_grad_()
+    lb = rand(64, dtype=torch.float32, device="cpu", gen=gen).requires_grad_()
+    assert not (x.is_contiguous() or res.is_contiguous() or bias.is_contiguous())
+    check_bdaln(x, bias, res, w, lb, 1e-12, 0.3, torch.float32, rng_seed=2)
+    args = bdaln_inputs(33, 264, torch.bfloat16, gen, param_dtype=torch.bfloat16)
+    assert ops.bias_dropout_add_layer_norm_kernel_ok(*args, 0.1)
+    check_bdaln(*args, 1e-12, 0.1, torch.bfloat16, rng_seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("H", [768, 1000])  # 1000: rows start off the vector boundaries
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_bias_dropout_add_layer_norm_cpu_streamed_outputs(dtype, H, p):
+    """Tensors large enough for the streaming-store path of the forward (x, residual -> y) and of the backward
+    (dy, x, residual -> dresidual and dx, both streamed)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    N = -(-CPU_STREAM_TRAFFIC_FWD // (3 * H * itemsize)) + 5
+    args = bdaln_inputs(N, H, dtype, torch.Generator().manual_seed(H), param_dtype=dtype)
+    # fp64 has no entry in TOL: it is compared at fp32 tolerance, far looser than it needs.
+    check_bdaln(*args, 1e-12, p, torch.float32, rng_seed=H)
+
+
+def test_bias_dropout_add_layer_norm_gradcheck_float64():
+    gen = torch.Generator().manual_seed(12)
+    args = tuple(t.detach().double().requires_grad_() for t in bdaln_inputs(4, 13, torch.float64, gen))
+    for p, seed in ((0.3, torch.tensor(99)), (0.0, None)):
+        f = lambda *t: torch.ops.bertctl.bias_dropout_add_layer_norm(*t, 1e-12, p, seed)[0]  # noqa: E731
+        assert torch.autograd.gradcheck(f, args)
+        g = lambda *t: reference.bias_dropout_add_layer_norm(*t, 1e-12, p, seed)  # noqa: E731
+        assert torch.autograd.gradcheck(g, args)
+
+
+def test_bias_dropout_add_layer_norm_under_torch_compile():
+    """ops.bias_dropout_add_layer_norm traces into one graph (the seed drawn in it, the fake kernels, the C++
+    autograd): with p = 0 the values and gradients of eager mode, with and without grad; with dropout the share
+    dropped is p, and dx is dresidual / (1 - p) where kept and 0 elsewhere (one mask forward and backward)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(13)
+    args = bdaln_inputs(64, 96, torch.float32, gen)
+    dy = rand(64, 96, dtype=torch.float32, device="cpu", gen=gen)
+    f = lambda *a: ops.bias_dropout_add_layer_norm(*a, 1e-12, 0.0)  # noqa: E731
+    eager = f(*args)
+    compiled = torch.compile(f, fullgraph=True)(*args)
+    for a, e in zip((compiled, *torch.autograd.grad(compiled, args, dy)), (eager, *torch.autograd.grad(eager, args, dy))):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(*args), eager, atol=1e-5, rtol=1e-5)
+    y = torch.compile(lambda *a: ops.bias_dropout_add_layer_norm(*a, 1e-12, 0.2), fullgraph=True)(*args)
+    dx, dres = torch.autograd.grad(y, (args[0], args[2]), dy)
+    kept = dx != 0
+    assert abs(1 - kept.double().mean().item() - 0.2) < 5 * (0.2 * 0.8 / kept.numel()) ** 0.5
+    torch.testing.assert_close(dx, torch.where(kept, dres * torch.tensor(1 / 0.8), 0), rtol=0, atol=0)
+
+
+def test_bias_dropout_add_layer_norm_elsewhere_is_the_ops_apart():
+    """Outside the kernel's preconditions the ops apart run (bias add, dropout, layer_norm): p = 1 drops
+    everything (LayerNorm of the residual alone); a float16 bias beside bfloat16 x gives the reference's values
+    (the same hashed mask, through ops.dropout)."""
+    gen = torch.Generator().manual_seed(23)
+    x, bias, res, w, lb = bdaln_inputs(9, 40, torch.float32, gen)
+    assert not ops.bias_dropout_add_layer_norm_kernel_ok(x, bias, res, w, lb, 1.0)
+    y = ops.bias_dropout_add_layer_norm(x, bias, res, w, lb, 1e-12, 1.0)
+    d = lambda t: t.detach().double()  # noqa: E731
+    close(y, reference.layer_norm_forward(d(res), None, d(w), d(lb), 1e-12)[0], torch.float32, "p = 1")
+    x, bias, res, w, lb = bdaln_inputs(9, 40, torch.bfloat16, gen)
+    bias = bias.detach().half()
+    assert not ops.bias_dropout_add_layer_norm_kernel_ok(x, bias, res, w, lb, 0.2)
+    seed = seed_after(4)
+    torch.manual_seed(4)
+    y = ops.bias_dropout_add_layer_norm(x, bias, res, w, lb, 1e-12, 0.2)
+    y_ref = reference.bias_dropout_add_layer_norm_forward(d(x), d(bias), d(res), d(w), d(lb), 1e-12, 0.2, seed)[0]
+    close(y, y_ref, torch.bfloat16, "float16 bias")
 
 
 def test_kernels_loaded_lists_every_op_for_cpu():

@@ -29,14 +29,29 @@ def test_bench_ops_cli_writes_report(tmp_path):
     assert device["copy_gbps"] > 0
     rows = report["rows"]
     assert {(r["op"], r["mode"], r["provider"]) for r in rows} == {
-        (op, mode, p) for op in ("softmax", "layer_norm", "bias_gelu") for mode in ("fwd", "fwdbwd")
-        for p in ("fused", "eager")}
+        (op, mode, p) for op in ("softmax", "layer_norm", "bias_gelu", "bias_dropout_add_layer_norm")
+        for mode in ("fwd", "fwdbwd") for p in ("fused", "eager")}
     for r in rows:
         assert r["median_ms"] > 0
         # GB/s is the minimal byte count over the median time; % is against the measured copy bandwidth.
         assert r["gbps"] == pytest.approx(r["min_bytes"] / (r["median_ms"] * 1e-3) / 1e9, rel=1e-2, abs=0.1)
         assert r["pct_of_copy_bw"] == pytest.approx(100 * r["gbps"] / device["copy_gbps"], rel=1e-2, abs=0.1)
-    assert len(report["summary"]) == 6 and all("vs_eager" in s for s in report["summary"])
+    assert len(report["summary"]) == 8 and all("vs_eager" in s for s in report["summary"])
+
+
+@pytest.mark.usefixtures("fused_kernels")
+def test_bench_ops_separate_provider_times_the_ops_apart_where_there_are_some(tmp_path):
+    """The separate provider (bertctl's ops one after another) runs for an op that fuses others, and is left out
+    for the rest; the summary compares the fused op with it."""
+    out = tmp_path / "ops.json"
+    result = CliRunner().invoke(app, ["bench", "ops", "--device", "cpu", "--tiny", "--reps", "2", "--rounds", "1",
+                                      "--op", "layer_norm", "--op", "bias_dropout_add_layer_norm",
+                                      "--provider", "fused", "--provider", "separate", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert {(r["op"], r["provider"]) for r in report["rows"]} == {
+        ("layer_norm", "fused"), ("bias_dropout_add_layer_norm", "fused"), ("bias_dropout_add_layer_norm", "separate")}
+    assert [("vs_separate" in s) for s in report["summary"]] == [False, False, True, True]
 
 
 @pytest.mark.usefixtures("fused_kernels")
@@ -68,6 +83,10 @@ def test_bench_ops_rejects_bad_device():
 def test_min_bytes_counts_each_tensor_once():
     # LayerNorm fwd (no grad) on 4 x 8 fp32: x, residual, y (3 x 128 B) + weight, bias (2 x 32 B)
     assert min_bytes(Case("layer_norm", (4, 8), "t"), "fwd", 4) == 3 * 128 + 2 * 32
+    # bias+dropout+residual+LayerNorm fwd+bwd on 4 x 8 fp32: x, residual, y; dy, x, residual, dresidual, dx
+    # (8 x 128 B) + bias, weight, ln_bias, then bias, weight, dbias, dweight, dln_bias (8 x 32 B) + mean/rstd
+    # written and read (2 x 32 B)
+    assert min_bytes(Case("bias_dropout_add_layer_norm", (4, 8), "t"), "fwdbwd", 4) == 8 * 128 + 8 * 32 + 2 * 32
     # softmax fwd+bwd on (1, 1, 2, 4) bf16: x, y, dy, y, dx (5 x 16 B) + the (1, 4) mask
     assert min_bytes(Case("softmax", (1, 1, 2, 4), "t"), "fwdbwd", 2) == 5 * 16 + 4
     assert harness.rotation_count(harness.CACHE_BYTES // 3) == 4

@@ -31,6 +31,12 @@ torch.testing.assert_close(ops.layer_norm(h, w, b, 1e-12, residual=r), F.layer_n
 assert torch.autograd.gradcheck(lambda *t: ops.layer_norm(t[0], t[2], t[3], 1e-12, residual=t[1]), (h, r, w, b))
 torch.testing.assert_close(ops.bias_gelu(h, b), F.gelu(h + b))
 assert torch.autograd.gradcheck(lambda t, u: ops.bias_gelu(t, u, "tanh"), (h, b))
+c = torch.randn(12, generator=g, dtype=torch.float64, requires_grad=True)
+torch.testing.assert_close(ops.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-12, 0.1, training=False),
+                           F.layer_norm(h + c + r, (12,), w, b, 1e-12))
+assert torch.autograd.gradcheck(lambda *t: ops.bias_dropout_add_layer_norm(*t, 1e-12, 0.0), (h, c, r, w, b))
+y = ops.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-12, 0.5)  # torch's dropout inside
+assert y.shape == h.shape and torch.isfinite(y).all()
 print("ok")
 """
 

@@ -1,9 +1,11 @@
 """Benchmark of the fused ops against eager PyTorch and torch.compile of the same expression.
 
-For each op (softmax with scale + key-padding mask, LayerNorm + residual, bias + GELU), each
-mode (``fwd``, ``fwdbwd``) and each provider (``fused``: bertctl.ops; ``eager``: the plain
-PyTorch expression the model runs with ``kernels="torch"``; ``compile``: torch.compile of that
-expression), at BERT-Base and BERT-Large shapes, it reports the median time per call, GB/s from the
+For each op (softmax with scale + key-padding mask, LayerNorm + residual, bias + GELU, and on CPU
+bias + dropout + residual + LayerNorm), each mode (``fwd``, ``fwdbwd``) and each provider
+(``fused``: bertctl.ops; ``eager``: the plain PyTorch expression the model runs with
+``kernels="torch"``; ``compile``: torch.compile of that expression; ``separate``, for an op that
+fuses other bertctl ops: those ops one after another, the path the model ran before), at BERT-Base
+and BERT-Large shapes, it reports the median time per call, GB/s from the
 minimal bytes moved (each input read once, each output written once) and that as a percentage of
 the device-to-device copy bandwidth measured in the same run.  On CUDA the time per call is taken
 with CUDA events around the queued call (``median_ms``: kernel time plus the device's launch
@@ -24,16 +26,17 @@ import torch.nn.functional as F
 from bertctl import ops
 from bertctl.bench import harness
 
-PROVIDERS = ("fused", "eager", "compile")
+PROVIDERS = ("fused", "eager", "compile", "separate")
 MODES = ("fwd", "fwdbwd")
-OPS = ("softmax", "layer_norm", "bias_gelu")
+OPS = ("softmax", "layer_norm", "bias_gelu", "bias_dropout_add_layer_norm")
+DROPOUT_P = 0.1  # BERT's hidden dropout, for bias_dropout_add_layer_norm
 # CPU: rounds of `reps` calls per provider, the providers alternating (harness.measure_interleaved).
 CPU_ROUNDS = 5
 
 
 @dataclass
 class Case:
-    op: str          # softmax | layer_norm | bias_gelu
+    op: str          # softmax | layer_norm | bias_gelu | bias_dropout_add_layer_norm
     shape: tuple     # scores (B, heads, S, S); tokens x features otherwise
     label: str       # e.g. "base s512 b64"
     quick: bool = False
@@ -62,11 +65,15 @@ CPU_CASES = [
     Case("bias_gelu", (1024, 3072), "base s128 b8", quick=True),
     Case("layer_norm", (4096, 768), "base 4096 tok"),
     Case("bias_gelu", (4096, 3072), "base 4096 tok"),
+    # A sub-layer output in training (dropout 0.1); CPU only: the op has no CUDA kernel.
+    Case("bias_dropout_add_layer_norm", (1024, 768), "base s128 b8", quick=True),
+    Case("bias_dropout_add_layer_norm", (4096, 768), "base 4096 tok"),
 ]
 TINY_CASES = [  # for the CLI's test: seconds, not minutes
     Case("softmax", (2, 2, 16, 16), "tiny", quick=True),
     Case("layer_norm", (64, 32), "tiny", quick=True),
     Case("bias_gelu", (64, 64), "tiny", quick=True),
+    Case("bias_dropout_add_layer_norm", (64, 32), "tiny", quick=True),
 ]
 
 
@@ -97,10 +104,27 @@ def fused_bias_gelu(x, bias):
     return ops.bias_gelu(x, bias, "none")
 
 
+def eager_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p):
+    # kernels="torch": the bias (in the model, inside the matmul), torch's dropout, the add, LayerNorm.
+    return F.layer_norm(F.dropout(x + bias, p, True) + residual, (x.shape[-1],), weight, ln_bias, eps)
+
+
+def fused_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p):
+    return ops.bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p, True)
+
+
+def separate_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p):
+    # bertctl's ops apart: the bias add, the hashed-mask dropout, LayerNorm + residual.
+    return ops.layer_norm(ops.dropout(x + bias, p, True), weight, ln_bias, eps, residual=residual)
+
+
+# op: (fused, eager[, separate])
 EXPRESSIONS = {
     "softmax": (fused_softmax, eager_softmax),
     "layer_norm": (fused_layer_norm, eager_layer_norm),
     "bias_gelu": (fused_bias_gelu, eager_bias_gelu),
+    "bias_dropout_add_layer_norm": (fused_bias_dropout_add_layer_norm, eager_bias_dropout_add_layer_norm,
+                                    separate_bias_dropout_add_layer_norm),
 }
 
 
@@ -123,6 +147,12 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
         w = (1 + 0.1 * randn(D)).requires_grad_(grad)
         b = (0.1 * randn(D)).requires_grad_(grad)
         return (x, res, w, b, 1e-12), [x, res, w, b]
+    if case.op == "bias_dropout_add_layer_norm":
+        bias = (0.1 * randn(D)).requires_grad_(grad)
+        res = randn(N, D).requires_grad_(grad)
+        w = (1 + 0.1 * randn(D)).requires_grad_(grad)
+        b = (0.1 * randn(D)).requires_grad_(grad)
+        return (x, bias, res, w, b, 1e-12, DROPOUT_P), [x, bias, res, w, b]
     bias = (0.1 * randn(D)).requires_grad_(grad)
     return (x, bias), [x, bias]
 
@@ -138,6 +168,12 @@ def min_bytes(case: Case, mode: str, itemsize: int) -> int:
         # fwd: x -> y; bwd: dy, y -> dx
         return 2 * big + mask if mode == "fwd" else 5 * big + mask
     params = case.shape[1] * itemsize
+    if case.op == "bias_dropout_add_layer_norm":
+        # fwd: x, residual -> y (+ bias, weight, ln_bias; the mask is a hash, no bytes); fwd+bwd: the
+        # forward also writes mean/rstd, the backward reads dy, x, residual, them (+ bias, weight) ->
+        # dresidual, dx (+ dbias, dweight, dln_bias)
+        stats = case.shape[0] * 4 * 2
+        return 3 * big + 3 * params if mode == "fwd" else 8 * big + 8 * params + 2 * stats
     if case.op == "layer_norm":
         # fwd (no grad, so no statistics kept): x, residual -> y (+ weight, bias); fwd+bwd: the forward
         # also writes the fp32 mean/rstd rows, the backward reads dy, x, residual, them -> dx, dweight, dbias
@@ -201,8 +237,11 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
         dtype = getattr(torch, dtype_name)
         itemsize = torch.empty((), dtype=dtype).element_size()
         for case in cases:
-            fused_fn, eager_fn = EXPRESSIONS[case.op]
+            fused_fn, eager_fn, *separate_fn = EXPRESSIONS[case.op]
             fns = {"fused": fused_fn, "eager": eager_fn, "compile": torch.compile(eager_fn, dynamic=False)}
+            if separate_fn:
+                fns["separate"] = separate_fn[0]
+            providers = [p for p in cfg.providers if p in fns]
             for mode in cfg.modes:
                 grad = mode == "fwdbwd"
                 nbytes = min_bytes(case, mode, itemsize)
@@ -212,7 +251,7 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                     out_shape = case.shape
                     dy = torch.randn(out_shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
                     sets.append((args, wrt, dy))
-                runs = {p: _runner(fns[p], mode, len(sets[0][1])) for p in cfg.providers}
+                runs = {p: _runner(fns[p], mode, len(sets[0][1])) for p in providers}
                 if device.type == "cpu":  # providers alternate in rounds (a shared machine's slow spells hit all)
                     timings = harness.measure_interleaved(runs, sets, rounds=cfg.rounds, reps=reps)
                 else:
@@ -245,6 +284,8 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                     torch.cuda.empty_cache()
     summary = summarise(rows)
     columns = ["op", "mode", "label", "dtype", "fused_ms", "pct_of_copy_bw", "vs_eager", "vs_compile"]
+    if any("vs_separate" in line for line in summary):
+        columns.append("vs_separate")
     if any("kernel_pct_of_copy_bw" in line for line in summary):
         columns += ["kernel_pct_of_copy_bw", "kernel_vs_eager", "kernel_vs_compile"]
     log(harness.format_table(summary, columns))
@@ -283,7 +324,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "fused_ms": f["median_ms"], "pct_of_copy_bw": f["pct_of_copy_bw"]}
         if "kernel_pct_of_copy_bw" in f:
             line["kernel_pct_of_copy_bw"] = f["kernel_pct_of_copy_bw"]
-        for other in ("eager", "compile"):
+        for other in ("eager", "compile", "separate"):
             if other in prov:
                 line[f"vs_{other}"] = round(prov[other]["median_ms"] / f["median_ms"], 3)
                 if "kernel_ms" in f and "kernel_ms" in prov[other]:

@@ -19,8 +19,10 @@ def register(bench_app: typer.Typer) -> None:
                                         "Default: bfloat16 on cuda, float32 on cpu."),
         quick: bool = typer.Option(False, "--quick", help="BERT-Base shapes only, fewer repetitions."),
         tiny: bool = typer.Option(False, "--tiny", hidden=True, help="Tiny shapes (tests)."),
-        provider: list[str] = typer.Option(None, "--provider", help="fused, eager, compile (repeatable; default all)."),
-        op: list[str] = typer.Option(None, "--op", help="softmax, layer_norm, bias_gelu (repeatable; default all)."),
+        provider: list[str] = typer.Option(None, "--provider", help="fused, eager, compile, separate (bertctl's "
+                                           "ops apart, for an op that fuses them) (repeatable; default all)."),
+        op: list[str] = typer.Option(None, "--op", help="softmax, layer_norm, bias_gelu, bias_dropout_add_layer_norm "
+                                     "(CPU only) (repeatable; default all)."),
         reps: int = typer.Option(0, "--reps", help="Timed calls per measurement; on CPU per round, the providers "
                                                    "alternating (0: default for the device)."),
         rounds: int = typer.Option(0, "--rounds", help="CPU: rounds per measurement, the providers' order "
@@ -28,7 +30,8 @@ def register(bench_app: typer.Typer) -> None:
         threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0: torch's default)."),
         output: Path = typer.Option(None, "--output", "-o", help="Write the JSON report here (else to stdout)."),
     ) -> None:
-        """Time softmax, LayerNorm+residual and bias+GELU (fwd and fwd+bwd): median ms, GB/s, % of copy bandwidth."""
+        """Time softmax, LayerNorm+residual, bias+GELU and (CPU) bias+dropout+residual+LayerNorm (fwd and fwd+bwd):
+        median ms, GB/s, % of copy bandwidth."""
         import torch
 
         from bertctl.bench.ops import CPU_ROUNDS, MODES, OPS, PROVIDERS, OpsBenchConfig, run_ops_bench

@@ -1,4 +1,5 @@
-"""Fused ops used by the model: softmax (attention), LayerNorm(+residual), bias+GELU.
+"""Fused ops used by the model: softmax (attention), LayerNorm(+residual), bias+GELU, dropout and (CPU)
+bias+dropout+residual+LayerNorm.
 
 Public entry points (stable; the model calls only these):
 
@@ -16,10 +17,16 @@ Public entry points (stable; the model calls only these):
   compiled kernel draws the mask from a hash of (seed, element index), the seed from torch's
   CPU generator (so ``torch.manual_seed`` and a restored RNG state repeat it), and its backward
   recomputes the mask instead of storing it; elsewhere ``torch.nn.functional.dropout``.
+- ``bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p, training)``:
+  LayerNorm(dropout(x + bias) + residual), BERT's sub-layer output after a matmul without its
+  bias.  On the CPU one compiled op (no CUDA kernel): the mask is ``dropout``'s for the same seed
+  (drawn the same way, so the ops apart give the same mask), recomputed in the backward, and
+  dropout(x + bias) + residual is never stored; mean and rstd are kept in float32.  Elsewhere the
+  ops apart: the bias add, ``dropout``, ``layer_norm``.
 
 Each op runs the compiled ``torch.ops.bertctl`` kernel (C++ on CPU, CUDA on NVIDIA GPUs)
 when the extension loaded and the inputs meet the kernel's preconditions (one gate
-function per op: ``softmax_kernel_ok``, ``layer_norm_kernel_ok``, ``bias_gelu_kernel_ok``);
+function per op: ``softmax_kernel_ok``, ``layer_norm_kernel_ok``, ``bias_gelu_kernel_ok``, ...);
 otherwise the plain-PyTorch version in ``bertctl.ops.reference`` (same maths, hand-derived
 backward).  Forward and backward are separate ops with fake (meta) implementations, so
 ``torch.compile(fullgraph=True)`` keeps them in the graph; the forwards' autograd nodes are C++
@@ -32,8 +39,9 @@ import torch
 from bertctl._ext import OP_NAMES, compiled, kernels_loaded
 from bertctl.ops import reference
 
-__all__ = ["softmax", "layer_norm", "bias_gelu", "dropout", "fused_available",
-           "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "dropout_kernel_ok", "reference"]
+__all__ = ["softmax", "layer_norm", "bias_gelu", "dropout", "bias_dropout_add_layer_norm", "fused_available",
+           "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "dropout_kernel_ok",
+           "bias_dropout_add_layer_norm_kernel_ok", "reference"]
 
 # Which compiled ops are registered for which dispatch keys, read once at import
 # (a constant for torch.compile's tracer).
@@ -165,6 +173,38 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     return torch.nn.functional.dropout(x, p, True)
 
 
+# --- bias + dropout + residual + LayerNorm --------------------------------------------------
+
+def bias_dropout_add_layer_norm_kernel_ok(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                                          weight: torch.Tensor, ln_bias: torch.Tensor, p: float) -> bool:
+    """The compiled bias+dropout+residual+LayerNorm takes: x of a supported dtype on the CPU (the only device it has
+    a kernel for), at least 1-D, non-empty, fewer than 2^32 elements; bias, weight and ln_bias 1-D of size
+    H = x.shape[-1], x's dtype or float32, weight and ln_bias one dtype; a residual of x's shape, dtype, device;
+    0 <= p < 1."""
+    if not (_has_kernel("bias_dropout_add_layer_norm", x) and x.dim() >= 1 and 0 < x.numel() < 2 ** 32
+            and 0 <= p < 1):
+        return False
+    if not (_param_ok(x, bias) and _param_ok(x, weight) and _param_ok(x, ln_bias) and weight.dtype == ln_bias.dtype):
+        return False
+    return residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+
+
+def bias_dropout_add_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                ln_bias: torch.Tensor, eps: float, p: float, training: bool = True) -> torch.Tensor:
+    """LayerNorm(dropout(x + bias) + residual) over the last dim, dropout p in training only; output in x's dtype
+    (promoted with residual's)."""
+    if residual.dtype != x.dtype:  # mixed precision, as in layer_norm
+        common = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(common), residual.to(common)
+    p = float(p) if training else 0.0
+    if bias_dropout_add_layer_norm_kernel_ok(x, bias, residual, weight, ln_bias, p):
+        # The seed as dropout draws it (torch's CPU generator, none for p = 0): the same stream either way.
+        seed = torch.randint(0, 2 ** 62, (), dtype=torch.int64) if p > 0 else None
+        return torch.ops.bertctl.bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, float(eps), p,
+                                                             seed)[0]
+    return layer_norm(dropout(x + bias, p, training), weight, ln_bias, eps, residual=residual)
+
+
 # --- registration: fake (meta) kernels for torch.compile ------------------------------------
 # (autograd is in C++, csrc/autograd.cpp, on the Autograd dispatch key)
 
@@ -206,6 +246,17 @@ def _register() -> None:
     @torch.library.register_fake(lib + "bias_gelu_backward")
     def _bias_gelu_backward_fake(grad_y, x, bias, approximate):
         return x.new_empty(x.shape), bias.new_empty(bias.shape)
+
+    @torch.library.register_fake(lib + "bias_dropout_add_layer_norm")
+    def _bias_dropout_add_layer_norm_fake(x, bias, residual, weight, ln_bias, eps, p, seed):
+        stats = x.new_empty(x.shape[:-1], dtype=_stats_dtype(x))
+        return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
+
+    @torch.library.register_fake(lib + "bias_dropout_add_layer_norm_backward")
+    def _bias_dropout_add_layer_norm_backward_fake(grad_y, x, bias, residual, weight, mean, rstd, p, seed):
+        dx = x.new_empty(x.shape if p > 0 else (0,))  # p = 0: dx is dresidual, returned empty
+        return (dx, bias.new_empty(bias.shape), x.new_empty(x.shape), weight.new_empty(weight.shape),
+                weight.new_empty(weight.shape))
 
 
 if compiled() is not None and _KERNELS:

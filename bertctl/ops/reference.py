@@ -112,6 +112,38 @@ def dropout_forward(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tens
     return torch.where(keep.to(x.device), x.to(acc) * torch.tensor(1.0 / (1.0 - p), dtype=acc), 0).to(x.dtype)
 
 
+# --- bias + dropout + residual + LayerNorm ---------------------------------------------------
+
+def _dropped(x: torch.Tensor, bias: torch.Tensor, p: float, seed: torch.Tensor | None) -> torch.Tensor:
+    """dropout(x + bias) in the accumulation dtype (not rounded to x's), the mask dropout_forward's."""
+    v = x.to(acc_dtype(x)) + bias.to(acc_dtype(x))
+    return dropout_forward(v, p, seed) if p > 0 else v
+
+
+def bias_dropout_add_layer_norm_forward(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
+                                        weight: torch.Tensor, ln_bias: torch.Tensor, eps: float, p: float,
+                                        seed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd) of LayerNorm(dropout(x + bias) + residual); the mask is ``dropout_forward``'s for
+    (p, seed), none with p = 0."""
+    h = _dropped(x, bias, p, seed)
+    y, mean, rstd = layer_norm_forward(h, residual.to(h.dtype), weight, ln_bias, eps)
+    return y.to(x.dtype), mean, rstd
+
+
+def bias_dropout_add_layer_norm_backward(
+        grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        mean: torch.Tensor, rstd: torch.Tensor, p: float, seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dbias, dresidual, dweight, dln_bias): dresidual is LayerNorm's dx (``layer_norm_backward``), dx the
+    same mask on it (dropout is linear), dbias the column sums of dx.  (The kernel returns dx empty when p = 0,
+    where it equals dresidual.)"""
+    h = _dropped(x, bias, p, seed)
+    dh, dweight, dln_bias = layer_norm_backward(grad_y, h, residual.to(h.dtype), weight, mean, rstd)
+    dx = dropout_forward(dh, p, seed) if p > 0 else dh
+    dbias = dx.reshape(-1, x.shape[-1]).sum(dim=0)
+    return dx.to(x.dtype), dbias.to(bias.dtype), dh.to(x.dtype), dweight, dln_bias
+
+
 def _check_approximate(approximate: str) -> None:
     if approximate not in ("none", "tanh"):
         raise ValueError(f'bias_gelu: approximate must be "none" or "tanh", got {approximate!r}')
@@ -189,6 +221,22 @@ class _BiasGelu(torch.autograd.Function):
         return dx, dbias, None
 
 
+class _BiasDropoutAddLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, residual, weight, ln_bias, eps, p, seed):
+        y, mean, rstd = bias_dropout_add_layer_norm_forward(x, bias, residual, weight, ln_bias, eps, p, seed)
+        ctx.save_for_backward(x, bias, residual, weight, mean, rstd, seed)
+        ctx.p, ctx.ln_bias_dtype = p, ln_bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, bias, residual, weight, mean, rstd, seed = ctx.saved_tensors
+        dx, dbias, dres, dweight, dln_bias = bias_dropout_add_layer_norm_backward(
+            grad_y, x, bias, residual, weight, mean, rstd, ctx.p, seed)
+        return dx, dbias, dres, dweight, dln_bias.to(ctx.ln_bias_dtype), None, None, None
+
+
 def softmax(scores: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """Differentiable plain-PyTorch softmax(scale * scores + mask)."""
     return _Softmax.apply(scores, mask, float(scale))
@@ -204,3 +252,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") ->
     """Differentiable plain-PyTorch GELU(x + bias)."""
     _check_approximate(approximate)
     return _BiasGelu.apply(x, bias, approximate)
+
+
+def bias_dropout_add_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                ln_bias: torch.Tensor, eps: float, p: float,
+                                seed: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable plain-PyTorch LayerNorm(dropout(x + bias) + residual), the hashed mask of (p, seed)."""
+    return _BiasDropoutAddLayerNorm.apply(x, bias, residual, weight, ln_bias, float(eps), float(p), seed)

@@ -1,4 +1,4 @@
-// CPU dropout with a counter-based mask: element i of a call with key k is kept when
+// CPU dropout with a counter-based mask (dropout_mask.h): element i of a call with key k is kept when
 // lowbias32(i * 0x9E3779B9 + k) >= p * 2^32 (a 32-bit integer hash, 16 lanes to an AVX-512 vector),
 // so no mask is stored and the backward recomputes it from (p, seed); the plain-PyTorch twin is
 // bertctl.ops.reference.dropout_forward. Elements are split into chunks of 32,768 over the threads;
@@ -7,34 +7,29 @@
 // Mersenne Twister (bernoulli_): 0.59 ms for 131,072 floats on 2 threads of the 2-core machine,
 // against 0.026 ms for this mask on one. There is no CUDA kernel: PyTorch's CUDA dropout already
 // draws from a counter-based generator (Philox) at memory speed.
-#include <cstdint>
-
 #include "../common.h"
 #include "cpu_util.h"
+#include "dropout_mask.h"
 
 namespace bertctl::cpu {
 namespace {
 
-// Chris Wellons' lowbias32: a 32-bit mixing function (bias 0.17 in his avalanche measure).
-inline uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
-// y = x * scale where the hash clears the threshold, else 0; in acc_t (float, double for fp64).
+// y = x * scale where the mask keeps the element, else 0; in acc_t (float, double for fp64).
 template <typename scalar_t>
-void dropout_elements(const scalar_t* x, scalar_t* y, int64_t n, uint32_t key, uint32_t threshold, double p) {
+void dropout_elements(const scalar_t* x, scalar_t* y, int64_t n, const DropoutMask& mask, double p) {
   using acc_t = acc_type<scalar_t>;
   const acc_t scale = static_cast<acc_t>(1.0 / (1.0 - p));
   at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+    // Local copies, and x read for every element: a load under the condition, through the lambda's
+    // captured pointer, kept GCC 12 from vectorising the loop (786,432 floats on one thread: 1.19 ms
+    // scalar, 0.074 ms vectorised).
+    const DropoutMask m = mask;
+    const scalar_t* xp = x;
+    scalar_t* yp = y;
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
-      const uint32_t h = lowbias32(static_cast<uint32_t>(i) * 0x9E3779B9u + key);
-      y[i] = h >= threshold ? static_cast<scalar_t>(static_cast<acc_t>(x[i]) * scale) : scalar_t(0);
+      const acc_t v = static_cast<acc_t>(xp[i]) * scale;
+      yp[i] = static_cast<scalar_t>(m.keep(i) ? v : acc_t(0));
     }
   });
 }
@@ -42,17 +37,12 @@ void dropout_elements(const scalar_t* x, scalar_t* y, int64_t n, uint32_t key, u
 // x * mask / (1 - p); the same call on the gradient is the backward (the op is linear in x).
 at::Tensor dropout_cpu(const at::Tensor& x, double p, const at::Tensor& seed) {
   const char* op = "bertctl::dropout";
-  TORCH_CHECK(p >= 0 && p < 1, op, ": p must be in [0, 1), got ", p);
-  TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong && seed.device().is_cpu(), op,
-              ": seed must be one int64 on the CPU");
+  const DropoutMask mask(p, seed, op);
   TORCH_CHECK(x.numel() < (int64_t(1) << 32), op, ": at most 2^32 elements");
-  const uint64_t s = static_cast<uint64_t>(seed.item<int64_t>());
-  const uint32_t key = lowbias32(static_cast<uint32_t>(s)) ^ static_cast<uint32_t>(s >> 32);
-  const uint32_t threshold = static_cast<uint32_t>(p * 4294967296.0);
   auto xc = x.contiguous();
   auto y = at::empty_like(xc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_dropout_cpu", [&] {
-    dropout_elements<scalar_t>(xc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel(), key, threshold, p);
+    dropout_elements<scalar_t>(xc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), xc.numel(), mask, p);
   });
   return y;
 }

@@ -17,10 +17,12 @@
 //   time at 2 threads when a line near the boundary between two threads' partials bounced
 //   between the cores (it depended on where the allocation fell).
 // 16-bit tensors go through converted acc_t rows and ordinary stores.
+// Below the LayerNorm: bias + dropout + residual + LayerNorm in one op (see its section).
 #include <cmath>
 
 #include "../common.h"
 #include "cpu_util.h"
+#include "dropout_mask.h"
 
 namespace bertctl::cpu {
 namespace {
@@ -333,6 +335,297 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
   return {dx, dw, db};
 }
 
+// --- bias + dropout + residual + LayerNorm ---------------------------------------------------
+// y = LayerNorm(dropout(x + bias) + residual): BERT's post-LN sub-layer output, x the matmul's
+// output without its bias.  h = dropout(x + bias) + residual exists only as a row in L1: the
+// forward reads x and residual and writes y (apart: the bias add inside the matmul, dropout reading
+// and writing a tensor, then LayerNorm reading two and writing y); the backward recomputes h and
+// the mask from x, bias, residual and (p, seed), as layer_norm's backward re-adds x + residual,
+// and writes dresidual (= dh) and dx = dh * mask / (1 - p), with dbias as dx's column sums: 5
+// activation-sized tensors against the separate ops' 7 (LayerNorm's 4, dropout's 2, the matmul's
+// bias gradient reading dx).  The mask is dropout_mask.h's, the same as bertctl::dropout's for one
+// (p, seed).  With p = 0 (eval) it is bias + add + LayerNorm, and dx is dresidual, not written.
+
+// Pre-pass of a row: h = (x + bias) * k + res, k = 1 / (1 - p) where the mask keeps element
+// index0 + j, else 0 (kept in ks when ks is not null, for the backward's dx); h = x + bias + res
+// without dropout.  A scalar loop: `omp simd` vectorises the 32-bit hash with it.
+template <bool Drop, typename acc_t>
+inline void bias_dropout_add_row(const acc_t* x, const acc_t* bias, const acc_t* res, acc_t* h, acc_t* ks,
+                                 int64_t n, int64_t index0, const DropoutMask& mask, acc_t scale) {
+  if constexpr (Drop) {
+    const DropoutMask m = mask;  // key and threshold in registers
+    if (ks) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const acc_t k = m.keep(index0 + j) ? scale : acc_t(0);
+        ks[j] = k;
+        h[j] = (x[j] + bias[j]) * k + res[j];
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        h[j] = (x[j] + bias[j]) * (m.keep(index0 + j) ? scale : acc_t(0)) + res[j];
+      }
+    }
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) h[j] = x[j] + bias[j] + res[j];
+  }
+}
+
+template <bool Drop, bool Large, typename scalar_t, typename acc_t>
+void bias_dropout_add_layer_norm_chunk(const scalar_t* x, const acc_t* bias_in, const scalar_t* res,
+                                       const acc_t* w_in, const acc_t* b_in, acc_t eps, const DropoutMask& mask,
+                                       acc_t scale, scalar_t* y, acc_t* mean_out, acc_t* rstd_out, int64_t cols,
+                                       int64_t begin, int64_t end) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  // This thread's line-aligned copies of the parameters, the h row and (16-bit) conversion rows.
+  const int64_t ld = (cols + 15) / 16 * 16;
+  RowBuffer<acc_t> bufs(7 * ld);
+  acc_t *bias = bufs.get(0), *w = bufs.get(ld), *b = bufs.get(2 * ld), *h = bufs.get(3 * ld);
+  acc_t *xbuf = bufs.get(4 * ld), *rbuf = bufs.get(5 * ld), *out_buf = bufs.get(6 * ld);
+  std::copy(bias_in, bias_in + cols, bias);
+  std::copy(w_in, w_in + cols, w);
+  std::copy(b_in, b_in + cols, b);
+  for (int64_t r = begin; r < end; ++r) {
+    const acc_t* xr = load_row<acc_t>(x + r * cols, xbuf, cols);
+    const acc_t* rr = load_row<acc_t>(res + r * cols, rbuf, cols);
+    bias_dropout_add_row<Drop>(xr, bias, rr, h, static_cast<acc_t*>(nullptr), cols, r * cols, mask, scale);
+    acc_t mean, var;
+    moments_row<acc_t>(h, static_cast<const acc_t*>(nullptr), nullptr, nullptr, cols, mean, var);  // h from L1
+    const acc_t rstd = acc_t(1) / std::sqrt(var + eps);
+    mean_out[r] = mean;
+    rstd_out[r] = rstd;
+    acc_t* o = out_row<acc_t>(y + r * cols, out_buf);
+    const scalar_t* nx = r + 1 < end ? x + (r + 1) * cols : nullptr;  // into L1, as layer_norm_chunk
+    const scalar_t* nr = r + 1 < end ? res + (r + 1) * cols : nullptr;
+    for_each_vector<Large>(o, cols, [&](int64_t j, auto load, auto store) {
+      prefetch(nx, j);
+      prefetch(nr, j);
+      store(at::vec::fmadd((load(h, j) - Vec(mean)) * Vec(rstd), load(w, j), load(b, j)), o, j);
+    });
+    store_row<acc_t>(o, y + r * cols, cols);
+  }
+  if constexpr (Large) stream_fence();
+}
+
+// One thread's rows [r_begin, r_end) of the backward: their dresidual (= dh) and dx, and their
+// column sums of g*xhat, g (dweight, dln_bias) and dx (dbias) into dwp, dbp, dxbp.  Per row: the
+// pre-pass recomputes h (and the mask's factors k) into L1 rows, pass 1 is layer_norm's (g*w into
+// a scratch row, its row sums, the partials), pass 2 writes dh and dx = dh * k together (both
+// streamed with Large) and adds dx to the dbias partial.  Without dropout dx is dh, and only dh
+// is written.
+template <bool Drop, bool Large, typename scalar_t, typename acc_t>
+void bias_dropout_add_layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const acc_t* bias_in,
+                                                const scalar_t* res, const acc_t* w_in, const acc_t* mean,
+                                                const acc_t* rstd, const DropoutMask& mask, acc_t scale,
+                                                scalar_t* dres, scalar_t* dx, acc_t* dw, acc_t* db, acc_t* dbias,
+                                                int64_t cols, int64_t r_begin, int64_t r_end) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  constexpr bool kDirect = std::is_same_v<acc_t, scalar_t>;
+  const int64_t ld = (cols + 15) / 16 * 16;
+  RowBuffer<acc_t> buf((kDirect ? 8 : 13) * ld);
+  acc_t *bias = buf.get(0), *w = buf.get(ld), *dwp = buf.get(2 * ld), *dbp = buf.get(3 * ld);
+  acc_t *dxbp = buf.get(4 * ld), *gw = buf.get(5 * ld), *h = buf.get(6 * ld), *ks = buf.get(7 * ld);
+  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((8 + k) * ld); };
+  std::copy(bias_in, bias_in + cols, bias);
+  std::copy(w_in, w_in + cols, w);
+  std::fill(dwp, dwp + cols, acc_t(0));
+  std::fill(dbp, dbp + cols, acc_t(0));
+  std::fill(dxbp, dxbp + cols, acc_t(0));
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    const int64_t off = r * cols, ahead = off + kAheadRows * cols;
+    const acc_t* xr = load_row<acc_t>(x + off, conv(0), cols);
+    const acc_t* rr = load_row<acc_t>(res + off, conv(1), cols);
+    const acc_t* g = load_row<acc_t>(dy + off, conv(2), cols);
+    acc_t* dh_out = out_row<acc_t>(dres + off, conv(3));
+    acc_t* dx_out = Drop ? out_row<acc_t>(dx + off, conv(4)) : nullptr;
+    const bool more = Large && r + kAheadRows < r_end;
+    const scalar_t* ax = more ? x + ahead : nullptr;
+    const scalar_t* ar = more ? res + ahead : nullptr;
+    const scalar_t* ag = more ? dy + ahead : nullptr;
+    bias_dropout_add_row<Drop>(xr, bias, rr, h, ks, cols, off, mask, scale);
+    const Vec vmean(mean[r]), vrstd(rstd[r]);
+    Vec s1(0), s2(0);
+    for_each_vector<false>(gw, cols, [&](int64_t j, auto load, auto store) {
+      if constexpr (Large) {
+        prefetch_l2(ax, j);
+        prefetch_l2(ar, j);
+        prefetch_l2(ag, j);
+      }
+      const Vec xh = (load(h, j) - vmean) * vrstd;
+      const Vec gv = load(g, j);
+      const Vec gwv = gv * load(w, j);
+      store(gwv, gw, j);  // rounded once, as in layer_norm_backward_row
+      s1 = s1 + gwv;
+      s2 = at::vec::fmadd(gwv, xh, s2);
+      store(at::vec::fmadd(gv, xh, load(dwp, j)), dwp, j);
+      store(load(dbp, j) + gv, dbp, j);
+    });
+    const Vec m1(lane_sum(s1) / cols), m2(lane_sum(s2) / cols);
+    // Pass 2 over columns [j, j + count), count <= W, as for_each_vector lays them (a partial head vector up to
+    // dh_out's first boundary with Large, full vectors, a partial tail), but by hand: its stores to the dbias
+    // partial row are never streamed.
+    auto pass2 = [&](int64_t j, int64_t count) {
+      auto load = [&](const acc_t* q) { return count == W ? Vec::loadu(q + j) : Vec::loadu(q + j, count); };
+      const Vec dh = vrstd * (load(gw) - m1 - (load(h) - vmean) * vrstd * m2);
+      const Vec d = Drop ? dh * load(ks) : dh;
+      const Vec part = load(dxbp) + d;
+      if (count < W) {
+        part.store(dxbp + j, count);
+        dh.store(dh_out + j, count);
+        if constexpr (Drop) d.store(dx_out + j, count);
+      } else if constexpr (Large) {
+        part.store(dxbp + j);
+        stream_store(dh, dh_out + j);
+        if constexpr (Drop) stream_store(d, dx_out + j);
+      } else {
+        part.store(dxbp + j);
+        dh.store(dh_out + j);
+        if constexpr (Drop) d.store(dx_out + j);
+      }
+    };
+    int64_t j = 0;
+    if constexpr (Large) {
+      j = std::min(cols, to_vector_boundary(dh_out));
+      if (j > 0) pass2(0, j);
+    }
+    for (; j + W <= cols; j += W) pass2(j, W);
+    if (j < cols) pass2(j, cols - j);
+    store_row<acc_t>(dh_out, dres + off, cols);
+    if constexpr (Drop) store_row<acc_t>(dx_out, dx + off, cols);
+  }
+  if constexpr (Large) stream_fence();
+  std::copy(dwp, dwp + cols, dw);
+  std::copy(dbp, dbp + cols, db);
+  std::copy(dxbp, dxbp + cols, dbias);
+}
+
+void check_bias_dropout_add_layer_norm(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                                       const at::Tensor& weight, double p, const c10::optional<at::Tensor>& seed,
+                                       const char* op) {
+  TORCH_CHECK(x.dim() >= 1, op, ": input must have at least one dimension");
+  check_param(x, bias, op, "bias");
+  check_same(x, residual, op, "residual");
+  check_param(x, weight, op, "weight");
+  TORCH_CHECK(x.numel() < (int64_t(1) << 32), op, ": at most 2^32 elements");
+  TORCH_CHECK(p >= 0 && p < 1, op, ": p must be in [0, 1), got ", p);
+  TORCH_CHECK(p == 0 || (seed.has_value() && seed->defined()), op, ": p > 0 needs a seed");
+}
+
+// The mask of (p, seed), or one that keeps everything (p = 0: no seed needed, none read).
+DropoutMask mask_of(double p, const c10::optional<at::Tensor>& seed, const char* op) {
+  return p > 0 ? DropoutMask(p, *seed, op) : DropoutMask();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_dropout_add_layer_norm_cpu(
+    const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual, const at::Tensor& weight,
+    const at::Tensor& ln_bias, double eps, double p, const c10::optional<at::Tensor>& seed) {
+  const char* op = "bertctl::bias_dropout_add_layer_norm";
+  check_bias_dropout_add_layer_norm(x, bias, residual, weight, p, seed, op);
+  check_param(x, ln_bias, op, "ln_bias");
+  const DropoutMask mask = mask_of(p, seed, op);
+  auto xc = x.contiguous(), rc = residual.contiguous();
+  auto y = at::empty_like(xc);
+  auto mean = stats_like(x), rstd = stats_like(x);
+  if (x.numel() == 0) return {y, mean, rstd};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_bdaln_cpu", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const int64_t cols = last_dim(x), rows = rows_of(x);
+    const auto bv = param_acc<acc_t>(bias), wv = param_acc<acc_t>(weight), lbv = param_acc<acc_t>(ln_bias);
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* rp = rc.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    acc_t *mp = mean.data_ptr<acc_t>(), *sp = rstd.data_ptr<acc_t>();
+    const acc_t scale = static_cast<acc_t>(1.0 / (1.0 - p));
+    // Streaming stores as layer_norm's forward (reads x, residual; writes y).
+    const bool large = std::is_same_v<acc_t, scalar_t> &&
+                       static_cast<int64_t>(y.nbytes()) * 3 >= kStreamTrafficForward;
+    at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+      auto run = [&](auto drop, auto streamed) {
+        bias_dropout_add_layer_norm_chunk<decltype(drop)::value, decltype(streamed)::value>(
+            xp, bv.data(), rp, wv.data(), lbv.data(), acc_t(eps), mask, scale, yp, mp, sp, cols, begin, end);
+      };
+      using T = std::true_type;
+      using F = std::false_type;
+      if (p > 0)
+        large ? run(T{}, T{}) : run(T{}, F{});
+      else
+        large ? run(F{}, T{}) : run(F{}, F{});
+    });
+  });
+  return {y, mean, rstd};
+}
+
+// (dx, dbias, dresidual, dweight, dln_bias); dx has 0 elements when p = 0 (it is dresidual: the
+// autograd node passes that on), dbias has the bias's dtype, dweight and dln_bias the weight's.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_dropout_add_layer_norm_backward_cpu(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+    const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double p,
+    const c10::optional<at::Tensor>& seed) {
+  const char* op = "bertctl::bias_dropout_add_layer_norm_backward";
+  check_bias_dropout_add_layer_norm(x, bias, residual, weight, p, seed, op);
+  check_same(x, grad_y, op, "grad_y");
+  TORCH_CHECK(mean.numel() == rows_of(x) && rstd.numel() == rows_of(x), op, ": mean/rstd must have ", rows_of(x),
+              " elements");
+  const DropoutMask mask = mask_of(p, seed, op);
+  auto xc = x.contiguous(), rc = residual.contiguous(), dyc = grad_y.contiguous();
+  auto mc = mean.contiguous().to(stats_dtype(x)), sc = rstd.contiguous().to(stats_dtype(x));
+  auto dres = at::empty_like(xc);
+  auto dx = p > 0 ? at::empty_like(xc) : at::empty({0}, x.options());
+  const int64_t cols = last_dim(x), rows = rows_of(x);
+  auto dbias = at::empty({cols}, bias.options());
+  auto dw = at::empty({cols}, weight.options()), db = at::empty({cols}, weight.options());
+  if (x.numel() == 0) {
+    dbias.zero_();
+    dw.zero_();
+    db.zero_();
+    return {dx, dbias, dres, dw, db};
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_bdaln_backward_cpu", [&] {
+    using acc_t = acc_type<scalar_t>;
+    const auto bv = param_acc<acc_t>(bias), wv = param_acc<acc_t>(weight);
+    const scalar_t* dyp = dyc.data_ptr<scalar_t>();
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* rp = rc.data_ptr<scalar_t>();
+    const acc_t* mp = mc.data_ptr<acc_t>();
+    const acc_t* sp = sc.data_ptr<acc_t>();
+    scalar_t* dresp = dres.data_ptr<scalar_t>();
+    scalar_t* dxp = p > 0 ? dx.data_ptr<scalar_t>() : nullptr;
+    const acc_t scale = static_cast<acc_t>(1.0 / (1.0 - p));
+    const int64_t chunks = num_chunks(rows, cols);
+    // Streaming as layer_norm's backward (reads dy, x, residual; writes dresidual and, with dropout,
+    // dx); both outputs' vectors are laid on dresidual's boundaries, so dx must share its alignment.
+    const int64_t traffic = static_cast<int64_t>(dres.nbytes()) * (p > 0 ? 5 : 4);
+    const bool large = std::is_same_v<acc_t, scalar_t> && traffic >= kStreamTrafficBackward &&
+                       (dxp == nullptr || to_vector_boundary(dxp) == to_vector_boundary(dresp));
+    // Per-chunk column sums in acc_t, added in chunk order (chunk c: dweight, dln_bias, dbias at 3c..3c+2).
+    std::vector<acc_t> part(3 * chunks * cols);
+    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t c = cb; c < ce; ++c) {
+        acc_t* dwp = part.data() + 3 * c * cols;
+        const int64_t r0 = c * rows / chunks, r1 = (c + 1) * rows / chunks;
+        auto run = [&](auto drop, auto streamed) {
+          bias_dropout_add_layer_norm_backward_chunk<decltype(drop)::value, decltype(streamed)::value>(
+              dyp, xp, bv.data(), rp, wv.data(), mp, sp, mask, scale, dresp, dxp, dwp, dwp + cols, dwp + 2 * cols,
+              cols, r0, r1);
+        };
+        using T = std::true_type;
+        using F = std::false_type;
+        if (p > 0)
+          large ? run(T{}, T{}) : run(T{}, F{});
+        else
+          large ? run(F{}, T{}) : run(F{}, F{});
+      }
+    });
+    sum_partials(part.data(), chunks, 3 * cols, dw);
+    sum_partials(part.data() + cols, chunks, 3 * cols, db);
+    sum_partials(part.data() + 2 * cols, chunks, 3 * cols, dbias);
+  });
+  return {dx, dbias, dres, dw, db};
+}
+
 }  // namespace
 }  // namespace bertctl::cpu
 
@@ -340,4 +633,6 @@ TORCH_LIBRARY_IMPL(bertctl, CPU, m) {
   m.impl("layer_norm", &bertctl::cpu::layer_norm_cpu);
   m.impl("layer_norm_inference", &bertctl::cpu::layer_norm_inference_cpu);
   m.impl("layer_norm_backward", &bertctl::cpu::layer_norm_backward_cpu);
+  m.impl("bias_dropout_add_layer_norm", &bertctl::cpu::bias_dropout_add_layer_norm_cpu);
+  m.impl("bias_dropout_add_layer_norm_backward", &bertctl::cpu::bias_dropout_add_layer_norm_backward_cpu);
 }
