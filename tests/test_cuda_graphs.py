@@ -198,3 +198,33 @@ def test_one_flat_buffer_holds_every_gradient_and_backward_fills_it():
     assert torch.equal(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), grads * 0.5)
     with pytest.raises(ValueError, match="one parameter dtype"):
         distributed.flat_gradients(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))
+
+
+def _broadcast_worker(rank: int, init: str, out: str) -> None:
+    import torch.distributed as tdist
+
+    from bertctl.train import distributed
+
+    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(rank)  # each rank draws other weights, as separate processes do
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    model[1].running_mean.add_(rank + 1.0)
+    distributed.broadcast_parameters(model, distributed.Dist(rank=rank, world_size=2))
+    torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
+    tdist.destroy_process_group()
+
+
+def test_parameters_and_buffers_start_as_rank_zeros():
+    """Without DDP (graphs under torchrun), rank 0's weights and buffers reach every rank, as DDP's wrap does."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_broadcast_worker, args=(f"file://{d}/init", d), nprocs=2)
+        zero, one = (torch.load(f"{d}/rank{r}.pt") for r in (0, 1))
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).state_dict()
+    expected["1.running_mean"] += 1.0
+    for k in expected:
+        assert torch.equal(zero[k], expected[k]) and torch.equal(one[k], expected[k]), k
