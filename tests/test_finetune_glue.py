@@ -343,3 +343,28 @@ def test_from_scratch_keeps_the_architecture_and_draws_every_weight_afresh(tiny,
                 str(out), "--epochs", "1", "--batch-size", "16", "--no-progress", "--from-scratch"])
     assert r.exit_code == 0, r.output
     assert 0.0 <= json.loads((out / "metrics.json").read_text())["accuracy"] <= 1.0
+
+
+def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, monkeypatch):
+    """benchmarks/finetune_ddp.py end to end on the CPU (one process, then torchrun with 2 gloo processes):
+    every run succeeds, and the summary holds each configuration's metric and its examples/s ratio."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import finetune_ddp
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "ddp.json"
+    rc = finetune_ddp.main(["--data", str(sst2), "--model", str(tiny), "--configs", "1x8,2x8", "--seeds", "42",
+                            "--epochs", "1", "--work", str(tmp_path / "work"), "--out", str(out), "--",
+                            "--device", "cpu", "--max-steps", "3"])
+    result = json.loads(out.read_text())
+    assert rc == 0 and [r["rc"] for r in result["runs"]] == [0, 0]
+    assert [r["world_size"] for r in result["runs"]] == [1, 2]
+    one, two = result["summary"]
+    assert one["examples_per_second_vs_first"] == 1.0 and two["runs"] == 1
+    assert two["examples_per_second_vs_first"] == pytest.approx(
+        two["train_examples_per_second"]["mean"] / one["train_examples_per_second"]["mean"], rel=1e-3)
+    assert 0.0 <= two["accuracy"]["mean"] <= 1.0
+    with pytest.raises(SystemExit, match="not GPUSxBATCH"):
+        finetune_ddp.parse_configs("2x1")
