@@ -99,10 +99,25 @@ inline acc_t lane_sum(const at::vec::Vectorized<acc_t>& v) {
   return s;
 }
 
+// One output row: y = (h - mean) * rstd * w + b from the acc_t row h, through out_buf for 16-bit y.
+// The next row's x and residual are prefetched into L1 while this one is written (see prefetch in
+// cpu_util.h): here that measured faster than the backward's way (two rows ahead, into L2, in pass 1).
+template <bool Large, typename scalar_t, typename acc_t>
+inline void normalize_row(const acc_t* h, acc_t mean, acc_t rstd, const acc_t* w, const acc_t* b, scalar_t* y,
+                          acc_t* out_buf, int64_t cols, const scalar_t* next_x, const scalar_t* next_res) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  acc_t* o = out_row<acc_t>(y, out_buf);
+  for_each_vector<Large>(o, cols, [&](int64_t j, auto load, auto store) {
+    prefetch(next_x, j);
+    prefetch(next_res, j);
+    store(at::vec::fmadd((load(h, j) - Vec(mean)) * Vec(rstd), load(w, j), load(b, j)), o, j);
+  });
+  store_row<acc_t>(o, y, cols);
+}
+
 template <bool Large, typename scalar_t, typename acc_t>
 void layer_norm_chunk(const scalar_t* x, const scalar_t* res, const acc_t* w_in, const acc_t* b_in, acc_t eps,
                       scalar_t* y, acc_t* mean_out, acc_t* rstd_out, int64_t cols, int64_t begin, int64_t end) {
-  using Vec = at::vec::Vectorized<acc_t>;
   // This thread's line-aligned copies of w and b, and rows for h and (16-bit) conversions.
   const int64_t ld = (cols + 15) / 16 * 16;
   RowBuffer<acc_t> bufs(5 * ld);
@@ -119,17 +134,9 @@ void layer_norm_chunk(const scalar_t* x, const scalar_t* res, const acc_t* w_in,
       mean_out[r] = mean;
       rstd_out[r] = rstd;
     }
-    acc_t* o = out_row<acc_t>(y + r * cols, out_buf);
-    // The next row is prefetched into L1 while this one is written (see prefetch in cpu_util.h):
-    // here that measured faster than the backward's way (two rows ahead, into L2, in pass 1).
-    const scalar_t* nx = r + 1 < end ? x + (r + 1) * cols : nullptr;
-    const scalar_t* nr = r + 1 < end && res ? res + (r + 1) * cols : nullptr;
-    for_each_vector<Large>(o, cols, [&](int64_t j, auto load, auto store) {
-      prefetch(nx, j);
-      prefetch(nr, j);
-      store(at::vec::fmadd((load(h, j) - Vec(mean)) * Vec(rstd), load(w, j), load(b, j)), o, j);
-    });
-    store_row<acc_t>(o, y + r * cols, cols);
+    normalize_row<Large>(h, mean, rstd, w, b, y + r * cols, out_buf, cols,
+                         r + 1 < end ? x + (r + 1) * cols : nullptr,
+                         r + 1 < end && res ? res + (r + 1) * cols : nullptr);
   }
   if constexpr (Large) stream_fence();
 }
@@ -378,7 +385,6 @@ void bias_dropout_add_layer_norm_chunk(const scalar_t* x, const acc_t* bias_in, 
                                        const acc_t* w_in, const acc_t* b_in, acc_t eps, const DropoutMask& mask,
                                        acc_t scale, scalar_t* y, acc_t* mean_out, acc_t* rstd_out, int64_t cols,
                                        int64_t begin, int64_t end) {
-  using Vec = at::vec::Vectorized<acc_t>;
   // This thread's line-aligned copies of the parameters, the h row and (16-bit) conversion rows.
   const int64_t ld = (cols + 15) / 16 * 16;
   RowBuffer<acc_t> bufs(7 * ld);
@@ -396,15 +402,8 @@ void bias_dropout_add_layer_norm_chunk(const scalar_t* x, const acc_t* bias_in, 
     const acc_t rstd = acc_t(1) / std::sqrt(var + eps);
     mean_out[r] = mean;
     rstd_out[r] = rstd;
-    acc_t* o = out_row<acc_t>(y + r * cols, out_buf);
-    const scalar_t* nx = r + 1 < end ? x + (r + 1) * cols : nullptr;  // into L1, as layer_norm_chunk
-    const scalar_t* nr = r + 1 < end ? res + (r + 1) * cols : nullptr;
-    for_each_vector<Large>(o, cols, [&](int64_t j, auto load, auto store) {
-      prefetch(nx, j);
-      prefetch(nr, j);
-      store(at::vec::fmadd((load(h, j) - Vec(mean)) * Vec(rstd), load(w, j), load(b, j)), o, j);
-    });
-    store_row<acc_t>(o, y + r * cols, cols);
+    normalize_row<Large>(h, mean, rstd, w, b, y + r * cols, out_buf, cols,
+                         r + 1 < end ? x + (r + 1) * cols : nullptr, r + 1 < end ? res + (r + 1) * cols : nullptr);
   }
   if constexpr (Large) stream_fence();
 }
