@@ -19,6 +19,7 @@
 // 16-bit tensors go through converted acc_t rows and ordinary stores.
 // Below the LayerNorm: bias + dropout + residual + LayerNorm in one op (see its section).
 #include <cmath>
+#include <type_traits>
 
 #include "../common.h"
 #include "cpu_util.h"
@@ -97,6 +98,16 @@ inline acc_t lane_sum(const at::vec::Vectorized<acc_t>& v) {
   v.store(lanes);
   for (int64_t i = 0; i < W; ++i) s += lanes[i];
   return s;
+}
+
+// fn(std::bool_constant<a>{}, std::bool_constant<b>{}): two run-time switches as template arguments.
+template <typename Fn>
+inline void with_bools(bool a, bool b, Fn&& fn) {
+  if (a) {
+    b ? fn(std::true_type{}, std::true_type{}) : fn(std::true_type{}, std::false_type{});
+  } else {
+    b ? fn(std::false_type{}, std::true_type{}) : fn(std::false_type{}, std::false_type{});
+  }
 }
 
 // One output row: y = (h - mean) * rstd * w + b from the acc_t row h, through out_buf for 16-bit y.
@@ -542,16 +553,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_dropout_add_layer_norm_cpu(
     const bool large = std::is_same_v<acc_t, scalar_t> &&
                        static_cast<int64_t>(y.nbytes()) * 3 >= kStreamTrafficForward;
     at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
-      auto run = [&](auto drop, auto streamed) {
+      with_bools(p > 0, large, [&](auto drop, auto streamed) {
         bias_dropout_add_layer_norm_chunk<decltype(drop)::value, decltype(streamed)::value>(
             xp, bv.data(), rp, wv.data(), lbv.data(), acc_t(eps), mask, scale, yp, mp, sp, cols, begin, end);
-      };
-      using T = std::true_type;
-      using F = std::false_type;
-      if (p > 0)
-        large ? run(T{}, T{}) : run(T{}, F{});
-      else
-        large ? run(F{}, T{}) : run(F{}, F{});
+      });
     });
   });
   return {y, mean, rstd};
@@ -605,17 +610,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_drop
       for (int64_t c = cb; c < ce; ++c) {
         acc_t* dwp = part.data() + 3 * c * cols;
         const int64_t r0 = c * rows / chunks, r1 = (c + 1) * rows / chunks;
-        auto run = [&](auto drop, auto streamed) {
+        with_bools(p > 0, large, [&](auto drop, auto streamed) {
           bias_dropout_add_layer_norm_backward_chunk<decltype(drop)::value, decltype(streamed)::value>(
               dyp, xp, bv.data(), rp, wv.data(), mp, sp, mask, scale, dresp, dxp, dwp, dwp + cols, dwp + 2 * cols,
               cols, r0, r1);
-        };
-        using T = std::true_type;
-        using F = std::false_type;
-        if (p > 0)
-          large ? run(T{}, T{}) : run(T{}, F{});
-        else
-          large ? run(F{}, T{}) : run(F{}, F{});
+        });
       }
     });
     sum_partials(part.data(), chunks, 3 * cols, dw);
