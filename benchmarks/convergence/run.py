@@ -67,6 +67,7 @@ INITS = ("pretrained", "scratch", "mlm")
 METRIC = {"sst2": "accuracy", "conll": "test_f1", "squad": "f1"}
 TARGET_GAP = {"sst2": 5.0, "conll": 10.0, "squad": 10.0}  # (a) - (b), points
 RACE_SHARE = 0.6
+FINETUNE_DROPOUT = 0.1  # the paper's, whatever dropout pretraining ran with
 PRESET_SIZES = ("tiny", "mini", "small", "medium", "base", "large")
 
 
@@ -158,6 +159,8 @@ def pretrain_cmd(a, data: str, out: Path, *, minutes: float | None = None, max_s
                      "--save-minutes", "3"]
     if a.compile:
         cmd.append("--compile")
+    if a.pretrain_dropout is not None:
+        cmd += ["--dropout", f"{a.pretrain_dropout:g}"]
     if minutes is not None:
         cmd += ["--minutes", f"{minutes:g}"]
     if max_steps is not None:
@@ -239,6 +242,8 @@ def finetune_cmd(a, task: str, init: str, seed: int, out: Path) -> list[str]:
                          "--train-articles", f"{split}:train", "--dev-articles", f"{split}:eval",
                          "--max-seq-length", str(a.seq), "--doc-stride", str(a.seq // 2)]
     cmd += ["--model", str(model), "-o", str(out), "--seed", str(seed), "--no-progress", "--no-tensorboard"]
+    if a.pretrain_dropout is not None:  # the exported config carries pretraining's dropout: fine-tune at the paper's
+        cmd += ["--dropout", f"{FINETUNE_DROPOUT:g}"]
     return cmd + (["--from-scratch"] if init == "scratch" else [])
 
 
@@ -341,7 +346,7 @@ def report(a) -> dict:
     recs = load_records(a)
     # The recipe; each record keeps the exact command it ran.
     keep = ("vocab_size", "seq", "dupe", "holdout", "model_size", "batch", "minutes", "eval_every", "eval_batches",
-            "seed", "compile", "tasks", "seeds")
+            "seed", "compile", "pretrain_dropout", "tasks", "seeds")
     res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(),
                  "settings": {k: getattr(a, k) for k in keep}}
     box = (recs.get("pretrain-main") or {}).get("box")
@@ -626,6 +631,9 @@ def main(argv=None) -> int:
                         "preparation and the measured finetune-scratch stage, which must then have run)")
     p.add_argument("--budget-minutes", type=float, default=TARGET_MINUTES,
                    help="the whole benchmark's GPU time that the planned boxes fill (default 25)")
+    p.add_argument("--pretrain-dropout", type=float, default=None,
+                   help="hidden and attention dropout while pretraining (default: the preset's, 0.1); fine-tuning then "
+                        f"runs at {FINETUNE_DROPOUT:g} for every init")
     p.add_argument("--eval-every", type=int, default=1000)
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
