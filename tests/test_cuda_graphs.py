@@ -228,3 +228,90 @@ def test_parameters_and_buffers_start_as_rank_zeros():
     expected["1.running_mean"] += 1.0
     for k in expected:
         assert torch.equal(zero[k], expected[k]) and torch.equal(one[k], expected[k]), k
+
+
+class _Tiny(torch.nn.Module):
+    """Word embeddings, two layers, a head and a layer no loss uses (as a pooler in NER)."""
+
+    def __init__(self, tied: bool = False):
+        super().__init__()
+        self.word_embeddings = torch.nn.Embedding(50, 6, padding_idx=0)
+        self.one, self.two = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.unused = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 50, bias=False)
+        if tied:
+            self.head.weight = self.word_embeddings.weight
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.two(torch.tanh(self.one(self.word_embeddings(ids))))
+        return self.head(h).square().mean()
+
+
+def _data(step: int, rank: int) -> list[torch.Tensor]:
+    """Each rank's micro-batches: 3 rows on rank 0, 2 on rank 1, in two micro-batches, ids below 20."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    rows = (2, 1) if rank == 0 else (1, 1)
+    return [torch.randint(1, 20, (r, 5), generator=g) for r in rows]
+
+
+def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool) -> None:
+    import torch.distributed as tdist
+
+    from bertctl.train import distributed
+
+    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = _Tiny(tied)
+    flat = distributed.flat_gradients(model)
+    reducer = distributed.GradientReducer(model, flat, distributed.Dist(rank=rank, world_size=2), bucket_mb=bucket_mb)
+    grads, launched = [], []
+    for step in range(3):  # the first step learns which parameters get no gradient; later ones rely on it
+        micro = _data(step, rank)
+        for i, ids in enumerate(micro):
+            if i == len(micro) - 1:
+                reducer.arm()
+            model.loss(ids).backward()
+        launched.append(len(reducer.buckets) and len(reducer._works))  # by backward's hooks
+        reducer.finish(micro, id_count=3 * 5)
+        grads.append(flat.clone())
+        flat.zero_()
+    torch.save({"grads": grads, "rows": reducer.rows is not None, "buckets": len(reducer.buckets), "launched": launched},
+               f"{out}/rank{rank}.pt")
+    tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bucket_mb,tied", [(25.0, False), (1e-4, False), (0.0, False), (1e-4, True)],
+                         ids=["one-bucket", "bucket-per-parameter", "no-overlap", "tied-embeddings"])
+def test_the_reducer_averages_gradients_over_ranks(bucket_mb, tied):
+    """Buckets started by backward hooks, the embedding's touched rows alone, accumulation, a parameter
+    without gradient: every rank ends with the mean of the ranks' gradients (2 gloo processes)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from bertctl.train import distributed
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_reducer_worker, args=(f"file://{d}/init", d, bucket_mb, tied), nprocs=2)
+        got = [torch.load(f"{d}/rank{r}.pt") for r in (0, 1)]
+    torch.manual_seed(0)
+    model = _Tiny(tied)
+    flat = distributed.flat_gradients(model)
+    for step in range(3):
+        local = []
+        for rank in (0, 1):
+            for ids in _data(step, rank):
+                model.loss(ids).backward()
+            local.append(flat.clone())
+            flat.zero_()
+        expected = (local[0] + local[1]) / 2
+        for rank in (0, 1):
+            torch.testing.assert_close(got[rank]["grads"][step], expected, rtol=1e-5, atol=1e-7)
+    emb = model.word_embeddings.weight.numel()
+    if not tied:  # untied, the rows no id touched stay zero
+        assert torch.equal(got[0]["grads"][0][:emb][20 * 6:], torch.zeros(30 * 6))
+    assert got[0]["rows"] == (bucket_mb > 0 and not tied)
+    assert got[0]["buckets"] == {25.0: 1, 1e-4: 7, 0.0: 0}[bucket_mb]  # tied: the embedding is in a bucket
+    # the first step waits at the unused layer's buckets (after the head's, untied); from then on
+    # backward starts every bucket
+    assert got[0]["launched"] == {25.0: [0, 1, 1], 1e-4: [0 if tied else 1, 7, 7], 0.0: [0, 0, 0]}[bucket_mb]

@@ -111,6 +111,140 @@ def flat_gradients(model: torch.nn.Module) -> torch.Tensor:
     return flat
 
 
+def ddp_bucket_mb() -> float | None:
+    """``BERTCTL_DDP=bucket_mb=N``: the all-reduce bucket size in MB (None: the default)."""
+    from bertctl.errors import BertctlError
+
+    out = None
+    for opt in filter(None, (s.strip() for s in os.environ.get("BERTCTL_DDP", "").split(","))):
+        if opt.startswith("bucket_mb="):
+            out = float(opt.split("=", 1)[1])
+        else:
+            raise BertctlError(f"BERTCTL_DDP: unknown option {opt!r} (known: bucket_mb=N)")
+    return out
+
+
+#: One tensor gathered from every rank into one (torch 2.13's name; ``all_gather_into_tensor`` before).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GradientReducer:
+    """Averages the flat gradient buffer (``flat_gradients``) over ranks in a form a CUDA graph can
+    hold, overlapped with backward as DDP's buckets are.
+
+    - Dense buckets of about ``bucket_mb`` MB, contiguous in the buffer and taken from its end (the
+      last layers' gradients are ready first): each bucket's all-reduce starts, asynchronously, once
+      backward has accumulated every parameter in it, and always in bucket order, so that every rank
+      issues the same collectives in the same order. Parameters that got no gradient in the first
+      step (a pooler the task does not use) are not waited for after it; a bucket backward has not
+      started by the end is started then.
+    - The word embeddings, when untied (fine-tuning), are averaged on the rows the step's input ids
+      touch and nowhere else: their gradient is zero on every other row of every rank. The ids are
+      gathered from all ranks (each padded to ``id_count``, the most any rank has) and the touched
+      rows are all-reduced, not the whole vocabulary: for MiniLM half the gradient bytes, and the
+      last gradient backward produces, which no bucket could overlap.
+
+    ``bucket_mb=0`` is one all-reduce of the whole buffer after backward (no overlap, no rows).
+    ``arm()`` before the last micro-batch's backward (earlier ones only accumulate); ``finish()``
+    after it. The average is rank-order independent and the same as dividing then summing the whole
+    buffer, which is what the tests compare with.
+    """
+
+    def __init__(self, model: torch.nn.Module, flat: torch.Tensor, d: Dist, *, bucket_mb: float = 25.0):
+        self.d, self.flat = d, flat
+        self.armed = False
+        self.rows: torch.nn.Parameter | None = None
+        self.buckets: list[tuple[int, int]] = []
+        self._hooks = []
+        if bucket_mb <= 0:
+            return
+        emb = next((m for n, m in model.named_modules()
+                    if n.endswith("word_embeddings") and isinstance(m, torch.nn.Embedding)), None)
+        if emb is not None and emb.weight.requires_grad and \
+                sum(p is emb.weight for _, p in model.named_parameters(remove_duplicate=False)) == 1:
+            self.rows = emb.weight
+        cap = max(1, int(bucket_mb * 2 ** 20 / flat.element_size()))
+        spans: list[list] = []  # [start, end, parameters], from the buffer's end
+        cut = True
+        for p in reversed([p for p in model.parameters() if p.requires_grad]):
+            if p is self.rows:
+                cut = True
+                continue
+            lo = (p.grad.data_ptr() - flat.data_ptr()) // flat.element_size()
+            last = spans[-1] if spans else None
+            if cut or last[1] - lo > cap or lo + p.numel() != last[0]:
+                spans.append([lo, lo + p.numel(), []])
+                cut = False
+            spans[-1][0] = lo
+            spans[-1][2].append(p)
+        self.buckets = [(lo, hi) for lo, hi, _ in spans]
+        members = [ps for _, _, ps in spans]
+        self._remaining = [len(m) for m in members]
+        self._size = list(self._remaining)
+        self._bucket_of = {}
+        for b, ps in enumerate(members):
+            for p in ps:
+                self._bucket_of[p] = b
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
+        self._next = 0
+        self._works: list = []
+        self._fired: set | None = set()  # the first step's: which parameters get gradients at all
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        if self._fired is not None:
+            self._fired.add(p)
+        b = self._bucket_of[p]
+        self._remaining[b] -= 1
+        while self._next < len(self.buckets) and self._remaining[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        lo, hi = self.buckets[b]
+        view = self.flat[lo:hi].div_(self.d.world_size)
+        self._works.append(dist.all_reduce(view, op=dist.ReduceOp.SUM, async_op=True))
+
+    def finish(self, input_ids: list[torch.Tensor] | None = None, id_count: int = 0) -> None:
+        """Complete the average: the buckets backward did not start, then the embedding rows that
+        ``input_ids`` (this rank's micro-batches) touch, ``id_count`` being the most ids any rank has."""
+        W = self.d.world_size
+        if not self.buckets and self.rows is None:
+            dist.all_reduce(self.flat.div_(W), op=dist.ReduceOp.SUM)
+            return
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        for w in self._works:
+            w.wait()
+        if self.rows is not None:
+            grad = self.rows.grad
+            if input_ids is None:
+                dist.all_reduce(grad.div_(W), op=dist.ReduceOp.SUM)
+            else:
+                ids = torch.cat([t.reshape(-1) for t in input_ids])
+                if ids.numel() < id_count:
+                    ids = torch.cat([ids, ids.new_zeros(id_count - ids.numel())])
+                every = ids.new_empty(W * ids.numel())
+                _all_gather_single(every, ids)
+                touched = grad.index_select(0, every).div_(W)
+                dist.all_reduce(touched, op=dist.ReduceOp.SUM)
+                grad.index_copy_(0, every, touched)
+        if self._fired is not None and self.armed:  # unused from now on: their buckets need not wait
+            for p, b in self._bucket_of.items():
+                if p not in self._fired:
+                    self._size[b] -= 1
+            self._fired = None
+        self.armed = False
+        self._next = 0
+        self._works = []
+        self._remaining = list(self._size)
+
+
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()
@@ -125,12 +259,8 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from bertctl.errors import BertctlError
-
     kwargs: dict = {"gradient_as_bucket_view": True}
-    for opt in filter(None, (s.strip() for s in os.environ.get("BERTCTL_DDP", "").split(","))):
-        if opt.startswith("bucket_mb="):
-            kwargs["bucket_cap_mb"] = float(opt.split("=", 1)[1])
-        else:
-            raise BertctlError(f"BERTCTL_DDP: unknown option {opt!r} (known: bucket_mb=N)")
+    bucket_mb = ddp_bucket_mb()
+    if bucket_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_mb
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)

@@ -266,6 +266,10 @@ class Engine:
             if dist.enabled:
                 self._graph_counts = torch.zeros(len(objective.loss_terms), device=self.device)
                 self._flat_grad = distributed.flat_gradients(self.model)
+                bucket_mb = distributed.ddp_bucket_mb()
+                self._reducer = distributed.GradientReducer(self.model, self._flat_grad, dist,
+                                                            bucket_mb=25.0 if bucket_mb is None else bucket_mb)
+                self._id_count = 0  # the most input ids a rank has this step (the reducer's rows)
                 distributed.broadcast_parameters(self.model, dist)  # what DDP does when it wraps
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step = 0
@@ -332,6 +336,8 @@ class Engine:
             else:
                 counts = [sb.counts[t] for t in terms]
                 self._graph_counts.copy_(torch.tensor(counts, dtype=torch.float32, pin_memory=True), non_blocking=True)
+                ids = sb.micro[0].get("input_ids")
+                self._id_count = max(sb.signature[1]) * ids[0].numel() if sb.signature and ids is not None else 0
             if self.graphs.step(sb.micro, sb.signature):
                 self.scheduler.step()
                 return self._graph_loss
@@ -362,12 +368,14 @@ class Engine:
         ``scales`` holds each loss term's 1 / (its global count) (floats, or device scalars under
         graphs); the step's loss is added to ``step_loss`` and the terms and stats to ``stats``.
         Under graphs nothing here may wait for the host: the scaler is off (no fp16) and DDP absent
-        (several processes average the flat gradient buffer with one all-reduce instead, as DDP would).
+        (several processes average the flat gradient buffer through ``distributed.GradientReducer`` instead: buckets started during backward, as DDP does).
         """
         terms = self.objective.loss_terms
         W = self.dist.world_size
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
+            if last and self._flat_grad is not None:
+                self._reducer.arm()  # the last backward starts the buckets' all-reduces
             sync = contextlib.nullcontext() if (last or self.ddp is None) else self.ddp.no_sync()
             with sync:
                 # captured, autocast must not keep weight casts past the capture
@@ -379,7 +387,8 @@ class Engine:
                 step_loss += loss.detach() / W
                 stats += torch.stack([s[k].detach().float() for k in (*terms, *self.objective.stat_names)])
         if self._flat_grad is not None:
-            distributed.all_reduce_sum(self._flat_grad.div_(W), self.dist)
+            ids = [mb["input_ids"] for mb in micro] if self._id_count and all("input_ids" in mb for mb in micro) else None
+            self._reducer.finish(ids, self._id_count)
         if self.cfg.max_grad_norm and self.cfg.optimizer != "lamb":  # LAMB normalises by the global norm itself
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
