@@ -363,8 +363,8 @@ def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, m
     assert [r["world_size"] for r in result["runs"]] == [1, 2]
     one, two = result["summary"]
     assert one["examples_per_second_vs_first"] == 1.0 and two["runs"] == 1
-    assert two["examples_per_second_vs_first"] == pytest.approx(
-        two["train_examples_per_second"]["mean"] / one["train_examples_per_second"]["mean"], rel=1e-3)
+    assert two["examples_per_second_vs_first"] == pytest.approx(  # rounded to 3 places
+        two["train_examples_per_second"]["mean"] / one["train_examples_per_second"]["mean"], abs=5e-4)
     assert 0.0 <= two["accuracy"]["mean"] <= 1.0
     with pytest.raises(SystemExit, match="not GPUSxBATCH"):
         finetune_ddp.parse_configs("2x1")
