@@ -160,10 +160,10 @@ def test_varied_shapes_leaves_cudnn_attention_as_it_found_it():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
-def test_each_rank_pads_to_its_own_longest_and_every_rank_sends_as_many_ids():
-    """Ranks capture their own shapes (a capture runs no collective), so each micro-batch is padded to
-    its own longest example; the signature, the number of input ids every rank sends to average the
-    word embeddings' rows, is the same on every rank and covers every rank's ids."""
+def test_every_rank_knows_every_ranks_shapes():
+    """Several processes capture and replay together, so each step's graph key must be the same on every
+    rank: every rank pads to the global batch's longest example, and the signature (that length, every
+    rank's rows, the micro-batch size) fixes each rank's shapes."""
     from bertctl.train.loader import task_step
 
     rng = np.random.default_rng(0)
@@ -171,19 +171,16 @@ def test_each_rank_pads_to_its_own_longest_and_every_rank_sends_as_many_ids():
     feats = [{"input_ids": np.ones(n, dtype=np.int64), "token_type_ids": np.zeros(n, dtype=np.int64), "labels": 1}
              for n in lengths]
     for idx, micro in ((np.arange(11), None), (rng.permutation(50)[:13], 3), (np.arange(7), 2)):
-        steps = [task_step(feats, idx, rank=r, world_size=3, micro_batch_size=micro, id_length=64) for r in range(3)]
-        parts = np.array_split(idx, 3)
-        assert {sb.signature for sb in steps} == {(max(map(len, parts)) * 64,)}
-        for sb, part in zip(steps, parts):
-            size = micro or len(part)
-            chunks = [part[i:i + size] for i in range(0, len(part), size)]
-            assert [m["input_ids"].shape for m in sb.micro] == [(len(c), -(-lengths[c].max() // 8) * 8) for c in chunks]
-            assert sum(m["input_ids"].numel() for m in sb.micro) <= sb.signature[0]
-            for m, rows in zip(sb.micro, chunks):
+        steps = [task_step(feats, idx, rank=r, world_size=3, micro_batch_size=micro) for r in range(3)]
+        assert len({sb.signature for sb in steps}) == 1
+        longest = -(-lengths[idx].max() // 8) * 8
+        for sb, part in zip(steps, np.array_split(idx, 3)):
+            assert sb.signature[0] == longest
+            assert {m["input_ids"].shape[1] for m in sb.micro} == {longest}
+            assert [m["input_ids"].shape[0] for m in sb.micro] == [len(part[i:i + (micro or len(part))])
+                                                                   for i in range(0, len(part), micro or len(part))]
+            for m, rows in zip(sb.micro, (part[i:i + (micro or len(part))] for i in range(0, len(part), micro or len(part)))):
                 assert m["attention_mask"].sum(dim=1).tolist() == lengths[rows].tolist()  # padding stays masked
-    choices = [{"input_ids": np.ones((4, n), dtype=np.int64), "token_type_ids": np.zeros((4, n), dtype=np.int64),
-                "labels": 0} for n in lengths]  # SWAG: 4 choices an example
-    assert task_step(choices, np.arange(5), rank=0, world_size=2, micro_batch_size=None, id_length=64).signature == (3 * 4 * 64,)
     one = task_step(feats, np.arange(11), rank=0, world_size=1, micro_batch_size=None)
     assert one.signature == () and one.micro[0]["input_ids"].shape[1] == -(-lengths[:11].max() // 8) * 8
 

@@ -153,7 +153,6 @@ class GradientReducer:
     def __init__(self, model: torch.nn.Module, flat: torch.Tensor, d: Dist, *, bucket_mb: float = 25.0):
         self.d, self.flat = d, flat
         self.armed = False
-        self.silent = False  # a CUDA graph's warm-up: the maths without the collectives
         self.rows: torch.nn.Parameter | None = None
         self.buckets: list[tuple[int, int]] = []
         self._hooks = []
@@ -208,16 +207,14 @@ class GradientReducer:
     def _launch(self, b: int) -> None:
         lo, hi = self.buckets[b]
         view = self.flat[lo:hi].div_(self.d.world_size)
-        if not self.silent:
-            self._works.append(dist.all_reduce(view, op=dist.ReduceOp.SUM, async_op=True))
+        self._works.append(dist.all_reduce(view, op=dist.ReduceOp.SUM, async_op=True))
 
     def finish(self, input_ids: list[torch.Tensor] | None = None, id_count: int = 0) -> None:
         """Complete the average: the buckets backward did not start, then the embedding rows that
         ``input_ids`` (this rank's micro-batches) touch, ``id_count`` being the most ids any rank has."""
         W = self.d.world_size
-        reduce = (lambda t: t) if self.silent else (lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM))
         if not self.buckets and self.rows is None:
-            reduce(self.flat.div_(W))
+            dist.all_reduce(self.flat.div_(W), op=dist.ReduceOp.SUM)
             return
         while self._next < len(self.buckets):
             self._launch(self._next)
@@ -227,17 +224,15 @@ class GradientReducer:
         if self.rows is not None:
             grad = self.rows.grad
             if input_ids is None:
-                reduce(grad.div_(W))
+                dist.all_reduce(grad.div_(W), op=dist.ReduceOp.SUM)
             else:
                 ids = torch.cat([t.reshape(-1) for t in input_ids])
-                if ids.numel() > id_count:
-                    raise ValueError(f"{ids.numel()} input ids, more than the {id_count} every rank sends")
-                ids = torch.cat([ids, ids.new_zeros(id_count - ids.numel())])
-                every = ids.new_zeros(W * id_count)
-                if not self.silent:
-                    _all_gather_single(every, ids)
+                if ids.numel() < id_count:
+                    ids = torch.cat([ids, ids.new_zeros(id_count - ids.numel())])
+                every = ids.new_empty(W * ids.numel())
+                _all_gather_single(every, ids)
                 touched = grad.index_select(0, every).div_(W)
-                reduce(touched)
+                dist.all_reduce(touched, op=dist.ReduceOp.SUM)
                 grad.index_copy_(0, every, touched)
         if self._fired is not None and self.armed:  # unused from now on: their buckets need not wait
             for p, b in self._bucket_of.items():

@@ -97,7 +97,7 @@ class StepBatch:
 
     micro: list[dict[str, torch.Tensor]]
     counts: dict[str, float]
-    signature: tuple = ()  # several processes: what the step's collectives depend on (the CUDA graph key)
+    signature: tuple = ()  # several processes: the global step's shapes (every rank's), for the CUDA graphs
 
     @property
     def sequences(self) -> int:
@@ -311,11 +311,7 @@ class Engine:
         if self._flat_grad is None:
             scales = self._graph_scales.unbind()
         else:
-            warming = self.graphs.warming  # no collectives: the other ranks do not warm up with this one
-            self._reducer.silent = warming
-            counts = self._graph_counts.clone()
-            if not warming:
-                distributed.all_reduce_sum(counts, self.dist)
+            counts = distributed.all_reduce_sum(self._graph_counts.clone(), self.dist)
             scales = (self.dist.world_size / counts.clamp(min=1.0)).unbind()
         self._step(micro, scales, self._graph_stats, self._graph_loss)
 
@@ -340,7 +336,8 @@ class Engine:
             else:
                 counts = [sb.counts[t] for t in terms]
                 self._graph_counts.copy_(torch.tensor(counts, dtype=torch.float32, pin_memory=True), non_blocking=True)
-                self._id_count = sb.signature[0] if sb.signature else 0
+                ids = sb.micro[0].get("input_ids")
+                self._id_count = max(sb.signature[1]) * ids[0].numel() if sb.signature and ids is not None else 0
             if self.graphs.step(sb.micro, sb.signature):
                 self.scheduler.step()
                 return self._graph_loss

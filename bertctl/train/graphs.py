@@ -64,16 +64,13 @@ class StepGraphs:
     ``body`` runs one whole optimizer step on device tensors and writes its results into tensors
     allocated outside the graph (the engine's running sums); ``state_tensors()`` lists every tensor
     the step mutates (parameters, gradients, optimizer state, running sums), which the warm-up
-    snapshot restores. A body with collectives (several processes) leaves them out while
-    ``warming``: the capture runs nothing, so a rank that captures a new shape then runs the same
-    collectives, at its replay, as a rank that replays a graph it has. Ranks need not share shapes.
+    snapshot restores.
     """
 
     def __init__(self, body: Callable[[list[dict[str, torch.Tensor]]], None],
                  state_tensors: Callable[[], list[torch.Tensor]], device: torch.device, max_graphs: int = 128):
         self.body = body
         self.state_tensors = state_tensors
-        self.warming = False  # True while the warm-up before a capture runs the body
         self.device = device
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[dict[str, torch.Tensor]]]] = {}
@@ -92,9 +89,8 @@ class StepGraphs:
 
     def step(self, micro: list[dict[str, torch.Tensor]], signature: tuple = ()) -> bool:
         """Run one step from ``micro`` (host or device tensors) through its graph; False when the
-        graph budget is spent and the caller must run the step eagerly. ``signature``: what else
-        the step's graph depends on (several processes: the size of the collectives that depend on the
-        batch)."""
+        graph budget is spent and the caller must run the step eagerly. ``signature`` tells the
+        global step apart where several processes must capture and replay together."""
         key = (self.key(micro), signature)
         entry = self.graphs.get(key)
         if entry is None:
@@ -123,11 +119,7 @@ class StepGraphs:
         snapshot = [(t, t.clone()) for t in self.state_tensors()]
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            self.warming = True  # warm-up: lazy allocations and plans happen outside the capture
-            try:
-                self.body(static)
-            finally:
-                self.warming = False
+            self.body(static)  # warm-up: lazy allocations and plans happen outside the capture
             # the warm-up may have created state (AdamW's moments on the first step): fresh is zero
             known = {t.data_ptr() for t, _ in snapshot}  # by storage: ``p.data`` is a new object per call
             for t in self.state_tensors():

@@ -214,28 +214,27 @@ def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, g
 
 
 def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_size: int, micro_batch_size: int | None,
-              pad_id: int = 0, id_length: int | None = None) -> StepBatch:
+              pad_id: int = 0) -> StepBatch:
     """One global batch ``idx`` of task features -> this rank's micro-batches and counts.
 
-    Rank r takes the r-th of ``world_size`` near-equal contiguous slices; each micro-batch is padded
-    to its own longest example. The loss term ``loss`` is normalised by examples, or by labelled
-    tokens for per-token labels (NER), over the global batch. Several processes: the ``signature``
-    holds the most input ids any rank can have this step (its most rows times ``id_length``, the
-    longest example of the data set, rounded up), which sizes the word-embedding rows the ranks
-    average (``distributed.GradientReducer``) and so must be the same on every rank.
+    Rank r takes the r-th of ``world_size`` near-equal contiguous slices. The loss term ``loss`` is
+    normalised by examples, or by labelled tokens for per-token labels (NER), over the global batch.
+    Several processes pad every micro-batch to the global batch's longest example, so that all ranks
+    share one sequence length per step; the step's ``signature`` (that length and every rank's rows)
+    is then the same on every rank, which the CUDA graphs of all ranks must agree on, and a task has
+    as many signatures as one process has shapes.
     """
     parts = np.array_split(idx, world_size)
     mine = parts[rank]
     micro_size = micro_batch_size or len(mine)
-    signature = ()
+    length, signature = None, ()
     if world_size > 1:
-        longest = id_length or round_up(max(feature_length(features[i]) for i in idx))
-        per_example = int(np.prod(np.shape(features[idx[0]]["input_ids"])[:-1], dtype=np.int64))
-        signature = (max(len(part) for part in parts) * per_example * longest,)
+        length = round_up(max(feature_length(features[i]) for i in idx))
+        signature = (length, tuple(len(part) for part in parts), micro_batch_size)
     micro, counts = [], {"loss": 0.0, "sequences": float(len(mine)), "tokens": 0.0, "attn_pairs": 0.0,
                          "padded_tokens": 0.0}
     for start in range(0, len(mine), micro_size):
-        mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id)
+        mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id, length=length)
         lengths = mb["attention_mask"].sum(dim=-1).double()
         labels = mb.get("labels")
         if labels is not None and labels.shape == mb["input_ids"].shape:
@@ -254,12 +253,10 @@ def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_
                  micro_batch_size: int | None = None) -> Iterator[StepBatch]:
     """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying)."""
     lengths = np.asarray([feature_length(f) for f in features])
-    id_length = round_up(int(lengths.max()))
     epoch, k = divmod(start_step, steps_per_epoch)
     while True:
         for idx in epoch_batches(lengths, batch_size, seed, epoch, group_by_length, world_size)[k:]:
-            yield task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size,
-                            id_length=id_length)
+            yield task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size)
         epoch, k = epoch + 1, 0
 
 
