@@ -315,3 +315,24 @@ def test_the_reducer_averages_gradients_over_ranks(bucket_mb, tied):
     # the first step waits at the unused layer's buckets (after the head's, untied); from then on
     # backward starts every bucket
     assert got[0]["launched"] == {25.0: [0, 1, 1], 1e-4: [0 if tied else 1, 7, 7], 0.0: [0, 0, 0]}[bucket_mb]
+
+
+def test_the_reducer_says_so_when_a_parameter_unused_at_first_gets_a_gradient(tmp_path):
+    import torch.distributed as tdist
+
+    from bertctl.train import distributed
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        model = _Tiny()
+        flat = distributed.flat_gradients(model)
+        reducer = distributed.GradientReducer(model, flat, distributed.Dist(rank=0, world_size=1), bucket_mb=1e-4)
+        ids = torch.tensor([[1, 2, 3]])
+        reducer.arm()
+        model.loss(ids).backward()
+        reducer.finish([ids], 3)
+        reducer.arm()
+        with pytest.raises(RuntimeError, match="same parameters"):
+            (model.loss(ids) + model.unused(model.word_embeddings(ids)).sum()).backward()
+    finally:
+        tdist.destroy_process_group()

@@ -146,8 +146,8 @@ class GradientReducer:
 
     ``bucket_mb=0`` is one all-reduce of the whole buffer after backward (no overlap, no rows).
     ``arm()`` before the last micro-batch's backward (earlier ones only accumulate); ``finish()``
-    after it. The average is rank-order independent and the same as dividing then summing the whole
-    buffer, which is what the tests compare with.
+    after it. The result is that of dividing the whole buffer by the world size and summing it over
+    ranks, which the tests compare with.
     """
 
     def __init__(self, model: torch.nn.Module, flat: torch.Tensor, d: Dist, *, bucket_mb: float = 25.0):
@@ -189,6 +189,7 @@ class GradientReducer:
         self._next = 0
         self._works: list = []
         self._fired: set | None = set()  # the first step's: which parameters get gradients at all
+        self._unused: set = set()
 
     def arm(self) -> None:
         self.armed = True
@@ -198,6 +199,9 @@ class GradientReducer:
             return
         if self._fired is not None:
             self._fired.add(p)
+        elif p in self._unused:  # its bucket may be on the wire already
+            raise RuntimeError("a parameter without a gradient in the first step has one now: the gradient "
+                               "buckets assume every step uses the same parameters")
         b = self._bucket_of[p]
         self._remaining[b] -= 1
         while self._next < len(self.buckets) and self._remaining[self._next] == 0:
@@ -235,9 +239,9 @@ class GradientReducer:
                 dist.all_reduce(touched, op=dist.ReduceOp.SUM)
                 grad.index_copy_(0, every, touched)
         if self._fired is not None and self.armed:  # unused from now on: their buckets need not wait
-            for p, b in self._bucket_of.items():
-                if p not in self._fired:
-                    self._size[b] -= 1
+            self._unused = {p for p in self._bucket_of if p not in self._fired}
+            for p in self._unused:
+                self._size[self._bucket_of[p]] -= 1
             self._fired = None
         self.armed = False
         self._next = 0
