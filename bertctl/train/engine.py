@@ -368,7 +368,8 @@ class Engine:
         ``scales`` holds each loss term's 1 / (its global count) (floats, or device scalars under
         graphs); the step's loss is added to ``step_loss`` and the terms and stats to ``stats``.
         Under graphs nothing here may wait for the host: the scaler is off (no fp16) and DDP absent
-        (several processes average the flat gradient buffer through ``distributed.GradientReducer`` instead: buckets started during backward, as DDP does).
+        (several processes average the flat gradient buffer through ``distributed.GradientReducer``
+        instead: buckets that backward starts, as DDP's).
         """
         terms = self.objective.loss_terms
         W = self.dist.world_size
