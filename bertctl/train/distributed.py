@@ -155,7 +155,6 @@ class GradientReducer:
         self.armed = False
         self.rows: torch.nn.Parameter | None = None
         self.buckets: list[tuple[int, int]] = []
-        self._hooks = []
         if bucket_mb <= 0:
             return
         emb = next((m for n, m in model.named_modules()
@@ -185,7 +184,7 @@ class GradientReducer:
         for b, ps in enumerate(members):
             for p in ps:
                 self._bucket_of[p] = b
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
+                p.register_post_accumulate_grad_hook(self._ready)
         self._next = 0
         self._works: list = []
         self._fired: set | None = set()  # the first step's: which parameters get gradients at all
