@@ -87,3 +87,23 @@ def test_fp16_with_loss_scaling_trains_and_checkpoints_its_scaler(data_dir, tmp_
     assert scales and all(s > 0 and s == s for s in scales)
     ckpt = torch.load(state.latest_checkpoint(out).path / "state.pt", weights_only=True)
     assert ckpt["scaler"]["scale"] == scales[-1]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graph_steps_pretrain_as_the_eager_steps(data_dir, tmp_path, precision):
+    """--cuda-graphs replays the eager step (the same maths, data, masks and dropout): the same loss
+    curve and the same weights at the end, one graph per padded length."""
+    eager, graphed = tmp_path / "eager", tmp_path / "graphed"
+    _run(*_args(data_dir, eager, "--precision", precision, "--max-steps", "40"))
+    _run(*_args(data_dir, graphed, "--precision", precision, "--max-steps", "40", "--cuda-graphs"))
+    le, lg = _train_losses(eager), _train_losses(graphed)
+    assert sorted(le) == sorted(lg) and len(le) == 10
+    torch.testing.assert_close(torch.tensor([lg[s] for s in sorted(lg)]), torch.tensor([le[s] for s in sorted(le)]),
+                               rtol=1e-4, atol=1e-5)
+    recs = [json.loads(x) for x in (graphed / "metrics.jsonl").read_text().splitlines()]
+    graphs = [r for r in recs if r.get("event") == "cuda_graphs"]
+    assert graphs and 1 <= graphs[-1]["graphs"] <= 4 and graphs[-1]["eager_steps"] == 0
+    we = torch.load(state.latest_checkpoint(eager).path / "state.pt", weights_only=True)["model"]
+    wg = torch.load(state.latest_checkpoint(graphed).path / "state.pt", weights_only=True)["model"]
+    for k, v in we.items():
+        torch.testing.assert_close(wg[k], v, rtol=1e-3, atol=1e-4, msg=k)

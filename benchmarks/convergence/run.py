@@ -157,7 +157,9 @@ def pretrain_cmd(a, data: str, out: Path, *, minutes: float | None = None, max_s
                      "--batch-size", str(batch or a.batch), "--eval-every", str(eval_every or a.eval_every),
                      "--eval-batches", str(a.eval_batches), "--seed", str(a.seed), "--no-progress", "--resume",
                      "--save-minutes", "3"]
-    if a.compile:
+    if a.cuda_graphs:
+        cmd.append("--cuda-graphs")
+    elif a.compile:
         cmd.append("--compile")
     if a.pretrain_dropout is not None:
         cmd += ["--dropout", f"{a.pretrain_dropout:g}"]
@@ -224,7 +226,7 @@ def architecture(a) -> dict:
     on the same data and settings for one step, uncompiled; its exported ``model/config.json`` is all
     ``finetune --from-scratch`` reads."""
     cmd = pretrain_cmd(a, "data-nsp", a.work / "architecture", max_steps=1)
-    cmd.remove("--compile") if "--compile" in cmd else None
+    cmd = [c for c in cmd if c not in ("--compile", "--cuda-graphs")]
     return record(a, "architecture", lambda: run(cmd, a, "architecture"))
 
 
@@ -307,7 +309,7 @@ def presets(a) -> list[dict]:
                 cmd += ["--warmup-fraction", f"{a.preset_warmup:g}"]
             if a.preset_optimizer:
                 cmd += ["--optimizer", a.preset_optimizer]
-            cmd.remove("--compile") if "--compile" in cmd else None
+            cmd = [c for c in cmd if c not in ("--compile", "--cuda-graphs")]
             if a.preset_micro_batch and batch > a.preset_micro_batch:  # accumulation: the same maths, less memory
                 cmd += ["--micro-batch-size", str(a.preset_micro_batch)]
             try:
@@ -346,7 +348,7 @@ def report(a) -> dict:
     recs = load_records(a)
     # The recipe; each record keeps the exact command it ran.
     keep = ("vocab_size", "seq", "dupe", "holdout", "model_size", "batch", "minutes", "eval_every", "eval_batches",
-            "seed", "compile", "pretrain_dropout", "tasks", "seeds")
+            "seed", "compile", "cuda_graphs", "pretrain_dropout", "tasks", "seeds")
     res: dict = {"benchmark": "convergence", "commit": finetune_vs_hf.commit(),
                  "settings": {k: getattr(a, k) for k in keep}}
     box = (recs.get("pretrain-main") or {}).get("box")
@@ -638,6 +640,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="pretrain with --cuda-graphs (each step one CUDA graph, the eager fused kernels) instead of "
+                        "--compile")
     p.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
     p.add_argument("--inits", type=lambda s: s.split(","), default=list(INITS))
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42, 43, 44])

@@ -53,6 +53,9 @@ def pretrain_command(
     kernels: str = opt.KERNELS,
     attn: str = opt.ATTN,
     compile: bool = opt.COMPILE,
+    cuda_graphs: bool = typer.Option(False, "--cuda-graphs/--no-cuda-graphs", help="Replay each training step as "
+                                     "one CUDA graph (one launch instead of hundreds; one graph per padded length). "
+                                     "Needs a GPU, bf16 or fp32, AdamW and no --compile."),
     bucket_lengths: bool = typer.Option(False, "--bucket-lengths", help="Length-bucketed batch order (less "
                                         "padding when sequence lengths vary; every instance still once an epoch)."),
     precision: str = opt.PRECISION,
@@ -103,6 +106,7 @@ def pretrain_command(
         micro_batch_size=micro_batch_size, optimizer=optimizer, weight_decay=weight_decay,
         schedule=schedule, warmup_steps=warmup_steps, warmup_fraction=warmup_fraction,
         max_grad_norm=max_grad_norm, seed=seed, precision=precision, kernels=kernels, attn=attn, compile=compile,
+        cuda_graphs=cuda_graphs,
         bucket_lengths=bucket_lengths, device=None if device == "auto" else device, resume=resume,
         save_every=save_every, save_minutes=save_minutes, keep=keep, log_every=log_every, eval_every=eval_every,
         eval_batches=eval_batches, show_progress=not no_progress, tensorboard=tensorboard,

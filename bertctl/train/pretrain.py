@@ -78,6 +78,7 @@ class TrainConfig:
     kernels: str = "auto"
     attn: str = "auto"                    # auto: unpadded on a CPU, sdpa on a GPU (packed data)
     compile: bool = False
+    cuda_graphs: bool = False             # replay each step as one CUDA graph (not with compile or fp16)
     bucket_lengths: bool = False          # length-bucketed batch order (less padding for varied lengths)
     device: str | None = None             # cpu | cuda | None (cuda when available)
     # Never lose work.
@@ -307,6 +308,7 @@ class Trainer:
         from bertctl.ops import fused_available
 
         attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile, packed_data=True,
+                                 graphs=self.cfg.cuda_graphs,
                                  fused_kernels=self.cfg.kernels != "torch" and fused_available())
         runtime = dict(attn_implementation=attn, kernels=self.cfg.kernels)
         over = {**self.cfg.model_overrides, **runtime}
@@ -390,7 +392,8 @@ class Trainer:
                             optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas),
                             eps=cfg.eps, schedule=cfg.schedule, warmup_steps=self.warmup,
                             max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, precision=cfg.precision,
-                            compile=cfg.compile, log_every=max(1, cfg.log_every), save_every=cfg.save_every,
+                            compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, log_every=max(1, cfg.log_every),
+                            save_every=cfg.save_every,
                             save_minutes=cfg.save_minutes, keep=cfg.keep, minutes=cfg.minutes,
                             fit_to_minutes=cfg.fit_to_minutes, show_progress=cfg.show_progress,
                             description="pretrain")
@@ -543,7 +546,7 @@ class Trainer:
         eval_start = None
         if cfg.eval_at_start and self.step == 0:
             eval_start = self._evaluate_and_log(0)
-        multiple = 64 if cfg.compile else 8  # fewer distinct shapes when compiling
+        multiple = 64 if cfg.compile or cfg.cuda_graphs else 8  # fewer distinct shapes to compile or capture
         loader = Prefetcher(self._batches(self.step), lambda b: pretraining_step(b, self.micro, multiple),
                             pin=self.device.type == "cuda")
         t_start = time.monotonic()
