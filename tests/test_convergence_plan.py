@@ -63,9 +63,14 @@ def test_planning_without_a_measured_scratch_stage_says_what_to_run(tmp_path):
 def test_pretraining_without_dropout_fine_tunes_every_init_at_the_papers_dropout(tmp_path):
     run = _module()
     a = argparse.Namespace(work=tmp_path, data=tmp_path / "data", model_size="medium", batch=128, eval_every=500,
-                           eval_batches=20, seed=0, compile=True, seq=256, pretrain_dropout=0.0)
+                           eval_batches=20, seed=0, compile=True, cuda_graphs=False, seq=256, pretrain_dropout=0.0)
     pre = run.pretrain_cmd(a, "data-nsp", tmp_path / "pretrain-main", minutes=8.0)
     assert pre[pre.index("--dropout") + 1] == "0"
+    assert "--compile" in pre and "--cuda-graphs" not in pre
+    a.cuda_graphs = True  # graphs instead of compile
+    pre = run.pretrain_cmd(a, "data-nsp", tmp_path / "pretrain-main", minutes=8.0)
+    assert "--cuda-graphs" in pre and "--compile" not in pre
+    a.cuda_graphs = False
     for init in ("pretrained", "scratch", "mlm"):
         ft = run.finetune_cmd(a, "sst2", init, 42, tmp_path / "out")
         assert ft[ft.index("--dropout") + 1] == "0.1"
