@@ -91,11 +91,11 @@ def test_fp16_with_loss_scaling_trains_and_checkpoints_its_scaler(data_dir, tmp_
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_graph_steps_pretrain_as_the_eager_steps(data_dir, tmp_path, precision):
-    """--cuda-graphs replays the eager step (the same maths, data, masks and dropout): the same loss
-    curve and the same weights at the end, one graph per padded length."""
+    """CUDA graphs (the default on a GPU) replay the eager step (the same maths, data, masks and
+    dropout): the same loss curve and the same weights at the end, one graph per padded length."""
     eager, graphed = tmp_path / "eager", tmp_path / "graphed"
-    _run(*_args(data_dir, eager, "--precision", precision, "--max-steps", "40"))
-    _run(*_args(data_dir, graphed, "--precision", precision, "--max-steps", "40", "--cuda-graphs"))
+    _run(*_args(data_dir, eager, "--precision", precision, "--max-steps", "40", "--no-cuda-graphs"))
+    _run(*_args(data_dir, graphed, "--precision", precision, "--max-steps", "40"))  # on by default
     le, lg = _train_losses(eager), _train_losses(graphed)
     assert sorted(le) == sorted(lg) and len(le) == 10
     torch.testing.assert_close(torch.tensor([lg[s] for s in sorted(lg)]), torch.tensor([le[s] for s in sorted(le)]),

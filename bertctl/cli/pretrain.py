@@ -53,9 +53,7 @@ def pretrain_command(
     kernels: str = opt.KERNELS,
     attn: str = opt.ATTN,
     compile: bool = opt.COMPILE,
-    cuda_graphs: bool = typer.Option(False, "--cuda-graphs/--no-cuda-graphs", help="Replay each training step as "
-                                     "one CUDA graph (one launch instead of hundreds; one graph per padded length). "
-                                     "Needs a GPU, bf16 or fp32, AdamW and no --compile."),
+    cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS,
     bucket_lengths: bool = typer.Option(False, "--bucket-lengths", help="Length-bucketed batch order (less "
                                         "padding when sequence lengths vary; every instance still once an epoch)."),
     precision: str = opt.PRECISION,

@@ -33,7 +33,7 @@ from bertctl.errors import BertctlError, Stopped
 from bertctl.model import varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.train import distributed, state
-from bertctl.train.graphs import graphs_unsupported
+from bertctl.train import graphs
 from bertctl.train.engine import IGNORE_INDEX, Engine, EngineConfig, autocast, resolve_precision, to_device, warmup_steps
 from bertctl.train.loader import Prefetcher, collate, feature_length, steps_per_epoch, task_batches
 
@@ -95,14 +95,9 @@ def uses_graphs(cfg: TrainConfig) -> bool:
     """Whether the steps replay as CUDA graphs: ``cfg.cuda_graphs``, or (None) wherever they apply.
     Asked for where they cannot run, a clear error; decided before the model is built, since with
     graphs ``--attn auto`` picks the padded attention."""
-    if cfg.cuda_graphs is False:
-        return False
     device = resolve_device(cfg.device)
-    why = graphs_unsupported(device=device, precision=resolve_precision(cfg.precision, device), optimizer="adamw",
-                             compile=cfg.compile, attn=cfg.attn)
-    if why and cfg.cuda_graphs:
-        raise BertctlError(f"--cuda-graphs: {why}")
-    return why is None
+    return graphs.wanted(cfg.cuda_graphs, device=device, precision=resolve_precision(cfg.precision, device),
+                         optimizer="adamw", compile=cfg.compile, attn=cfg.attn)
 
 
 def _dist(cfg: TrainConfig) -> distributed.Dist:

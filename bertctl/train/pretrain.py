@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from bertctl.config import resolve_attention
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, stderr
-from bertctl.train import distributed, state
+from bertctl.train import distributed, graphs, state
 from bertctl.train.engine import (IGNORE_INDEX, Engine, EngineConfig, autocast, resolve_precision, to_device,
                                   warmup_steps)
 from bertctl.train.loader import Prefetcher, bucketed_batches, pretraining_step, trim
@@ -78,7 +78,7 @@ class TrainConfig:
     kernels: str = "auto"
     attn: str = "auto"                    # auto: unpadded on a CPU, sdpa on a GPU (packed data)
     compile: bool = False
-    cuda_graphs: bool = False             # replay each step as one CUDA graph (not with compile or fp16)
+    cuda_graphs: bool | None = None       # each step one CUDA graph; None: wherever they can run (graphs.wanted)
     bucket_lengths: bool = False          # length-bucketed batch order (less padding for varied lengths)
     device: str | None = None             # cpu | cuda | None (cuda when available)
     # Never lose work.
@@ -252,6 +252,8 @@ class Trainer:
         self.device = dist.device
         self.out = Path(cfg.output)
         self.precision = resolve_precision(cfg.precision, self.device)
+        self.graphs = graphs.wanted(cfg.cuda_graphs, device=self.device, precision=self.precision,
+                                    optimizer=cfg.optimizer, compile=cfg.compile, attn=cfg.attn)
         self.tokenizer = tokenizer
         self.log = MetricsLog(None)  # opened in run(), once data and model are known to be good
         self.collapsed = False
@@ -308,7 +310,7 @@ class Trainer:
         from bertctl.ops import fused_available
 
         attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile, packed_data=True,
-                                 graphs=self.cfg.cuda_graphs,
+                                 graphs=self.graphs,
                                  fused_kernels=self.cfg.kernels != "torch" and fused_available())
         runtime = dict(attn_implementation=attn, kernels=self.cfg.kernels)
         over = {**self.cfg.model_overrides, **runtime}
@@ -392,7 +394,7 @@ class Trainer:
                             optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas),
                             eps=cfg.eps, schedule=cfg.schedule, warmup_steps=self.warmup,
                             max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, precision=cfg.precision,
-                            compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, log_every=max(1, cfg.log_every),
+                            compile=cfg.compile, cuda_graphs=self.graphs, log_every=max(1, cfg.log_every),
                             save_every=cfg.save_every,
                             save_minutes=cfg.save_minutes, keep=cfg.keep, minutes=cfg.minutes,
                             fit_to_minutes=cfg.fit_to_minutes, show_progress=cfg.show_progress,
@@ -546,7 +548,11 @@ class Trainer:
         eval_start = None
         if cfg.eval_at_start and self.step == 0:
             eval_start = self._evaluate_and_log(0)
-        multiple = 64 if cfg.compile or cfg.cuda_graphs else 8  # fewer distinct shapes to compile or capture
+        # Fewer distinct shapes to compile or capture. With graphs under torchrun every rank must capture
+        # and replay the same graphs at the same steps: no trimming (packed sequences are nearly full).
+        multiple = 64 if cfg.compile or self.graphs else 8
+        if self.graphs and self.dist.world_size > 1:
+            multiple = self.data.max_seq_length
         loader = Prefetcher(self._batches(self.step), lambda b: pretraining_step(b, self.micro, multiple),
                             pin=self.device.type == "cuda")
         t_start = time.monotonic()
