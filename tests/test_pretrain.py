@@ -154,6 +154,16 @@ def test_sigkill_then_resume_is_bit_identical(data_dir, tmp_path):
     assert [c.step for c in state.list_checkpoints(b)] == [10, 12]
 
 
+def test_cuda_graphs_are_off_on_the_cpu_and_asking_there_is_one_clear_error(data_dir, tmp_path):
+    r = _cli(*_args(data_dir, tmp_path / "g", "--max-steps", "2", "--cuda-graphs"))
+    assert r.returncode == 2 and "--cuda-graphs: they need a CUDA device" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "g" / "checkpoints").exists()
+    r = _cli(*_args(data_dir, tmp_path / "auto", "--max-steps", "2"))  # the default: eager on the CPU
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not any(json.loads(x).get("event") == "cuda_graphs"
+                   for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines())
+
+
 def test_refuses_to_overwrite_a_run_without_resume(trained, data_dir):
     out, _ = trained
     r = _cli(*_args(data_dir, out, "--max-steps", "2"))
