@@ -107,3 +107,21 @@ def test_graph_steps_pretrain_as_the_eager_steps(data_dir, tmp_path, precision):
     wg = torch.load(state.latest_checkpoint(graphed).path / "state.pt", weights_only=True)["model"]
     for k, v in we.items():
         torch.testing.assert_close(wg[k], v, rtol=1e-3, atol=1e-4, msg=k)
+
+
+def test_a_second_phase_keeping_the_optimizer_follows_its_schedule_under_graphs(data_dir, tmp_path):
+    """--init-from a run --keep-optimizer sets the new phase's lr on the loaded param groups: under
+    graphs the captured AdamW must still read the scheduled lr each step (not the value at capture),
+    so the phase trains as the eager phase does."""
+    phase1 = tmp_path / "phase1"
+    _run(*_args(data_dir, phase1, "--precision", "fp32", "--max-steps", "20", "--no-cuda-graphs"))
+    runs = {}
+    for mode in ("--no-cuda-graphs", "--cuda-graphs"):
+        out = tmp_path / mode.strip("-")
+        _run(*_args(data_dir, out, "--precision", "fp32", "--max-steps", "40", "--init-from", str(phase1),
+                    "--keep-optimizer", "--lr", "3e-3", "--warmup-steps", "8", mode))
+        runs[mode] = _train_losses(out)
+    eager, graphed = runs["--no-cuda-graphs"], runs["--cuda-graphs"]
+    assert sorted(eager) == sorted(graphed) and len(eager) == 10
+    torch.testing.assert_close(torch.tensor([graphed[s] for s in sorted(graphed)]),
+                               torch.tensor([eager[s] for s in sorted(eager)]), rtol=1e-4, atol=1e-5)

@@ -330,6 +330,11 @@ class Engine:
             if stats is not self._graph_stats:  # a new run's running sums: graphs write to fixed tensors
                 self.graphs.clear()
                 self._graph_stats = stats
+            if not isinstance(self.optimizer.param_groups[0]["lr"], torch.Tensor):
+                # The param groups were replaced from outside (pretraining's --keep-optimizer sets a new
+                # phase's lr): a float lr would be baked into the next capture, freezing the schedule.
+                self._lr_to_tensors()
+                self.graphs.clear()
             if self._flat_grad is None:
                 scales = [1.0 / max(sb.counts[t], 1.0) for t in terms]
                 self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
