@@ -252,7 +252,7 @@ class Trainer:
         self.device = dist.device
         self.out = Path(cfg.output)
         self.precision = resolve_precision(cfg.precision, self.device)
-        self.graphs = graphs.wanted(cfg.cuda_graphs, device=self.device, precision=self.precision,
+        self.use_graphs = graphs.wanted(cfg.cuda_graphs, device=self.device, precision=self.precision,
                                     optimizer=cfg.optimizer, compile=cfg.compile, attn=cfg.attn)
         self.tokenizer = tokenizer
         self.log = MetricsLog(None)  # opened in run(), once data and model are known to be good
@@ -310,7 +310,7 @@ class Trainer:
         from bertctl.ops import fused_available
 
         attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile, packed_data=True,
-                                 graphs=self.graphs,
+                                 graphs=self.use_graphs,
                                  fused_kernels=self.cfg.kernels != "torch" and fused_available())
         runtime = dict(attn_implementation=attn, kernels=self.cfg.kernels)
         over = {**self.cfg.model_overrides, **runtime}
@@ -394,7 +394,7 @@ class Trainer:
                             optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas),
                             eps=cfg.eps, schedule=cfg.schedule, warmup_steps=self.warmup,
                             max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, precision=cfg.precision,
-                            compile=cfg.compile, cuda_graphs=self.graphs, log_every=max(1, cfg.log_every),
+                            compile=cfg.compile, cuda_graphs=self.use_graphs, log_every=max(1, cfg.log_every),
                             save_every=cfg.save_every,
                             save_minutes=cfg.save_minutes, keep=cfg.keep, minutes=cfg.minutes,
                             fit_to_minutes=cfg.fit_to_minutes, show_progress=cfg.show_progress,
@@ -550,8 +550,8 @@ class Trainer:
             eval_start = self._evaluate_and_log(0)
         # Fewer distinct shapes to compile or capture. With graphs under torchrun every rank must capture
         # and replay the same graphs at the same steps: no trimming (packed sequences are nearly full).
-        multiple = 64 if cfg.compile or self.graphs else 8
-        if self.graphs and self.dist.world_size > 1:
+        multiple = 64 if cfg.compile or self.use_graphs else 8
+        if self.use_graphs and self.dist.world_size > 1:
             multiple = self.data.max_seq_length
         loader = Prefetcher(self._batches(self.step), lambda b: pretraining_step(b, self.micro, multiple),
                             pin=self.device.type == "cuda")
