@@ -253,7 +253,7 @@ class Trainer:
         self.out = Path(cfg.output)
         self.precision = resolve_precision(cfg.precision, self.device)
         self.use_graphs = graphs.wanted(cfg.cuda_graphs, device=self.device, precision=self.precision,
-                                    optimizer=cfg.optimizer, compile=cfg.compile, attn=cfg.attn)
+                                        optimizer=cfg.optimizer, compile=cfg.compile, attn=cfg.attn)
         self.tokenizer = tokenizer
         self.log = MetricsLog(None)  # opened in run(), once data and model are known to be good
         self.collapsed = False
