@@ -125,3 +125,30 @@ def test_a_second_phase_keeping_the_optimizer_follows_its_schedule_under_graphs(
     assert sorted(eager) == sorted(graphed) and len(eager) == 10
     torch.testing.assert_close(torch.tensor([graphed[s] for s in sorted(graphed)]),
                                torch.tensor([eager[s] for s in sorted(eager)]), rtol=1e-4, atol=1e-5)
+
+
+def test_two_gpus_with_cuda_graphs_pretrain_as_eager_ddp(data_dir, tmp_path):
+    """torchrun on 2 GPUs: the captured step (untrimmed batches, so both ranks replay the same graphs;
+    the normalisers and the gradient averaging inside the graph) trains as DDP's eager step, with
+    accumulation (micro-batches of 8 of each rank's 16) and dropout on: same losses and weights."""
+    from test_finetune_glue import torchrun
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    runs = {}
+    for name, flag in (("eager", "--no-cuda-graphs"), ("graphs", "--cuda-graphs")):
+        out = tmp_path / name
+        args = _args(data_dir, out, "--precision", "fp32", "--max-steps", "24", "--micro-batch-size", "8", flag)
+        r = torchrun(args[args.index("pretrain"):], dict(ENV))
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    captured = [r for r in runs["graphs"] if r.get("event") == "cuda_graphs"]
+    assert captured and captured[-1]["eager_steps"] == 0
+    assert not [r for r in runs["eager"] if r.get("event") == "cuda_graphs"]
+    train = {k: [r["loss"] for r in v if r.get("event") == "train"] for k, v in runs.items()}
+    assert len(train["graphs"]) == len(train["eager"]) == 6
+    torch.testing.assert_close(torch.tensor(train["graphs"]), torch.tensor(train["eager"]), rtol=1e-4, atol=1e-5)
+    we = torch.load(state.latest_checkpoint(tmp_path / "eager").path / "state.pt", weights_only=True)["model"]
+    wg = torch.load(state.latest_checkpoint(tmp_path / "graphs").path / "state.pt", weights_only=True)["model"]
+    for k, v in we.items():
+        torch.testing.assert_close(wg[k], v, rtol=1e-3, atol=1e-4, msg=k)
