@@ -114,6 +114,20 @@ def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- CPU: the choice
 
+def test_no_memory_to_capture_is_one_clear_error_naming_the_way_out(monkeypatch):
+    """A capture that runs out of GPU memory (it briefly holds about 4x the weights) says what to do,
+    instead of a CUDA traceback; the shape is not recorded as captured."""
+    graphs = object.__new__(G.StepGraphs)  # the bookkeeping only: capture itself needs a GPU
+    graphs.graphs, graphs.max_graphs, graphs.eager_shapes = {}, 4, 0
+
+    def no_memory(micro):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(graphs, "_capture", no_memory)
+    with pytest.raises(BertctlError, match="--no-cuda-graphs or a smaller --micro-batch-size; --resume"):
+        graphs.step([{"input_ids": torch.zeros(2, 8, dtype=torch.long)}])
+    assert graphs.graphs == {}
+
 
 def test_where_graphs_do_not_apply():
     cuda_dev = torch.device("cuda")

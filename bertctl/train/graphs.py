@@ -114,7 +114,14 @@ class StepGraphs:
             if len(self.graphs) >= self.max_graphs:
                 self.eager_shapes += 1
                 return False
-            entry = self._capture(micro)
+            try:
+                entry = self._capture(micro)
+            except torch.OutOfMemoryError:
+                raise BertctlError(
+                    "no GPU memory left to capture the training step as a CUDA graph (a capture briefly holds "
+                    "a copy of the weights, gradients and optimizer state, about 4x the weights): rerun with "
+                    "--no-cuda-graphs or a smaller --micro-batch-size; --resume continues from the last "
+                    "checkpoint") from None
             self.graphs[key] = entry
         graph, static = entry
         for dst, src in zip(static, micro):
