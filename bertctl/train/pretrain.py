@@ -395,9 +395,8 @@ class Trainer:
                             eps=cfg.eps, schedule=cfg.schedule, warmup_steps=self.warmup,
                             max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, precision=cfg.precision,
                             compile=cfg.compile, cuda_graphs=self.use_graphs, log_every=max(1, cfg.log_every),
-                            save_every=cfg.save_every,
-                            save_minutes=cfg.save_minutes, keep=cfg.keep, minutes=cfg.minutes,
-                            fit_to_minutes=cfg.fit_to_minutes, show_progress=cfg.show_progress,
+                            save_every=cfg.save_every, save_minutes=cfg.save_minutes, keep=cfg.keep,
+                            minutes=cfg.minutes, fit_to_minutes=cfg.fit_to_minutes, show_progress=cfg.show_progress,
                             description="pretrain")
         n_params = sum(p.numel() for p in model.parameters())
         self.n_params = n_params
