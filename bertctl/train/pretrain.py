@@ -404,7 +404,7 @@ class Trainer:
                              flops=lambda c: train_flops_6nt(self.model_config, n_params, c["tokens"], c["attn_pairs"]))
         self.model = self.engine.model
         if resume_from is None and init_state is not None and cfg.keep_optimizer:
-            self.engine.optimizer.load_state_dict(init_state["optimizer"])
+            self.engine.load_optimizer(init_state["optimizer"])
             for g in self.engine.optimizer.param_groups:  # the new phase's hyper-parameters, the old moments
                 g["lr"] = g["initial_lr"] = cfg.lr
                 g["weight_decay"] = cfg.weight_decay if g["weight_decay"] else 0.0
