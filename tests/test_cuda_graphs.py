@@ -10,7 +10,7 @@ from bertctl.errors import BertctlError
 from bertctl.tasks import trainer as T
 from bertctl.train import graphs as G
 from bertctl.train import state
-from bertctl.train.engine import _plain_lr
+from bertctl.train.engine import _plain_lr, load_optimizer_state
 from test_finetune_trainer import _setup
 
 cuda = pytest.mark.cuda
@@ -162,6 +162,29 @@ def test_checkpoints_hold_float_learning_rates():
     assert sd["param_groups"][0]["lr"] == pytest.approx(2e-4) and isinstance(sd["param_groups"][0]["lr"], float)
     assert isinstance(sd["param_groups"][0]["initial_lr"], float)
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # the live optimizer keeps its tensor
+
+
+def test_optimizer_state_from_one_step_mode_loads_into_the_other():
+    """An eager run's AdamW state (``capturable`` False) continued under graphs, by ``--resume`` or
+    ``--keep-optimizer``, must stay capturable, or the capture fails; and the other way round."""
+    def adamw(capturable):
+        p = torch.nn.Parameter(torch.ones(3))
+        return p, torch.optim.AdamW([p], lr=1e-3, capturable=capturable)
+
+    for saved_mode in (False, True):
+        p, opt = adamw(saved_mode)
+        p.grad = torch.full((3,), 0.5)
+        if not saved_mode:
+            opt.step()
+        else:  # a capturable step needs a GPU: the state it leaves, written by hand
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.full((3,), 0.05),
+                            "exp_avg_sq": torch.full((3,), 2.5e-4)}
+        saved = _plain_lr(opt.state_dict())
+        q, live = adamw(not saved_mode)
+        load_optimizer_state(live, saved)
+        assert live.param_groups[0]["capturable"] is (not saved_mode)
+        assert torch.equal(live.state[q]["exp_avg"], opt.state[p]["exp_avg"])  # the moments come across
+        assert float(live.state[q]["step"]) == 1.0
 
 
 @cuda

@@ -419,17 +419,10 @@ class Engine:
         self._last_save = time.monotonic()
         return path
 
-    def load_optimizer(self, saved: dict) -> None:
-        """Optimizer state saved in any step mode: each group keeps this run's ``capturable``, which
-        decides where ``load_state_dict`` puts AdamW's step counts (on the device for CUDA graphs)."""
-        live = [g.get("capturable") for g in self.optimizer.param_groups]
-        groups = [g if c is None else {**g, "capturable": c} for g, c in zip(saved["param_groups"], live)]
-        self.optimizer.load_state_dict({**saved, "param_groups": groups})
-
     def restore(self, blob: dict) -> None:
         """Continue from a checkpoint blob (``state.load_checkpoint``)."""
         self.model.load_state_dict(blob["model"])
-        self.load_optimizer(blob["optimizer"])
+        load_optimizer_state(self.optimizer, blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
         if self.graphs is not None:  # new optimizer state tensors: capture again
             self._lr_to_tensors()
@@ -596,6 +589,14 @@ class Engine:
             rec["loss_scale"] = self.scaler.get_scale()
         self.log.log(event="train", **rec)
         return rec
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Optimizer state saved in any step mode: each group keeps the live optimizer's ``capturable``,
+    which decides where ``load_state_dict`` puts AdamW's step counts (on the device for CUDA graphs)."""
+    live = [g.get("capturable") for g in optimizer.param_groups]
+    groups = [g if c is None else {**g, "capturable": c} for g, c in zip(saved["param_groups"], live)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})
 
 
 def _plain_lr(opt_state: dict) -> dict:

@@ -37,8 +37,8 @@ from bertctl.config import resolve_attention
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, stderr
 from bertctl.train import distributed, graphs, state
-from bertctl.train.engine import (IGNORE_INDEX, Engine, EngineConfig, autocast, resolve_precision, to_device,
-                                  warmup_steps)
+from bertctl.train.engine import (IGNORE_INDEX, Engine, EngineConfig, autocast, load_optimizer_state,
+                                  resolve_precision, to_device, warmup_steps)
 from bertctl.train.loader import Prefetcher, bucketed_batches, pretraining_step, trim
 from bertctl.train.metrics import plot_curves, train_flops_6nt
 from bertctl.train.optim import build_scheduler
@@ -404,7 +404,7 @@ class Trainer:
                              flops=lambda c: train_flops_6nt(self.model_config, n_params, c["tokens"], c["attn_pairs"]))
         self.model = self.engine.model
         if resume_from is None and init_state is not None and cfg.keep_optimizer:
-            self.engine.load_optimizer(init_state["optimizer"])
+            load_optimizer_state(self.engine.optimizer, init_state["optimizer"])
             for g in self.engine.optimizer.param_groups:  # the new phase's hyper-parameters, the old moments
                 g["lr"] = g["initial_lr"] = cfg.lr
                 g["weight_decay"] = cfg.weight_decay if g["weight_decay"] else 0.0
