@@ -166,10 +166,12 @@ def test_checkpoints_hold_float_learning_rates():
 
 def test_optimizer_state_from_one_step_mode_loads_into_the_other():
     """An eager run's AdamW state (``capturable`` False) continued under graphs, by ``--resume`` or
-    ``--keep-optimizer``, must stay capturable, or the capture fails; and the other way round."""
+    ``--keep-optimizer``, must stay capturable, or the capture fails; and the other way round. The
+    fused or foreach step is the live optimizer's too."""
     def adamw(capturable):
         p = torch.nn.Parameter(torch.ones(3))
-        return p, torch.optim.AdamW([p], lr=1e-3, capturable=capturable)
+        impl = {"foreach": True} if capturable else {"fused": True}
+        return p, torch.optim.AdamW([p], lr=1e-3, capturable=capturable, **impl)
 
     for saved_mode in (False, True):
         p, opt = adamw(saved_mode)
@@ -182,7 +184,9 @@ def test_optimizer_state_from_one_step_mode_loads_into_the_other():
         saved = _plain_lr(opt.state_dict())
         q, live = adamw(not saved_mode)
         load_optimizer_state(live, saved)
-        assert live.param_groups[0]["capturable"] is (not saved_mode)
+        group = live.param_groups[0]
+        assert group["capturable"] is (not saved_mode)
+        assert bool(group["fused"]) is saved_mode and bool(group["foreach"]) is (not saved_mode)
         assert torch.equal(live.state[q]["exp_avg"], opt.state[p]["exp_avg"])  # the moments come across
         assert float(live.state[q]["step"]) == 1.0
 

@@ -591,11 +591,16 @@ class Engine:
         return rec
 
 
+#: How an optimizer runs, not what it learnt: a load keeps the live optimizer's.
+_IMPLEMENTATION_KEYS = ("capturable", "fused", "foreach")
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Optimizer state saved in any step mode: each group keeps the live optimizer's ``capturable``,
-    which decides where ``load_state_dict`` puts AdamW's step counts (on the device for CUDA graphs)."""
-    live = [g.get("capturable") for g in optimizer.param_groups]
-    groups = [g if c is None else {**g, "capturable": c} for g, c in zip(saved["param_groups"], live)]
+    """Optimizer state saved in any step mode or on any device: each group keeps the live optimizer's
+    ``capturable``, ``fused`` and ``foreach`` (``load_state_dict`` would take the saved ones, and they
+    decide where AdamW's step counts go: on the device for CUDA graphs and the fused step)."""
+    groups = [{**g, **{k: live[k] for k in _IMPLEMENTATION_KEYS if k in live}}
+              for g, live in zip(saved["param_groups"], optimizer.param_groups)]
     optimizer.load_state_dict({**saved, "param_groups": groups})
 
 
