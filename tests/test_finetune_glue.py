@@ -63,6 +63,15 @@ def test_sst2_end_to_end_and_eval(tiny, sst2, tmp_path):
         r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(out), flag])
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(metrics["accuracy"])
+    # A task folder holding only its dev file evaluates (no train.tsv needed), here in the canonical SST-2/.
+    dev_only = tmp_path / "glue" / "SST-2"
+    dev_only.mkdir(parents=True)
+    (dev_only / "dev.tsv").write_bytes((sst2 / "dev.tsv").read_bytes())
+    r = invoke(["eval", "glue", "--task", "sst2", "--data-dir", str(dev_only.parent), "--model", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(metrics["accuracy"])
+    r = invoke(["eval", "glue", "--task", "sst2", "--data-dir", str(tmp_path / "glue" / "nothing"), "--model", str(out)])
+    assert r.exit_code == 2 and "no dev.tsv here or in" in r.output, r.output
 
 
 def test_saved_model_loads_in_transformers(tiny, sst2, tmp_path):

@@ -161,17 +161,19 @@ def read_glue_tsv(path: str | Path, task: GlueTask, *, skip_bad_rows: bool = Fal
     return examples, report
 
 
-def find_task_files(data_dir: str | Path, task: GlueTask) -> tuple[Path, list[Path]]:
-    """train.tsv and the dev file(s) in ``data_dir`` or ``data_dir/<canonical folder>``."""
+def find_task_files(data_dir: str | Path, task: GlueTask, need_train: bool = True) -> tuple[Path | None, list[Path]]:
+    """train.tsv (None when not needed: evaluation) and the dev file(s) in ``data_dir`` or
+    ``data_dir/<canonical folder>``."""
     data_dir = Path(data_dir)
+    first = "train.tsv" if need_train else task.dev_files[0]
     for folder in (data_dir, data_dir / task.folder):
-        if (folder / "train.tsv").exists():
+        if (folder / first).exists():
             devs = [folder / name for name in task.dev_files]
             missing = [str(d) for d in devs if not d.exists()]
             if missing:
                 raise BertctlError(f"{', '.join(missing)}: dev file not found")
-            return folder / "train.tsv", devs
-    raise BertctlError(f"{data_dir}: no train.tsv here or in {data_dir / task.folder}")
+            return (folder / "train.tsv" if need_train else None), devs
+    raise BertctlError(f"{data_dir}: no {first} here or in {data_dir / task.folder}")
 
 
 # ------------------------------------------------------------------------------ generic files
@@ -345,7 +347,7 @@ def load_data(*, task: str | None, data_dir: str | Path | None, train: str | Pat
     spec = task_spec(task)
     if data_dir is None:
         raise BertctlError(f"glue --task {spec.name} needs --data-dir")
-    train_path, dev_paths = find_task_files(data_dir, spec)
+    train_path, dev_paths = find_task_files(data_dir, spec, need_train)
     if dev is not None:
         dev_paths = [Path(dev)]
     tr, rtr = read_glue_tsv(train_path, spec, skip_bad_rows=skip_bad_rows) if need_train else ([], None)
