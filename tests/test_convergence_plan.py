@@ -78,3 +78,22 @@ def test_pretraining_without_dropout_fine_tunes_every_init_at_the_papers_dropout
     a.pretrain_dropout = None
     assert "--dropout" not in run.pretrain_cmd(a, "data-nsp", tmp_path / "p", minutes=8.0)
     assert "--dropout" not in run.finetune_cmd(a, "conll", "pretrained", 42, tmp_path / "out")
+
+
+def test_preset_runs_on_several_gpus_keep_the_global_batch(tmp_path, monkeypatch):
+    run = _module()
+    commands = []
+    monkeypatch.setattr(run, "build_data", lambda *a, **k: None)
+    monkeypatch.setattr(run, "run", lambda cmd, a, name: commands.append(cmd) or {"seconds": 1.0})
+    a = argparse.Namespace(work=tmp_path, seq=128, dupe=5, preset_sizes=["large"], preset_batches=[256, 2048],
+                           preset_steps=1000, preset_lr=None, preset_warmup=None, preset_optimizer=None,
+                           preset_micro_batch=512, preset_nproc=4, model_size="medium", batch=128, eval_every=1000,
+                           eval_batches=20, seed=0, cuda_graphs=True, compile=True, pretrain_dropout=None, force=False)
+    run.presets(a)
+    assert len(commands) == 2
+    for cmd, batch, steps in zip(commands, ("256", "2048"), ("1000", "500")):
+        assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
+        assert cmd[7:9] == ["bertctl", "pretrain"] and cmd[cmd.index("--data") + 1] == str(tmp_path / "data-nsp")
+        assert cmd[cmd.index("--batch-size") + 1] == batch and cmd[cmd.index("--max-steps") + 1] == steps
+        assert "--cuda-graphs" not in cmd and "--compile" not in cmd
+    assert "--micro-batch-size" not in commands[0] and commands[1][commands[1].index("--micro-batch-size") + 1] == "512"

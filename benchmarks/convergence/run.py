@@ -31,7 +31,8 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   batch 256 for ``--preset-steps`` steps and batch 2048 for half as many (``--preset-batches``), at sequence length 128: held-out MLM
   accuracy against the majority-token baseline and bertctl's collapse warning. ``--preset-lr``,
   ``--preset-warmup`` and ``--preset-optimizer`` run them with another lr, warm-up fraction or
-  optimizer instead, for comparison (records named ``preset-SIZE-BATCH-lrX-warmupY-OPT``).
+  optimizer instead, for comparison (records named ``preset-SIZE-BATCH-lrX-warmupY-OPT``);
+  ``--preset-nproc N`` runs each under torchrun on N GPUs (the same global batch).
 - ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus, the
   benchmark's time: ``prepare`` + both pretraining runs + the fine-tuning stage on each GPU, the
   figure a one-GPU machine would take end to end) and ``convergence-curves.png`` in ``--results``.
@@ -63,6 +64,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import finetune_vs_hf  # noqa: E402  (scoring from prediction files, commit and environment)
 
 BERTCTL = [sys.executable, "-m", "bertctl"]
+
+
+def torchrun(nproc: int) -> list[str]:
+    """``BERTCTL`` launched on ``nproc`` GPUs of this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
+            "bertctl"]
 TASKS = ("sst2", "conll", "squad")
 TARGET_MINUTES = 25.0  # the whole benchmark on one GPU
 INITS = ("pretrained", "scratch", "mlm")
@@ -316,6 +323,8 @@ def presets(a) -> list[dict]:
             cmd = [c for c in cmd if c not in ("--compile", "--cuda-graphs")]
             if a.preset_micro_batch and batch > a.preset_micro_batch:  # accumulation: the same maths, less memory
                 cmd += ["--micro-batch-size", str(a.preset_micro_batch)]
+            if a.preset_nproc > 1:  # data-parallel over the GPUs; --batch-size stays the global batch
+                cmd = torchrun(a.preset_nproc) + cmd[len(BERTCTL):]
             try:
                 out.append(record(a, name, lambda cmd=cmd, name=name: {**run(cmd, a, name), "size": size,
                                                                         "batch": batch, "dir": name}))
@@ -662,6 +671,8 @@ def main(argv=None) -> int:
                    help="another --warmup-fraction than the preset's default, to compare")
     p.add_argument("--preset-optimizer", choices=("adamw", "lamb"), default=None,
                    help="another --optimizer than the default (adamw), to compare")
+    p.add_argument("--preset-nproc", type=int, default=1,
+                   help="GPUs per preset run, under torchrun (the same global batch and maths, sooner)")
     p.add_argument("--preset-micro-batch", type=int, default=0,
                    help="sequences per forward in the preset runs, accumulated to the batch (default 0: the whole batch)")
     p.add_argument("--force", action="store_true", help="redo finished steps")
