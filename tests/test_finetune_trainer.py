@@ -66,6 +66,29 @@ def _setup(tmp_path, dropout: float | None = None, tokens: bool = False):
 
 
 @pytest.mark.parametrize("tokens", [False, True], ids=["sequence", "token"])
+def test_predict_batches_by_token_budget_with_the_one_at_a_time_outputs(tmp_path, tokens):
+    """Evaluation batches hold at most ``batch_tokens`` padded tokens (one example always fits) and
+    ``batch_size`` examples, longest first; every output equals the example run alone (fp32)."""
+    build, feats = _setup(tmp_path, dropout=0.0, tokens=tokens)
+    model = build().eval()
+    rows = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: rows.append(kwargs["input_ids"].shape), with_kwargs=True)
+    alone = T.predict(model, feats, batch_size=1, per_token=tokens, device=torch.device("cpu"))
+    rows.clear()
+    budget = 96
+    out = T.predict(model, feats, batch_size=8, batch_tokens=budget, per_token=tokens, device=torch.device("cpu"))
+    lengths = sorted((len(f["input_ids"]) for f in feats), reverse=True)
+    expected, start = [], 0
+    while start < len(lengths):  # the budget, counted against the longest (first) example of each batch
+        n = max(1, min(8, budget // lengths[start], len(lengths) - start))
+        expected.append(n)
+        start += n
+    assert [r[0] for r in rows] == expected and any(n < 8 for n in expected) and max(expected) == 8
+    for a, b in zip(alone, out):
+        np.testing.assert_allclose(b[0], a[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [False, True], ids=["sequence", "token"])
 def test_accumulation_gives_the_large_batch_result(tmp_path, tokens):
     """Batch 16 in micro-batches of 4 (and of 5: uneven) = batch 16 at once: same loss, same weights."""
     build, feats = _setup(tmp_path, dropout=0.0, tokens=tokens)

@@ -30,6 +30,9 @@ LR = typer.Option(5e-5, "--lr", help="Peak learning rate (AdamW).")
 LR_SWEEP = typer.Option(False, "--lr-sweep", help="Try lr 5e-5, 4e-5, 3e-5, 2e-5 and keep the best on dev.")
 BATCH = typer.Option(32, "--batch-size", help="Global training batch (examples per optimizer step, all processes).")
 EVAL_BATCH = typer.Option(128, "--eval-batch-size", help="Evaluation batch size.")
+EVAL_TOKENS = typer.Option(None, "--eval-batch-tokens", help="Padded tokens (examples x longest) per evaluation "
+                           "forward pass, at most; examples are sorted by length first.",
+                           show_default="1024 on the CPU, 65536 on a GPU")
 WARMUP = typer.Option(0.1, "--warmup-fraction", help="Fraction of the steps with linear lr warm-up.")
 WD = typer.Option(0.01, "--weight-decay", help="AdamW weight decay (not on biases and LayerNorm).")
 SEED = typer.Option(42, "--seed", help="Random seed (head initialisation, data order, dropout).")
@@ -53,9 +56,11 @@ def _train_config(v: dict) -> TrainConfig:
                        max_steps=v["max_steps"], epochs=v["epochs"], warmup_fraction=v["warmup_fraction"],
                        weight_decay=v["weight_decay"], max_grad_norm=v["max_grad_norm"], save_every=v["save_every"],
                        log_every=v["log_every"], precision=v["precision"], attn=v["attn"], kernels=v["kernels"],
-                       dropout=v["dropout"], eval_batch_size=v["eval_batch_size"])
+                       dropout=v["dropout"], eval_batch_size=v["eval_batch_size"],
+                       eval_batch_tokens=v["eval_batch_tokens"])
     return TrainConfig(epochs=v["epochs"], lr=v["lr"], batch_size=v["batch_size"],
                        micro_batch_size=v["micro_batch_size"], eval_batch_size=v["eval_batch_size"],
+                       eval_batch_tokens=v["eval_batch_tokens"],
                        warmup_fraction=v["warmup_fraction"], weight_decay=v["weight_decay"],
                        max_grad_norm=v["max_grad_norm"], seed=v["seed"], device=v["device"],
                        precision=v["precision"], group_by_length=v["group_by_length"], compile=v["compile_"],
@@ -95,6 +100,7 @@ def glue(
     max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per example, specials included."),
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
@@ -133,6 +139,7 @@ def squad(
     write_nbest: bool = typer.Option(False, "--write-nbest", help="Also write nbest_predictions.json."),
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."), lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
@@ -160,6 +167,7 @@ def ner(
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
@@ -185,6 +193,7 @@ def swag(
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
     batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
     warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,

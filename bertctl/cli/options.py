@@ -115,13 +115,15 @@ def choice(flag: str, value: str, allowed: tuple[str, ...]) -> str:
 
 def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps=None, epochs=None,
                    warmup_fraction=None, weight_decay=None, max_grad_norm=None, save_every=None, log_every=None,
-                   precision=None, attn=None, kernels=None, dropout=None, eval_batch_size=None) -> None:
+                   precision=None, attn=None, kernels=None, dropout=None, eval_batch_size=None,
+                   eval_batch_tokens=None) -> None:
     """The shared training flags, checked by name (``None`` = not given, the default applies)."""
     positive("--batch-size", batch_size)
     positive("--micro-batch-size", micro_batch_size)
     if batch_size is not None and micro_batch_size is not None and micro_batch_size > batch_size:
         raise BertctlError(f"--micro-batch-size {micro_batch_size} is larger than --batch-size {batch_size}")
     positive("--eval-batch-size", eval_batch_size)
+    positive("--eval-batch-tokens", eval_batch_tokens)
     positive("--lr", lr)
     positive("--max-steps", max_steps)
     positive("--epochs", epochs)

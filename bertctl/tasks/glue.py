@@ -285,8 +285,9 @@ def featurize(examples: Sequence[Example], tokenizer, task: GlueTask, max_seq_le
 
 
 def _predictions(model, features, cfg: TrainConfig, regression: bool, progress: bool) -> np.ndarray:
-    out = predict(model, features, outputs=("logits",), batch_size=cfg.eval_batch_size, precision=cfg.precision,
-                  progress=progress, description="evaluate")
+    out = predict(model, features, outputs=("logits",), batch_size=cfg.eval_batch_size,
+                  batch_tokens=cfg.eval_batch_tokens, precision=cfg.precision, progress=progress,
+                  description="evaluate")
     logits = np.stack([o[0] for o in out])
     return logits[:, 0] if regression else logits.argmax(-1)
 

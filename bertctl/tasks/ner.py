@@ -147,7 +147,8 @@ def write_predictions(path: Path, data: NerData, predicted: list[list[str]]) -> 
 def _predict_tags(model, data: NerData, tokenizer, id2label, tcfg: TrainConfig, max_seq_length: int,
                   progress: bool, feats: NerFeatures | None = None) -> tuple[list[list[str]], NerFeatures]:
     feats = feats or featurize(data, tokenizer, None, max_seq_length)
-    logits = predict(model, feats.features, outputs=("logits",), batch_size=tcfg.eval_batch_size, precision=tcfg.precision,
+    logits = predict(model, feats.features, outputs=("logits",), batch_size=tcfg.eval_batch_size,
+                     batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.precision,
                      per_token=True, progress=progress, description=f"predict {Path(data.path).name}")
     return decode(feats.features, [o[0] for o in logits], id2label), feats
 

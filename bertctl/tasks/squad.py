@@ -359,7 +359,8 @@ def write_predictions(output: Path, preds: dict[str, Prediction], version_2: boo
 
 def _logits(model, features, tcfg: TrainConfig, progress: bool):
     out = predict(model, features, outputs=("start_logits", "end_logits"), batch_size=tcfg.eval_batch_size,
-                  precision=tcfg.precision, per_token=True, progress=progress, description="predict")
+                  batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.precision, per_token=True, progress=progress,
+                  description="predict")
     return [(o[0], o[1]) for o in out]
 
 

@@ -105,7 +105,8 @@ def featurize(examples: Sequence[SwagExample], tokenizer, max_seq_length: int = 
 
 def _choices(model, feats, tcfg: TrainConfig, progress: bool) -> np.ndarray:
     out = predict(model, feats, outputs=("logits",), batch_size=max(1, tcfg.eval_batch_size // NUM_CHOICES),
-                  precision=tcfg.precision, progress=progress, description="evaluate")
+                  batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.precision, progress=progress,
+                  description="evaluate")
     return np.stack([o[0] for o in out])  # (N, 4)
 
 

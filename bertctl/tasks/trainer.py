@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bertctl.embed import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError, Stopped
 from bertctl.model import varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
@@ -47,6 +48,7 @@ class TrainConfig:
     batch_size: int = 32                  # global: examples per optimizer step
     micro_batch_size: int | None = None   # per process per forward; gradients accumulate to batch_size
     eval_batch_size: int = 128
+    eval_batch_tokens: int | None = None  # padded tokens per evaluation batch; None: predict's default
     warmup_fraction: float = 0.1
     weight_decay: float = 0.01
     adam_eps: float = 1e-6
@@ -115,16 +117,20 @@ def _dist(cfg: TrainConfig) -> distributed.Dist:
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequence[str] = ("logits",),
-            batch_size: int = 128, device: torch.device | None = None, precision: str = "auto",
-            per_token: bool = False, progress: bool = False, description: str = "predict") -> list[list[np.ndarray]]:
-    """Run ``model`` over ``features`` (sorted by length for little padding) and return, per
-    feature, the float32 numpy arrays of the named output fields; with ``per_token`` the arrays
-    are cut back to the feature's own length (token classification, QA logits)."""
+            batch_size: int = 128, batch_tokens: int | None = None, device: torch.device | None = None,
+            precision: str = "auto", per_token: bool = False, progress: bool = False,
+            description: str = "predict") -> list[list[np.ndarray]]:
+    """Run ``model`` over ``features`` and return, per feature, the float32 numpy arrays of the named
+    output fields; with ``per_token`` the arrays are cut back to the feature's own length (token
+    classification, QA logits). Features go longest first, in batches of at most ``batch_size`` and
+    ``batch_tokens`` padded tokens (``embed``'s budget: by default 1024 on the CPU, where long batches
+    run slower, 65536 on a GPU); a multiple-choice feature counts its choices' tokens."""
     device = device or next(model.parameters()).device
     precision = resolve_precision(precision, device)
     was_training = model.training
     model.eval()
-    order = np.argsort([-feature_length(f) for f in features], kind="stable")
+    cost = np.array([f["input_ids"].size for f in features], dtype=np.int64)  # (S,) or (C, S)
+    budget = batch_tokens or BATCH_TOKENS.get(device.type, BATCH_TOKENS["cuda"])
     results: list[list[np.ndarray] | None] = [None] * len(features)
     pending = []  # device tensors kept until the end: one host sync, not one per batch
 
@@ -140,8 +146,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
         pending.clear()
 
     with track(description, len(features), disable=not progress) as advance, varied_shapes():
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
+        for idx in length_batches(cost, batch_size, budget):
             batch = collate([features[i] for i in idx])
             if device.type == "cuda":  # pinned: the copy queues behind the GPU's work instead of waiting for it
                 batch = {k: v.pin_memory() for k, v in batch.items()}
