@@ -82,8 +82,8 @@ def squad(
         return
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     dev = s.read_squad(data, articles=articles, version_2=version_2)
-    s.run_eval(dev, _need_model(model, output), _cfg(batch_size, batch_tokens, device, no_progress, quiet), scfg, threshold=null_threshold,
-               output=output)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    s.run_eval(dev, _need_model(model, output), cfg, scfg, threshold=null_threshold, output=output)
 
 
 @eval_app.command("glue")
@@ -114,8 +114,8 @@ def glue(
         glue_data = g.load_data(task=task, data_dir=data_dir, dev=data, text_column=text_column,
                                 text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                                 skip_bad_rows=skip_bad_rows, need_train=False)
-    g.run_eval(glue_data, _need_model(model, output), _cfg(batch_size, batch_tokens, device, no_progress, quiet), max_seq_length=max_seq_length,
-               output=output)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    g.run_eval(glue_data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
 
 
 @eval_app.command("ner")
@@ -129,8 +129,8 @@ def ner(
     """Entity-level precision/recall/F1 (conlleval rules, per type too) of a fine-tuned tagger."""
     from bertctl.tasks import ner as n
 
-    n.run_eval(data, _need_model(model, output), _cfg(batch_size, batch_tokens, device, no_progress, quiet), max_seq_length=max_seq_length,
-               output=output)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    n.run_eval(data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
 
 
 @eval_app.command("swag")
@@ -144,8 +144,8 @@ def swag(
     """Accuracy of a fine-tuned multiple-choice model."""
     from bertctl.tasks import swag as w
 
-    w.run_eval(data, _need_model(model, output), _cfg(batch_size, batch_tokens, device, no_progress, quiet), max_seq_length=max_seq_length,
-               output=output)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    w.run_eval(data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
 
 
 def register(app: typer.Typer) -> None:
