@@ -11,6 +11,8 @@ metric within seed noise).
 
     python benchmarks/finetune_ddp.py --data ../shared/data/glue/SST-2 --model MODEL \\
         --configs 1x32,2x32,2x64 --seeds 42,43 --epochs 3 --out benchmarks/results/finetune-ddp-graphs.json
+    python benchmarks/finetune_ddp.py --task squad --data ../shared/data/squad --model MODEL \\
+        --configs 1x32,2x32 --seeds 42 --epochs 1 --out benchmarks/results/finetune-ddp-squad.json
 """
 from __future__ import annotations
 
@@ -40,12 +42,22 @@ def parse_configs(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def task_args(a) -> list[str]:
+    """The task's own flags: a GLUE folder, or the SQuAD v1.1 article split (``dev-v1.1.json`` and
+    ``split.json`` in ``--data``: train on its ``train`` articles, score its ``eval`` ones)."""
+    if a.task == "squad":
+        data, split = a.data / "dev-v1.1.json", a.data / "split.json"
+        return ["squad", "--train", str(data), "--dev", str(data), "--train-articles", f"{split}:train",
+                "--dev-articles", f"{split}:eval"]
+    return ["glue", "--task", a.task, "--data-dir", str(a.data)]
+
+
 def command(gpus: int, batch: int, seed: int, out: Path, a) -> list[str]:
     launch = [sys.executable, "-m"] if gpus == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "-m"]
-    return [*launch, "bertctl", "finetune", "glue", "--task", a.task, "--data-dir", str(a.data), "--model",
-            str(a.model), "--output", str(out), "--epochs", f"{a.epochs:g}", "--batch-size", str(batch), "--seed",
-            str(seed), "--no-progress", "--no-tensorboard", *a.extra]
+    return [*launch, "bertctl", "finetune", *task_args(a), "--model", str(a.model), "--output", str(out),
+            "--epochs", f"{a.epochs:g}", "--batch-size", str(batch), "--seed", str(seed), "--no-progress",
+            "--no-tensorboard", *a.extra]
 
 
 def one_run(gpus: int, batch: int, seed: int, work: Path, a) -> dict:
@@ -88,10 +100,12 @@ def summarise(runs: list[dict], configs: list[tuple[int, int]], metric: str) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, required=True, help="the task's data folder (train.tsv, dev.tsv)")
+    p.add_argument("--data", type=Path, required=True,
+                   help="the task's data folder: a GLUE task's (train.tsv, dev.tsv), or for squad dev-v1.1.json "
+                        "and split.json")
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--task", default="sst2")
-    p.add_argument("--metric", default="accuracy", help="the key of metrics.json to report")
+    p.add_argument("--task", default="sst2", help="a GLUE task, or squad (the article split)")
+    p.add_argument("--metric", default=None, help="the key of metrics.json to report (default: accuracy; squad f1)")
     p.add_argument("--configs", type=parse_configs, default=parse_configs("1x32,2x32,2x64"))
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42, 43])
     p.add_argument("--epochs", type=float, default=3.0)
@@ -99,6 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True, help="the result JSON")
     p.add_argument("extra", nargs="*", help="more bertctl finetune flags, after --")
     a = p.parse_args(argv)
+    a.metric = a.metric or ("f1" if a.task == "squad" else "accuracy")
     import torch
 
     work = a.work or Path(tempfile.mkdtemp(prefix="finetune-ddp-"))
@@ -107,7 +122,7 @@ def main(argv=None) -> int:
         for gpus, batch in a.configs:
             runs.append(one_run(gpus, batch, seed, work, a))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    result = {"what": f"bertctl finetune glue --task {a.task}, {a.epochs:g} epochs, GPUs x global batch "
+    result = {"what": f"bertctl finetune {' '.join(task_args(a)[:1 if a.task == 'squad' else 3])}, {a.epochs:g} epochs, GPUs x global batch "
                       f"{','.join(f'{g}x{b}' for g, b in a.configs)}, seeds {a.seeds}",
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "gpus_on_host": torch.cuda.device_count(), "torch": torch.__version__, "commit": commit(),

@@ -377,3 +377,22 @@ def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, m
     assert 0.0 <= two["accuracy"]["mean"] <= 1.0
     with pytest.raises(SystemExit, match="not GPUSxBATCH"):
         finetune_ddp.parse_configs("2x1")
+
+
+def test_the_multi_process_benchmark_runs_the_squad_split(tmp_path):
+    """``--task squad``: ``finetune squad`` on the article split (train articles, scored on the eval ones),
+    through torchrun for several GPUs, and F1 as the metric."""
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import finetune_ddp
+
+    a = SimpleNamespace(task="squad", data=tmp_path, model=tmp_path / "m", epochs=1.0, extra=["--no-cuda-graphs"])
+    cmd = finetune_ddp.command(2, 32, 42, tmp_path / "out", a)
+    i = cmd.index("bertctl")
+    assert cmd[i - 1] == "-m" and "--nproc-per-node" in cmd[:i]
+    squad, split = str(tmp_path / "dev-v1.1.json"), str(tmp_path / "split.json")
+    assert cmd[i + 1:i + 11] == ["finetune", "squad", "--train", squad, "--dev", squad, "--train-articles",
+                                 f"{split}:train", "--dev-articles", f"{split}:eval"]
+    assert cmd[-1] == "--no-cuda-graphs" and cmd[cmd.index("--batch-size") + 1] == "32"
