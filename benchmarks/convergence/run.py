@@ -550,27 +550,49 @@ def partial_race(a, main: dict) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
+    """The run's curves, one panel per part it has: pretraining (main run and ablation), the race or
+    the preset checks, and the fine-tuning table."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    r, partial = res.get("race"), res.get("race_incomplete")
-    middle = bool(r or partial or res.get("presets"))  # a run without race or presets gets no empty panel
-    fig, axes = plt.subplots(1, 3 if middle else 2, figsize=(17 if middle else 11.5, 4.8))
-    ax = axes[0]
-    for name, style in (("main", "-"), ("mlm", "--")):
-        p = res.get(f"pretrain_{name}")
-        if p and p["curve"]:
-            c = p["curve"]
-            ax.plot([x["step"] for x in c], [x["mlm_acc"] for x in c], style, label=f"{name}: MLM accuracy")
-            if name == "main":
-                ax.plot([x["step"] for x in c], [x["nsp_acc"] for x in c], ":", label="main: NSP accuracy")
+    panels = [draw for draw, has in ((_pretraining_panel, _pretraining_panel(res, None)),
+                                     (_middle_panel, _middle_panel(res, None)),
+                                     (_finetune_panel, _finetune_panel(res, None))) if has]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.7 * len(panels), 4.8), squeeze=False)
+    for draw, ax in zip(panels, axes[0]):
+        draw(res, ax)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+
+
+def _pretraining_panel(res: dict, ax) -> bool:
+    """Held-out accuracy of the main run and the ablation; with ``ax`` None, whether there is any."""
+    runs = [(name, style, res[f"pretrain_{name}"]["curve"]) for name, style in (("main", "-"), ("mlm", "--"))
+            if (res.get(f"pretrain_{name}") or {}).get("curve")]
+    if ax is None or not runs:
+        return bool(runs)
+    for name, style, c in runs:
+        ax.plot([x["step"] for x in c], [x["mlm_acc"] for x in c], style, label=f"{name}: MLM accuracy")
+        if name == "main":
+            ax.plot([x["step"] for x in c], [x["nsp_acc"] for x in c], ":", label="main: NSP accuracy")
     ax.set_xlabel("step")
     ax.set_ylabel("held-out accuracy")
     ax.set_title("bertctl pretraining (held out)")
     ax.legend()
-    ax = axes[1]
+    return True
+
+
+def _middle_panel(res: dict, ax) -> bool:
+    """The race against transformers (finished, or stopped early), else the preset checks."""
+    r, partial, presets = res.get("race"), res.get("race_incomplete"), res.get("presets")
+    if ax is None:
+        return bool(r or partial or presets)
     if partial and not r:
         for key, label in (("hf_curve", "transformers BertForPreTraining (stopped early)"),
                            ("bertctl_main_curve", "bertctl pretrain (main run)")):
@@ -590,23 +612,29 @@ def plot(res: dict, path: Path) -> None:
         ax.set_ylabel("held-out MLM accuracy")
         ax.set_title("same shards, model and recipe")
         ax.legend()
-    if not r and not partial and res.get("presets"):  # no race in this run: the preset checks instead
-        for pr in res["presets"]:
+    if not r and not partial and presets:  # no race in this run: the preset checks instead
+        for pr in presets:
             c = pr.get("curve") or []
             ax.plot([x["step"] for x in c], [x["mlm_acc"] for x in c], "o-", ms=3,
                     label=f"{pr['size']}, batch {pr['batch']}, lr {pr['lr']:.2g}"
                           + (f", warm-up {pr['warmup_fraction']:g}" if pr.get("warmup_fraction", 0.06) != 0.06 else "")
                           + (f", {pr['optimizer']}" if pr.get("optimizer", "adamw") != "adamw" else ""))
-        base = next((pr["majority_baseline"] for pr in res["presets"] if pr.get("majority_baseline")), None)
+        base = next((pr["majority_baseline"] for pr in presets if pr.get("majority_baseline")), None)
         if base:
             ax.axhline(base, color="grey", lw=0.8, ls="--", label="majority-token baseline")
         ax.set_xlabel("step")
         ax.set_ylabel("held-out MLM accuracy")
         ax.set_title("presets at sequence length 128")
         ax.legend(fontsize=8)
-    ax = axes[-1]
+    return True
+
+
+def _finetune_panel(res: dict, ax) -> bool:
+    """Each task's metric per initialisation, mean and spread over seeds."""
     t = (res.get("finetune") or {}).get("table") or {}
     labels = [k for k in TASKS if k in t]
+    if ax is None or not labels:
+        return bool(labels)
     width = 0.27
     for j, init in enumerate(INITS):
         if not any(init in t[k] for k in labels):
@@ -619,10 +647,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_xticklabels([f"{k}\n{METRIC[k]}" for k in labels])
     ax.set_title("fine-tuned, mean ± std over seeds")
     ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    return True
 
 
 def main(argv=None) -> int:
