@@ -392,3 +392,16 @@ def test_a_failed_training_command_keeps_only_what_is_worth_keeping(tmp_path):
         with run_output(mine):
             raise RuntimeError("boom")
     assert mine.is_dir()
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_pretrain_on_a_folder_that_is_not_data_says_only_that(tmp_path, make, monkeypatch):
+    """A wrong ``--data`` is the one line, before any note about the defaults it would have chosen (on a
+    CPU: the model size and batch), and nothing is written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    data = tmp_path / "data"
+    if make == "empty":
+        data.mkdir()
+    r = invoke("pretrain", "--data", data, "--output", tmp_path / "run", "--no-progress")
+    one_line_error(r, str(data), "not a pretraining data folder")
+    assert "no GPU" not in r.stderr and not (tmp_path / "run").exists()

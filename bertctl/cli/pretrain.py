@@ -117,6 +117,9 @@ def pretrain_command(
     else:
         if output is None:
             raise BertctlError("--output is required with --data")
+        from bertctl.data.dataset import find_manifest
+
+        find_manifest(data)  # a wrong --data fails before any note about the defaults
         size, batch = _size_and_batch(model_size, batch_size, config or init_from, device)
         common["model_size"] = size
         common["eval_every"] = eval_every or 1000

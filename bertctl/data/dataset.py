@@ -59,6 +59,14 @@ def _vocab_tokens(vocab) -> list[str]:
         return [line.rstrip("\r\n") for line in f]
 
 
+def find_manifest(shard_dir: str | os.PathLike) -> Path:
+    """``shard_dir``'s manifest, or one clear error when it is not a ``bertctl build-data`` folder."""
+    path = Path(shard_dir) / "manifest.json"
+    if not path.is_file():
+        raise BertctlError(f"{Path(shard_dir)}: not a pretraining data folder (no manifest.json)")
+    return path
+
+
 class PretrainingData:
     """Pretraining instances from a ``bertctl build-data`` folder (see the module docstring)."""
 
@@ -66,9 +74,7 @@ class PretrainingData:
 
     def __init__(self, shard_dir: str | os.PathLike, *, vocab=None, split: str = "train", verify: str = "auto"):
         self.dir = Path(shard_dir)
-        manifest_path = self.dir / "manifest.json"
-        if not manifest_path.is_file():
-            raise BertctlError(f"{self.dir}: not a pretraining data folder (no manifest.json)")
+        manifest_path = find_manifest(shard_dir)
         try:
             self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
