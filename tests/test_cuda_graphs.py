@@ -112,6 +112,28 @@ def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
 
 
+@cuda
+def test_rare_shapes_train_eagerly_as_the_captured_ones_would(tmp_path):
+    """Shapes the run has fewer than ``graph_min_steps`` steps of are not captured; the run is still the
+    eager run, step for step."""
+    build, feats = _setup(tmp_path, dropout=0.1)  # 10 steps: 9 padded to 32 tokens, 1 to 24
+    eager, eager_losses = _run(build, feats, cuda_graphs=False)
+    made = []
+    real_init = G.StepGraphs.__init__
+
+    def keep(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G.StepGraphs, "__init__", keep)
+        mixed, mixed_losses = _run(build, feats, cuda_graphs=True, graph_min_steps=3)
+    assert made[0].rare_steps == 1 and len(made[0].graphs) == 1
+    torch.testing.assert_close(torch.tensor(mixed_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for (k, a), b in zip(eager.model.state_dict().items(), mixed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
 # ----------------------------------------------------------------------------- CPU: the choice
 
 def test_no_memory_to_capture_is_one_clear_error_naming_the_way_out(monkeypatch):
@@ -377,3 +399,39 @@ def test_the_reducer_says_so_when_a_parameter_unused_at_first_gets_a_gradient(tm
             (model.loss(ids) + model.unused(model.word_embeddings(ids)).sum()).backward()
     finally:
         tdist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size,micro", [(1, None), (1, 3), (3, None), (3, 2)])
+def test_each_step_knows_how_many_steps_of_the_run_share_its_shapes(world_size, micro):
+    """``shape_steps``, planned before the run from the batch order alone, is the number of steps from the
+    start step to the end whose graph key (every micro-batch's tensor shapes, and the signature) equals this
+    step's, on every rank alike: the ranks then capture, or run eagerly, at the same steps."""
+    import collections
+    import itertools
+
+    from bertctl.train.loader import steps_per_epoch, task_batches
+
+    rng = np.random.default_rng(1)
+    feats = [{"input_ids": np.ones(n, dtype=np.int64), "token_type_ids": np.zeros(n, dtype=np.int64), "labels": 1}
+             for n in rng.integers(3, 40, size=61)]
+    per_epoch = steps_per_epoch(len(feats), 12, world_size)
+    for start, end in ((0, 3 * per_epoch), (4, 2 * per_epoch + 1)):
+        runs = []
+        for rank in range(world_size):
+            it = task_batches(feats, 12, seed=5, start_step=start, steps_per_epoch=per_epoch, group_by_length=False,
+                              rank=rank, world_size=world_size, micro_batch_size=micro, max_steps=end)
+            runs.append(list(itertools.islice(it, end - start)))
+        for steps in runs:
+            keys = [(G.StepGraphs.key(sb.micro), sb.signature) for sb in steps]
+            seen = collections.Counter(keys)
+            assert [sb.shape_steps for sb in steps] == [seen[k] for k in keys]
+            assert len(seen) > 1
+        assert len({tuple(sb.shape_steps for sb in steps) for steps in runs}) == 1
+    unplanned = next(task_batches(feats, 12, seed=5, start_step=0, steps_per_epoch=per_epoch, group_by_length=False))
+    assert unplanned.shape_steps is None
+
+
+def test_the_finetune_flag_defaults_to_the_engines_threshold():
+    from bertctl.cli.finetune import GRAPH_MIN_STEPS
+
+    assert GRAPH_MIN_STEPS.default == G.MIN_SHAPE_STEPS == T.TrainConfig().graph_min_steps

@@ -61,6 +61,7 @@ class TrainConfig:
     kernels: str = "auto"                 # model ops: "auto" (compiled kernels where built), "fused" or "torch"
     attn: str = "auto"                    # attention backend: "auto", "sdpa", "explicit" or "unpadded"
     cuda_graphs: bool | None = None       # whole-step CUDA graphs; None = wherever they apply
+    graph_min_steps: int = graphs.MIN_SHAPE_STEPS  # capture a batch shape only when the run has this many steps of it
     max_steps: int | None = None          # stop early (tests, smoke runs)
     from_scratch: bool = False            # the model's architecture with random weights (no pretraining)
     save_every: int = 0                   # also checkpoint every N optimizer steps (0 = only at epoch ends)
@@ -230,7 +231,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                         seed=cfg.seed, precision=cfg.precision, compile=cfg.compile, compile_dynamic=True,
                         cuda_graphs=uses_graphs(cfg) and (cfg.cuda_graphs or getattr(
                             getattr(model, "config", None), "attn_implementation", None) != "unpadded"),
-                        log_every=max(1, cfg.log_every), save_every=cfg.save_every or None, keep=1,
+                        graph_min_steps=cfg.graph_min_steps, log_every=max(1, cfg.log_every), save_every=cfg.save_every or None, keep=1,
                         show_progress=cfg.progress and dist.is_main, description="finetune")
     engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)
     model = engine.model
@@ -279,7 +280,8 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     pin = engine.device.type == "cuda"
     batches = Prefetcher(task_batches(train_features, cfg.batch_size, seed=cfg.seed, start_step=engine.step,
                                       steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
-                                      rank=dist.rank, world_size=W, micro_batch_size=cfg.micro_batch_size),
+                                      rank=dist.rank, world_size=W, micro_batch_size=cfg.micro_batch_size,
+                                      max_steps=steps),
                          lambda sb: sb, pin=pin)
     try:
         with varied_shapes():

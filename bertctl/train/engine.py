@@ -76,6 +76,7 @@ class EngineConfig:
     compile: bool = False
     compile_dynamic: bool | None = None   # torch.compile(dynamic=...): True for varied task shapes
     cuda_graphs: bool = False             # replay each step as one CUDA graph (bertctl.train.graphs)
+    graph_min_steps: int = 1              # capture only shapes the run has this many steps of (when known)
     log_every: int = 10
     save_every: int | None = None         # steps
     save_minutes: float | None = None
@@ -98,6 +99,7 @@ class StepBatch:
     micro: list[dict[str, torch.Tensor]]
     counts: dict[str, float]
     signature: tuple = ()  # several processes: the global step's shapes (every rank's), for the CUDA graphs
+    shape_steps: int | None = None  # steps of the run with this step's shapes (None: not known), for the graphs
 
     @property
     def sequences(self) -> int:
@@ -343,10 +345,11 @@ class Engine:
                 self._graph_counts.copy_(torch.tensor(counts, dtype=torch.float32, pin_memory=True), non_blocking=True)
                 ids = sb.micro[0].get("input_ids")
                 self._id_count = max(sb.signature[1]) * ids[0].numel() if sb.signature and ids is not None else 0
-            if self.graphs.step(sb.micro, sb.signature):
+            capture = sb.shape_steps is None or sb.shape_steps >= self.cfg.graph_min_steps
+            if self.graphs.step(sb.micro, sb.signature, capture=capture):
                 self.scheduler.step()
                 return self._graph_loss
-            # past the graph budget: the same step, eagerly
+            # a shape too rare to be worth a capture, or past the graph budget: the same step, eagerly
             micro = [to_device(m, self.device) for m in sb.micro]
             self._graph_body(micro)
             self.scheduler.step()

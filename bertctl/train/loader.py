@@ -15,6 +15,8 @@ training thread then copies with ``non_blocking=True``, overlapping the copy wit
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import queue
 import threading
 from typing import Callable, Iterable, Iterator, Sequence
@@ -248,16 +250,44 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     return StepBatch(micro, counts, signature)
 
 
-def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_step: int, steps_per_epoch: int,
-                 group_by_length: bool, rank: int = 0, world_size: int = 1,
-                 micro_batch_size: int | None = None) -> Iterator[StepBatch]:
-    """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying)."""
-    lengths = np.asarray([feature_length(f) for f in features])
+def shape_class(lengths: np.ndarray, idx: np.ndarray, world_size: int, micro_batch_size: int | None) -> tuple:
+    """What fixes the tensor shapes of the step ``task_step`` cuts from global batch ``idx``: several
+    processes, the signature (the global longest, every rank's rows, the micro-batch size); one, each
+    micro-batch's rows and its own padded length. The same on every rank."""
+    if world_size > 1:
+        return (round_up(int(lengths[idx].max())), tuple(len(p) for p in np.array_split(idx, world_size)),
+                micro_batch_size)
+    size = micro_batch_size or len(idx)
+    return tuple((len(idx[s:s + size]), round_up(int(lengths[idx[s:s + size]].max())))
+                 for s in range(0, len(idx), size))
+
+
+def _global_batches(lengths: np.ndarray, batch_size: int, seed: int, start_step: int, steps_per_epoch: int,
+                    group_by_length: bool, world_size: int) -> Iterator[np.ndarray]:
+    """The global batches from step ``start_step`` on, epoch after epoch (seeking, never replaying)."""
     epoch, k = divmod(start_step, steps_per_epoch)
     while True:
-        for idx in epoch_batches(lengths, batch_size, seed, epoch, group_by_length, world_size)[k:]:
-            yield task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size)
+        yield from epoch_batches(lengths, batch_size, seed, epoch, group_by_length, world_size)[k:]
         epoch, k = epoch + 1, 0
+
+
+def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_step: int, steps_per_epoch: int,
+                 group_by_length: bool, rank: int = 0, world_size: int = 1,
+                 micro_batch_size: int | None = None, max_steps: int | None = None) -> Iterator[StepBatch]:
+    """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying). With ``max_steps``
+    each step's ``shape_steps`` counts the steps from ``start_step`` to ``max_steps`` that share its
+    shapes (``shape_class``), which tells the CUDA graphs which shapes are worth a capture."""
+    lengths = np.asarray([feature_length(f) for f in features])
+    args = (lengths, batch_size, seed, start_step, steps_per_epoch, group_by_length, world_size)
+    plan = None
+    if max_steps is not None:
+        plan = collections.Counter(shape_class(lengths, idx, world_size, micro_batch_size)
+                                   for idx in itertools.islice(_global_batches(*args), max(0, max_steps - start_step)))
+    for idx in _global_batches(*args):
+        sb = task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size)
+        if plan is not None:
+            sb.shape_steps = plan[shape_class(lengths, idx, world_size, micro_batch_size)]
+        yield sb
 
 
 def steps_per_epoch(num_examples: int, batch_size: int, world_size: int = 1) -> int:
