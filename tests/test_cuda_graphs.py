@@ -17,7 +17,9 @@ cuda = pytest.mark.cuda
 
 
 def _run(build, feats, **kw):
-    cfg = dict(epochs=2, lr=1e-3, batch_size=8, device="cuda", progress=False, attn="sdpa", log_every=1)
+    # every shape captured (these runs are too short for the default graph_min_steps)
+    cfg = dict(epochs=2, lr=1e-3, batch_size=8, device="cuda", progress=False, attn="sdpa", log_every=1,
+               graph_min_steps=1)
     cfg.update(kw)
     log_records = []
 
@@ -30,6 +32,8 @@ def _run(build, feats, **kw):
 
     result = T.fine_tune(build(), feats, T.TrainConfig(**cfg), log=Log())
     losses = [r["loss"] for r in log_records if r.get("event") == "train"]
+    if cfg.get("cuda_graphs") and cfg["graph_min_steps"] == 1:  # the graphs did run
+        assert [r for r in log_records if r.get("event") == "cuda_graphs"][-1]["graphs"] > 0
     return result, losses
 
 
@@ -65,7 +69,7 @@ def test_dropout_masks_change_from_step_to_step_under_graphs(tmp_path):
 def test_graph_resume_is_exact(tmp_path):
     build, feats = _setup(tmp_path, dropout=0.1)
     cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cuda", progress=False, save_every=3,
-                        attn="sdpa", cuda_graphs=True)
+                        attn="sdpa", cuda_graphs=True, graph_min_steps=1)
     straight = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "a")
 
     class Crash(Exception):

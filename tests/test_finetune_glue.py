@@ -296,8 +296,8 @@ def test_two_gpus_with_cuda_graphs_train_as_eager_ddp(tiny, sst2, tmp_path):
               "--batch-size", "10", "--micro-batch-size", "3", "--attn", "sdpa", "--device", "cuda", "--log-every", "1",
               "--no-progress", "--no-tensorboard"]
     runs = {}
-    for name, flag in (("eager", "--no-cuda-graphs"), ("graphs", "--cuda-graphs")):
-        r = torchrun([*common, flag, "--output", str(tmp_path / name)], {**os.environ})
+    for name, flags in (("eager", ["--no-cuda-graphs"]), ("graphs", ["--cuda-graphs", "--graph-min-steps", "1"])):
+        r = torchrun([*common, *flags, "--output", str(tmp_path / name)], {**os.environ})
         assert r.returncode == 0, r.stderr
         runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     captured = [r for r in runs["graphs"] if r["event"] == "cuda_graphs"]
