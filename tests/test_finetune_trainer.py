@@ -239,3 +239,16 @@ def test_a_step_across_processes_never_waits_for_the_gpu(tmp_path, monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss)
+
+
+def test_several_gpus_stepping_eagerly_get_a_note_naming_why():
+    """Under torchrun on GPUs without CUDA graphs the run says why graphs are off and what it costs; one
+    process, the CPU, or graphs on: nothing."""
+    cuda = torch.device("cuda", 0)
+    cfg = T.TrainConfig(compile=True)
+    note = T.eager_ddp_note(cfg, 2, cuda, graphs_on=False)
+    assert note.startswith("note: 2 processes without CUDA graphs (not with --compile)") and "0.74x" in note
+    assert "(--no-cuda-graphs)" in T.eager_ddp_note(T.TrainConfig(cuda_graphs=False), 4, cuda, graphs_on=False)
+    assert "(not with fp16" in T.eager_ddp_note(T.TrainConfig(precision="fp16"), 2, cuda, graphs_on=False)
+    for args in ((cfg, 1, cuda, False), (cfg, 2, torch.device("cpu"), False), (T.TrainConfig(), 2, cuda, True)):
+        assert T.eager_ddp_note(*args) is None

@@ -103,6 +103,20 @@ def uses_graphs(cfg: TrainConfig) -> bool:
                          optimizer="adamw", compile=cfg.compile, attn=cfg.attn)
 
 
+def eager_ddp_note(cfg: TrainConfig, world_size: int, device: torch.device, graphs_on: bool) -> str | None:
+    """A note for several GPUs stepping eagerly: at fine-tuning's batches each step waits on the host
+    issuing its kernels, which DDP adds to, so more GPUs can be slower than one (measured: BERT-Large
+    on SQuAD, 16 rows a GPU, 2 H200s at 0.74x one, ``finetune-ddp-squad-large-eager-*.json``)."""
+    if world_size < 2 or device.type != "cuda" or graphs_on:
+        return None
+    why = graphs.graphs_unsupported(device=device, precision=resolve_precision(cfg.precision, device),
+                                    optimizer="adamw", compile=cfg.compile, attn=cfg.attn) or "--no-cuda-graphs"
+    return (f"note: {world_size} processes without CUDA graphs ({why}): each step waits on the host issuing its "
+            f"kernels, and at a few dozen rows a GPU more GPUs can be slower than one (BERT-Large on SQuAD, 16 rows a "
+            f"GPU: 2 GPUs ran 0.74x one); CUDA graphs, the default, need bf16 or fp32, padded attention and no "
+            f"--compile")
+
+
 def _dist(cfg: TrainConfig) -> distributed.Dist:
     """This process's place: under torchrun one rank per GPU; otherwise the configured device."""
     device = resolve_device(cfg.device)
@@ -231,10 +245,14 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                         seed=cfg.seed, precision=cfg.precision, compile=cfg.compile, compile_dynamic=True,
                         cuda_graphs=uses_graphs(cfg) and (cfg.cuda_graphs or getattr(
                             getattr(model, "config", None), "attn_implementation", None) != "unpadded"),
-                        graph_min_steps=cfg.graph_min_steps, log_every=max(1, cfg.log_every), save_every=cfg.save_every or None, keep=1,
-                        show_progress=cfg.progress and dist.is_main, description="finetune")
+                        graph_min_steps=cfg.graph_min_steps, log_every=max(1, cfg.log_every),
+                        save_every=cfg.save_every or None, keep=1, show_progress=cfg.progress and dist.is_main,
+                        description="finetune")
     engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)
     model = engine.model
+    note = eager_ddp_note(cfg, W, engine.device, ecfg.cuda_graphs)
+    if note and dist.is_main:
+        stderr.print(note)
     history: list[dict] = []
     best: dict | None = None
     best_state: dict | None = None
