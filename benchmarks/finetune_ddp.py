@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         for gpus, batch in a.configs:
             runs.append(one_run(gpus, batch, seed, work, a))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    result = {"what": f"bertctl finetune {' '.join(task_args(a)[:1 if a.task == 'squad' else 3])}, {a.epochs:g} epochs, GPUs x global batch "
+    task = "squad (the article split)" if a.task == "squad" else f"glue --task {a.task}"
+    result = {"what": f"bertctl finetune {task}, {a.epochs:g} epochs, GPUs x global batch "
                       f"{','.join(f'{g}x{b}' for g, b in a.configs)}, seeds {a.seeds}",
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "gpus_on_host": torch.cuda.device_count(), "torch": torch.__version__, "commit": commit(),
