@@ -74,6 +74,7 @@ class MetricsLog:
         self._f = None
         self._tb: _TensorBoardWriter | None = None
         self._step = 0
+        self._lock = threading.Lock()
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")
@@ -85,24 +86,27 @@ class MetricsLog:
         return self._tb.logdir if self._tb else None
 
     def log(self, **record) -> None:
-        if self._f is None:
-            return
-        record.setdefault("time", round(time.time(), 3))
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-        if self._tb is not None:
-            step = record.get("step")
-            if isinstance(step, int) and not isinstance(step, bool):
-                self._step = step
-            self._tb.put(record, self._step)
+        """Append one record (safe from several threads: a background checkpoint logs when it is done)."""
+        with self._lock:
+            if self._f is None:
+                return
+            record.setdefault("time", round(time.time(), 3))
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+            if self._tb is not None:
+                step = record.get("step")
+                if isinstance(step, int) and not isinstance(step, bool):
+                    self._step = step
+                self._tb.put(record, self._step)
 
     def close(self) -> None:
-        if self._tb:
-            self._tb.close()
-            self._tb = None
-        if self._f:
-            self._f.close()
-            self._f = None
+        with self._lock:
+            if self._tb:
+                self._tb.close()
+                self._tb = None
+            if self._f:
+                self._f.close()
+                self._f = None
 
     def __enter__(self):
         return self

@@ -136,3 +136,26 @@ def test_save_is_atomic_and_replaces(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary debris
     loaded = load_pretrained(BertModel, tmp_path / "m")
     assert torch.equal(loaded.pooler.dense.weight, b.pooler.dense.weight)
+
+
+def test_the_background_writer_keeps_the_state_as_it_was_at_submit(tmp_path):
+    """``CheckpointWriter.submit`` snapshots tensors and containers: changing them afterwards, while the
+    write may still be running, does not reach the checkpoint; a failed write is raised by ``wait``."""
+    from bertctl.train import state
+
+    weights, history = torch.arange(6.0), [1]
+    writer = state.CheckpointWriter()
+    done = []
+    path = writer.submit(tmp_path, 7, {"w": weights, "history": history, "nested": {"h": history}}, {"step": 7},
+                         done=done.append)
+    weights.add_(100.0)
+    history.append(2)
+    writer.wait()
+    blob = state.load_checkpoint(path)
+    assert torch.equal(blob["w"], torch.arange(6.0)) and blob["history"] == [1] and blob["nested"]["h"] == [1]
+    assert done == [path] and state.latest_checkpoint(tmp_path).step == 7
+    (tmp_path / "file").write_text("x")
+    writer.submit(tmp_path / "file", 8, {"w": weights}, {"step": 8})  # a run folder under a file: fails
+    with pytest.raises(NotADirectoryError, match="file"):  # what the synchronous write raises (the CLI: one line)
+        writer.wait()
+    writer.wait()  # the error was handed over once

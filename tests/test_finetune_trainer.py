@@ -252,3 +252,41 @@ def test_several_gpus_stepping_eagerly_get_a_note_naming_why():
     assert "(not with fp16" in T.eager_ddp_note(T.TrainConfig(precision="fp16"), 2, cuda, graphs_on=False)
     for args in ((cfg, 1, cuda, False), (cfg, 2, torch.device("cpu"), False), (T.TrainConfig(), 2, cuda, True)):
         assert T.eager_ddp_note(*args) is None
+
+
+def test_mid_run_checkpoints_are_written_while_training_goes_on(tmp_path, monkeypatch):
+    """A slow disk: the step-3 checkpoint takes 0.5 s to write. Training goes on meanwhile (steps 4 and 5
+    are logged before the checkpoint is), a crash at the end of the epoch still leaves that checkpoint
+    complete, and it holds step 3's state: the resumed run ends with the uninterrupted run's weights."""
+    import json
+    import time
+
+    from bertctl.progress import MetricsLog
+
+    build, feats = _setup(tmp_path)
+    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=3, log_every=1)
+    straight = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "a")
+    real = state.save_checkpoint
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(state, "save_checkpoint", slow)
+
+    class Crash(Exception):
+        pass
+
+    def crash(model):  # at the end of epoch 1 (5 steps), with the step-3 checkpoint still being written
+        raise Crash
+
+    with MetricsLog(tmp_path / "log.jsonl") as log, pytest.raises(Crash):
+        T.fine_tune(build(), feats, cfg, evaluate=crash, main_metric="score", output_dir=tmp_path / "b", log=log)
+    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    order = [(e["event"], e.get("step")) for e in events if e["event"] in ("train", "checkpoint")]
+    assert order.index(("train", 5)) < order.index(("checkpoint", 3))
+    assert state.latest_checkpoint(tmp_path / "b").step == 3
+    monkeypatch.setattr(state, "save_checkpoint", real)
+    resumed = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "b", resume=True)
+    for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)

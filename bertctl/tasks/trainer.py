@@ -272,7 +272,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
         extra = {"history": history, "best": best, "configs": {"training": dataclasses.asdict(cfg)}}
         if cfg.select_best and best_state is not None:
             extra["best_model"] = best_state
-        engine.save(extra, {"epoch": engine.step / per_epoch}, reason)
+        engine.save(extra, {"epoch": engine.step / per_epoch}, reason, wait=reason == "interrupted")
 
     def after_step(step: int) -> None:
         nonlocal best, best_state

@@ -283,6 +283,7 @@ class Engine:
             step_model = torch.compile(step_model, dynamic=cfg.compile_dynamic)
         self.step_model = step_model
         self._last_save = time.monotonic()
+        self._writer = state.CheckpointWriter()  # mid-run checkpoints go to disk in the background
 
     # ----------------------------------------------------------------- CUDA graphs
 
@@ -407,8 +408,13 @@ class Engine:
 
     # ----------------------------------------------------------------- checkpoints
 
-    def save(self, extra: dict, meta: dict | None = None, reason: str = "periodic") -> Path | None:
-        """Checkpoint model, optimizer, scheduler, scaler, step, every rank's RNG and ``extra``."""
+    def save(self, extra: dict, meta: dict | None = None, reason: str = "periodic", wait: bool = True) -> Path | None:
+        """Checkpoint model, optimizer, scheduler, scaler, step, every rank's RNG and ``extra``.
+
+        With ``wait`` False (mid-run checkpoints) the state is snapshot to host memory and written in
+        the background while training goes on (``state.CheckpointWriter``); ``wait_for_checkpoints``,
+        the next save and the end of ``run`` wait for it. The ``checkpoint`` event is logged once the
+        checkpoint is complete."""
         rngs = distributed.gather_to_main(state.capture_rng(), self.dist)
         path = None
         if self.dist.is_main:
@@ -416,11 +422,18 @@ class Engine:
                     "scheduler": _plain_last_lr(self.scheduler.state_dict()), "scaler": self.scaler.state_dict(),
                     "step": self.step, "rng": rngs, **extra}
             info = {"step": self.step, "reason": reason, "world_size": self.dist.world_size, **(meta or {})}
-            path = state.save_checkpoint(self.run_dir, self.step, blob, info, keep=self.cfg.keep)
-            self.log.log(event="checkpoint", step=self.step, path=str(path), reason=reason)
+            step = self.step
+            path = self._writer.submit(self.run_dir, step, blob, info, keep=self.cfg.keep, done=lambda p: self.log.log(
+                event="checkpoint", step=step, path=str(p), reason=reason))
+            if wait:
+                self._writer.wait()
         distributed.barrier(self.dist)
         self._last_save = time.monotonic()
         return path
+
+    def wait_for_checkpoints(self) -> None:
+        """Return once a checkpoint being written in the background is complete (raising its error)."""
+        self._writer.wait()
 
     def restore(self, blob: dict) -> None:
         """Continue from a checkpoint blob (``state.load_checkpoint``)."""
@@ -447,8 +460,22 @@ class Engine:
 
         ``after_step(step)`` runs after every step (evaluation when due; its time is not training
         time); ``checkpoint(reason)`` saves (periodic saves and on a stop request). Returns how the
-        run ended; the caller does the final save, evaluation and export.
+        run ended, with any checkpoint written in the background complete; the caller does the final
+        save, evaluation and export.
         """
+        try:
+            result = self._run(batches, after_step, checkpoint, on_interrupt)
+        except KeyboardInterrupt:  # a second Ctrl-C: out at once (a half-written checkpoint stays a .tmp folder)
+            raise
+        except BaseException:
+            with contextlib.suppress(Exception):  # the checkpoint being written completes: resume starts there
+                self._writer.wait()
+            raise
+        self._writer.wait()
+        return result
+
+    def _run(self, batches: Iterator[StepBatch], after_step: Callable[[int], None] | None,
+             checkpoint: Callable[[str], Any] | None, on_interrupt: str) -> RunResult:
         cfg = self.cfg
         n_stats = len(self.objective.loss_terms) + len(self.objective.stat_names)
         stats = torch.zeros(n_stats, device=self.device)

@@ -516,7 +516,8 @@ class Trainer:
         extra = {"data": {"epoch": epoch, "step_in_epoch": k, "global_step": self.step,
                           "sequences_seen": self.step * self.cfg.batch_size},
                  "configs": self._configs()}
-        return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"]}, reason)
+        return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"]}, reason,
+                                wait=reason != "periodic")  # periodic ones are written while training goes on
 
     def _configs(self) -> dict:
         return {"model": self.model_config.to_dict(), "objective": self.objective,
