@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from bertctl.errors import BertctlError
 from bertctl.tasks import trainer as T
 from bertctl.train import loader as L
 from bertctl.train import state
@@ -290,3 +291,26 @@ def test_mid_run_checkpoints_are_written_while_training_goes_on(tmp_path, monkey
     resumed = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "b", resume=True)
     for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)
+
+
+def test_a_step_out_of_device_memory_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    """Out of memory in a training step: one line naming the micro-batch that did not fit, the
+    --micro-batch-size that halves it (the same training, by accumulation) and the checkpoint to resume from."""
+    from bertctl.train.engine import Engine
+
+    build, feats = _setup(tmp_path)
+    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=2)
+    real = Engine.train_step
+
+    def step(self, sb, stats):
+        if self.step == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, sb, stats)
+
+    monkeypatch.setattr(Engine, "train_step", step)
+    with pytest.raises(BertctlError) as e:
+        T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "run")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("out of CPU memory at step 4: 8 rows of ")
+    assert "--micro-batch-size 4" in message and "same --batch-size 8" in message
+    assert f"--resume continues from {tmp_path / 'run' / 'checkpoints' / 'step-00000002'}" in message

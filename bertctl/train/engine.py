@@ -500,7 +500,10 @@ class Engine:
                 except StopIteration:
                     break
                 torch.manual_seed(step_seed(cfg.seed, self.step, self.dist.rank))
-                loss = self.train_step(sb, stats)
+                try:
+                    loss = self.train_step(sb, stats)
+                except torch.OutOfMemoryError:
+                    raise BertctlError(self._out_of_memory(sb)) from None
                 bad += (~torch.isfinite(loss)).int()
                 self.step += 1
                 sequences += sb.sequences
@@ -553,6 +556,25 @@ class Engine:
         total = torch.tensor([float(sequences)], dtype=torch.float64, device=self.device)
         distributed.all_reduce_sum(total, self.dist)
         return RunResult(self.step, start_step, stop_reason, train_seconds, int(total.item()), record)
+
+    def _out_of_memory(self, sb: StepBatch) -> str:
+        """The one line for a training step that ran out of device memory: the micro-batch that did not
+        fit and the flag that makes it smaller (accumulation keeps the optimizer step the same)."""
+        ids = sb.micro[0].get("input_ids") if sb.micro else None
+        rows = int(ids.shape[0]) if ids is not None else 0
+        shape = f"{rows} rows of {ids.shape[-1]} tokens" if ids is not None else "one micro-batch"
+        total = ""
+        if self.device.type == "cuda":
+            total = f" ({torch.cuda.get_device_properties(self.device).total_memory / 2**30:.0f} GiB)"
+        fix = (f"pass --micro-batch-size {max(1, rows // 2)}: gradients accumulate to the same --batch-size "
+               f"{self.cfg.batch_size}, so the training is the same" if rows > 1 else
+               "a smaller model, --max-seq-length or --precision bf16 may fit")
+        with contextlib.suppress(Exception):  # a checkpoint being written: complete it, and name it
+            self._writer.wait()
+        last = state.latest_checkpoint(self.run_dir) if self.run_dir else None
+        resume = f"; --resume continues from {last.path}" if last else ""
+        return (f"out of {self.device.type.upper()} memory at step {self.step + 1}: {shape} per forward did not fit "
+                f"on {self.device}{total} beside the model and its optimizer; {fix}{resume}")
 
     def _replan(self, steps_done: int, seconds: float, elapsed: float, task, bar) -> None:
         """Fit the remaining steps to the time left at the run's own pace (``steps_done`` in
