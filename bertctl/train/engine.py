@@ -567,7 +567,7 @@ class Engine:
         if self.device.type == "cuda":
             total = f" ({torch.cuda.get_device_properties(self.device).total_memory / 2**30:.0f} GiB)"
         fix = (f"pass --micro-batch-size {max(1, rows // 2)}: gradients accumulate to the same --batch-size "
-               f"{self.cfg.batch_size}, so the training is the same" if rows > 1 else
+               f"{self.cfg.batch_size}, the same optimizer step" if rows > 1 else
                "a smaller model, --max-seq-length or --precision bf16 may fit")
         with contextlib.suppress(Exception):  # a checkpoint being written: complete it, and name it
             self._writer.wait()
