@@ -352,7 +352,11 @@ def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfi
     from bertctl.model import varied_shapes  # no cuDNN attention plan per batch width (6.25 s against 7.35 s)
 
     with torch.no_grad(), varied_shapes(), torch.autocast(device.type, dtype=half, enabled=autocast):
-        encoded = model(ids_t, types, mask_t, output_hidden_states=all_layers)
+        try:
+            encoded = model(ids_t, types, mask_t, output_hidden_states=all_layers)
+        except torch.OutOfMemoryError:
+            raise BertctlError(f"out of {device.type.upper()} memory embedding {ids.shape[0]} texts of {ids.shape[1]} "
+                               f"tokens in one forward pass: pass a smaller --batch-tokens") from None
     states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
     feats = pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)
     if config.normalize:

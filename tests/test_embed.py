@@ -258,3 +258,20 @@ def test_tokenizing_workers_stop_when_the_model_fails_to_load(tmp_path, minilm_d
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output and not (tmp_path / "o.npy").exists()
     assert multiprocessing.active_children() == []
+
+
+def test_a_forward_pass_out_of_device_memory_names_the_token_budget(tmp_path, minilm_dir, monkeypatch):
+    """Out of memory in a forward pass: one line naming the batch and --batch-tokens, exit code 2, no output."""
+    from bertctl.model import BertModel
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(BertModel, "forward", oom)
+    (tmp_path / "in.txt").write_text("hello world\nanother line\n", encoding="utf-8")
+    result = runner.invoke(app, ["embed", "--model", str(minilm_dir), "--device", "cpu", "--backend", "torch",
+                                 "-o", str(tmp_path / "o.npy"), str(tmp_path / "in.txt")])
+    err = result.stderr if hasattr(result, "stderr") else result.output
+    assert result.exit_code == 2, result.output
+    assert "out of CPU memory embedding 2 texts" in err and "--batch-tokens" in err and "Traceback" not in err
+    assert not (tmp_path / "o.npy").exists()

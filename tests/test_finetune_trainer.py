@@ -314,3 +314,16 @@ def test_a_step_out_of_device_memory_is_one_line_naming_the_flag(tmp_path, monke
     assert "\n" not in message and message.startswith("out of CPU memory at step 4: 8 rows of ")
     assert "--micro-batch-size 4" in message and "same --batch-size 8" in message
     assert f"--resume continues from {tmp_path / 'run' / 'checkpoints' / 'step-00000002'}" in message
+
+
+def test_evaluation_out_of_device_memory_names_the_token_budget(tmp_path):
+    build, feats = _setup(tmp_path)
+    model = build()
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.forward = oom
+    with pytest.raises(BertctlError, match=r"^out of CPU memory evaluating \d+ examples of \d+ tokens in one forward "
+                                           r"pass: pass a smaller --batch-tokens \(bertctl eval\) or --eval-batch-tokens"):
+        T.predict(model, feats, device=torch.device("cpu"))

@@ -169,7 +169,14 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
             for key in ("labels", "start_positions", "end_positions"):
                 batch.pop(key, None)
             with autocast(precision, device):
-                out = model(**batch)
+                try:
+                    out = model(**batch)
+                except torch.OutOfMemoryError:
+                    rows, width = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+                    raise BertctlError(
+                        f"out of {device.type.upper()} memory evaluating {rows} examples of {width} tokens in one "
+                        f"forward pass: pass a smaller --batch-tokens (bertctl eval) or --eval-batch-tokens (bertctl "
+                        f"finetune)") from None
             pending.append((idx, [getattr(out, name) for name in outputs]))
             if len(pending) >= 32:
                 flush()
