@@ -1,6 +1,8 @@
 """Checkpoint directories move between bertctl and transformers in both directions."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -143,16 +145,22 @@ def test_the_background_writer_keeps_the_state_as_it_was_at_submit(tmp_path):
     write may still be running, does not reach the checkpoint; a failed write is raised by ``wait``."""
     from bertctl.train import state
 
+    from collections import namedtuple
+
     weights, history = torch.arange(6.0), [1]
+    Pair = namedtuple("Pair", "a b")
     writer = state.CheckpointWriter()
     done = []
-    path = writer.submit(tmp_path, 7, {"w": weights, "history": history, "nested": {"h": history}}, {"step": 7},
-                         done=done.append)
+    path = writer.submit(tmp_path, 7, {"w": weights, "history": history, "nested": {"h": history}},
+                         {"step": 7, "history": history}, done=done.append)
+    pair = state.host_copy(Pair(weights, 3))  # named tuples too (the checkpoints' RNG states are plain ones)
     weights.add_(100.0)
     history.append(2)
     writer.wait()
     blob = state.load_checkpoint(path)
     assert torch.equal(blob["w"], torch.arange(6.0)) and blob["history"] == [1] and blob["nested"]["h"] == [1]
+    assert isinstance(pair, Pair) and torch.equal(pair.a, torch.arange(6.0)) and pair.b == 3
+    assert json.loads((path / "meta.json").read_text())["history"] == [1]
     assert done == [path] and state.latest_checkpoint(tmp_path).step == 7
     (tmp_path / "file").write_text("x")
     writer.submit(tmp_path / "file", 8, {"w": weights}, {"step": 8})  # a run folder under a file: fails

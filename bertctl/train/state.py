@@ -104,6 +104,8 @@ def host_copy(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple takes its fields as arguments
+        return type(obj)(*(host_copy(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(host_copy(v) for v in obj)
     return obj
@@ -126,7 +128,7 @@ class CheckpointWriter:
                done=None) -> Path:
         """Start writing ``state`` as checkpoint ``step``; ``done(path)`` runs in the writer once it is complete."""
         self.wait()
-        snapshot = host_copy(state)
+        snapshot, meta = host_copy(state), host_copy(meta)
 
         def write():
             try:
