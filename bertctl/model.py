@@ -78,15 +78,16 @@ def dense_dropout_add_norm(dense: nn.Linear, drop: nn.Dropout, ln: nn.LayerNorm,
                            residual: torch.Tensor, fused: bool) -> torch.Tensor:
     """LN(Dropout(h W^T + b) + residual).
 
-    With fused kernels on the CPU: the matmul without its bias, then one op for the bias, dropout,
-    residual add and LayerNorm (the dropout mask that ``dropout`` would draw, so the same seed trains
-    the same), which never writes the dropped-out sum to memory.  Elsewhere, and on CUDA (no kernel
-    there), the Linear, the dropout, then LN(x + residual).
+    With fused kernels (CPU and CUDA): the matmul without its bias, then one op for the bias, dropout,
+    residual add and LayerNorm (its mask a hash of a seed and the element's index; on the CPU the mask
+    that ``dropout`` would draw, so the same seed trains the same), which never writes the dropped-out
+    sum or a mask to memory.  Otherwise the Linear, the dropout, then LN(x + residual).
     """
-    if fused and h.device.type == "cpu":
+    device = h.device.type
+    if fused and ops.bias_dropout_add_layer_norm_available(device):
         y = F.linear(h, dense.weight)  # (..., H), the bias added by the fused op
-        if torch.is_autocast_enabled("cpu"):  # as layer_norm: the residual stream in the autocast dtype
-            dtype = torch.get_autocast_dtype("cpu")
+        if torch.is_autocast_enabled(device):  # as layer_norm: the residual stream in the autocast dtype
+            dtype = torch.get_autocast_dtype(device)
             y, residual = y.to(dtype), residual.to(dtype)
         return ops.bias_dropout_add_layer_norm(y, dense.bias, residual, ln.weight, ln.bias, ln.eps, drop.p,
                                                drop.training)

@@ -608,24 +608,27 @@ def test_dropout_elsewhere_is_torchs():
     assert ops.dropout_kernel_ok(x, 0.1) and not ops.dropout_kernel_ok(torch.ones(4, dtype=torch.int64), 0.1)
 
 
-# --- bias + dropout + residual + LayerNorm (CPU) ------------------------------------------
+# --- bias + dropout + residual + LayerNorm -------------------------------------------------
 
 BDALN_GRADS = ("dx", "dbias", "dresidual", "dweight", "dln_bias")
 
 
-def seed_after(rng_seed: int) -> torch.Tensor:
-    """The seed that ops.dropout (and ops.bias_dropout_add_layer_norm) draws first after torch.manual_seed(rng_seed)."""
+def seed_after(rng_seed: int, device: str = "cpu") -> torch.Tensor:
+    """The seed that ops.dropout (and ops.bias_dropout_add_layer_norm) draws first after torch.manual_seed(rng_seed):
+    from the CPU generator on the CPU, on the device from its generator elsewhere."""
     torch.manual_seed(rng_seed)
-    return torch.randint(0, 2 ** 62, (), dtype=torch.int64)
+    if device == "cpu":
+        return torch.randint(0, 2 ** 62, (), dtype=torch.int64)
+    return torch.randint(0, 2 ** 62, (), dtype=torch.int64, device=device)
 
 
-def bdaln_inputs(N: int, H: int, dtype: torch.dtype, gen: torch.Generator, param_dtype=torch.float32):
+def bdaln_inputs(N: int, H: int, dtype: torch.dtype, gen: torch.Generator, param_dtype=torch.float32, device="cpu"):
     """(x, bias, residual, weight, ln_bias), all requiring grad: x a matmul's output, parameters BERT-like."""
-    x = rand(N, H, dtype=dtype, device="cpu", std=2.0, gen=gen)
-    bias = rand(H, dtype=param_dtype, device="cpu", std=0.5, gen=gen)
-    res = rand(N, H, dtype=dtype, device="cpu", gen=gen)
-    w = (1 + rand(H, dtype=torch.float64, device="cpu", std=0.2, gen=gen)).to(param_dtype)
-    lb = rand(H, dtype=param_dtype, device="cpu", std=0.5, gen=gen)
+    x = rand(N, H, dtype=dtype, device=device, std=2.0, gen=gen)
+    bias = rand(H, dtype=param_dtype, device=device, std=0.5, gen=gen)
+    res = rand(N, H, dtype=dtype, device=device, gen=gen)
+    w = (1 + rand(H, dtype=torch.float64, device=device, std=0.2, gen=gen)).to(param_dtype)
+    lb = rand(H, dtype=param_dtype, device=device, std=0.5, gen=gen)
     return tuple(t.requires_grad_() for t in (x, bias, res, w, lb))
 
 
@@ -635,7 +638,7 @@ def check_bdaln(x, bias, res, w, lb, eps, p, tol_dtype, training=True, rng_seed=
     dweight, dln_bias) at atol times sqrt(rows).  Returns (y, grads)."""
     rows = x.numel() // x.shape[-1]
     p_run = p if training else 0.0
-    seed = seed_after(rng_seed) if p_run > 0 else None
+    seed = seed_after(rng_seed, x.device.type) if p_run > 0 else None
     torch.manual_seed(rng_seed)
     y = ops.bias_dropout_add_layer_norm(x, bias, res, w, lb, eps, p, training)
     d = lambda t: t.detach().double()  # noqa: E731
@@ -643,7 +646,7 @@ def check_bdaln(x, bias, res, w, lb, eps, p, tol_dtype, training=True, rng_seed=
                                                                       seed)
     assert y.dtype == x.dtype
     close(y, y_ref, tol_dtype, f"bias_dropout_add_layer_norm forward (p={p_run})")
-    dy = rand(*x.shape, dtype=x.dtype, device="cpu", gen=torch.Generator().manual_seed(rng_seed + 1))
+    dy = rand(*x.shape, dtype=x.dtype, device=x.device, gen=torch.Generator().manual_seed(rng_seed + 1))
     grads = torch.autograd.grad(y, (x, bias, res, w, lb), dy)
     refs = reference.bias_dropout_add_layer_norm_backward(dy.double(), d(x), d(bias), d(res), d(w), mean, rstd, p_run,
                                                           seed)
@@ -654,14 +657,16 @@ def check_bdaln(x, bias, res, w, lb, eps, p, tol_dtype, training=True, rng_seed=
     return y, grads
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H", SIZES)
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
-def test_bias_dropout_add_layer_norm_matches_float64(dtype, H, p):
+def test_bias_dropout_add_layer_norm_matches_float64(device, dtype, H, p):
     """Forward and every gradient against the float64 reference (dropout_forward's hashed mask for the drawn seed),
-    every H of SIZES: 1 and 7 are shorter than a vector, 13, 127 and 1000 end in a partial one."""
+    every H of SIZES: 1 and 7 are shorter than a vector, 13, 127 and 1000 end in a partial one; on CUDA 768 and
+    1024 take the 16-byte vectors, 13 and 127 single elements, 4096 (16-bit) a block per row."""
     gen = torch.Generator().manual_seed(H)
-    args = bdaln_inputs(37, H, dtype, gen)
+    args = bdaln_inputs(37, H, dtype, gen, device=device)
     assert ops.bias_dropout_add_layer_norm_kernel_ok(*args, p)
     check_bdaln(*args, 1e-12, p, dtype, rng_seed=H)
 
@@ -712,36 +717,38 @@ def test_bias_dropout_add_layer_norm_masks_like_the_ops_apart(dtype, p):
     close(dres, dres_apart.double(), dtype, "dresidual against the ops apart")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bias_dropout_add_layer_norm_eval_and_p0(dtype):
+def test_bias_dropout_add_layer_norm_eval_and_p0(device, dtype):
     """In eval (training=False) and with p = 0 the op is LayerNorm(x + bias + residual): it draws no seed (the
     generator is untouched, no randint runs), and x's gradient is the residual's."""
     gen = torch.Generator().manual_seed(19)
-    args = bdaln_inputs(45, 1000, dtype, gen)
+    args = bdaln_inputs(45, 1000, dtype, gen, device=device)
     for p, training in ((0.1, False), (0.0, True)):
         torch.manual_seed(0)
         with OpsRun() as run:
             y = ops.bias_dropout_add_layer_norm(*args, 1e-12, p, training)
         assert run.names == ["bertctl::bias_dropout_add_layer_norm"]
-        after = torch.rand(4)
+        after = torch.rand(4, device=device)
         torch.manual_seed(0)
-        assert torch.equal(after, torch.rand(4))  # nothing drawn
+        assert torch.equal(after, torch.rand(4, device=device))  # nothing drawn
         y2, grads = check_bdaln(*args, 1e-12, p, dtype, training=training)
         assert torch.equal(y, y2) and torch.equal(grads[0], grads[2])
 
 
-def test_bias_dropout_add_layer_norm_noncontiguous_and_16bit_params():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_dropout_add_layer_norm_noncontiguous_and_16bit_params(device):
     """Views that are not contiguous (the mask follows x's row-major order, as dropout's does), and bf16
     parameters beside bf16 activations."""
     gen = torch.Generator().manual_seed(21)
-    x = rand(64, 10, dtype=torch.float32, device="cpu", gen=gen).t().requires_grad_()  # (10, 64) view
-    res = rand(10, 128, dtype=torch.float32, device="cpu", gen=gen)[:, ::2].requires_grad_()
-    bias = rand(128, dtype=torch.float32, device="cpu", gen=gen)[::2].requires_grad_()
-    w = rand(64, dtype=torch.float32, device="cpu", gen=gen).requires_grad_()
-    lb = rand(64, dtype=torch.float32, device="cpu", gen=gen).requires_grad_()
+    x = rand(64, 10, dtype=torch.float32, device=device, gen=gen).t().requires_grad_()  # (10, 64) view
+    res = rand(10, 128, dtype=torch.float32, device=device, gen=gen)[:, ::2].requires_grad_()
+    bias = rand(128, dtype=torch.float32, device=device, gen=gen)[::2].requires_grad_()
+    w = rand(64, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    lb = rand(64, dtype=torch.float32, device=device, gen=gen).requires_grad_()
     assert not (x.is_contiguous() or res.is_contiguous() or bias.is_contiguous())
     check_bdaln(x, bias, res, w, lb, 1e-12, 0.3, torch.float32, rng_seed=2)
-    args = bdaln_inputs(33, 264, torch.bfloat16, gen, param_dtype=torch.bfloat16)
+    args = bdaln_inputs(33, 264, torch.bfloat16, gen, param_dtype=torch.bfloat16, device=device)
     assert ops.bias_dropout_add_layer_norm_kernel_ok(*args, 0.1)
     check_bdaln(*args, 1e-12, 0.1, torch.bfloat16, rng_seed=3)
 
@@ -757,6 +764,56 @@ def test_bias_dropout_add_layer_norm_cpu_streamed_outputs(dtype, H, p):
     args = bdaln_inputs(N, H, dtype, torch.Generator().manual_seed(H), param_dtype=dtype)
     # fp64 has no entry in TOL: it is compared at fp32 tolerance, far looser than it needs.
     check_bdaln(*args, 1e-12, p, torch.float32, rng_seed=H)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_dropout_add_layer_norm_same_seed_same_mask_on_cpu_and_cuda(dtype):
+    """One seed value drops the same elements on the CPU and the GPU (the hash of dropout_hash.h on both), and the
+    two devices' outputs and gradients agree; BERT-Base's rows, 1000 rows."""
+    gen = torch.Generator().manual_seed(23)
+    cpu = bdaln_inputs(1000, 768, dtype, gen)
+    gpu = tuple(t.detach().cuda().requires_grad_() for t in cpu)
+    dy = rand(1000, 768, dtype=dtype, device="cpu", gen=gen)
+    out = {}
+    for name, args, seed in (("cpu", cpu, torch.tensor(123456789012345)),
+                             ("cuda", gpu, torch.tensor(123456789012345, device="cuda"))):
+        y = torch.ops.bertctl.bias_dropout_add_layer_norm(*args, 1e-12, 0.1, seed)[0]
+        out[name] = (y, *torch.autograd.grad(y, args, dy.to(y.device)))
+    kept_cpu, kept_gpu = out["cpu"][1] != 0, out["cuda"][1].cpu() != 0
+    assert torch.equal(kept_cpu, kept_gpu)
+    assert abs(1 - kept_cpu.double().mean().item() - 0.1) < 0.005
+    for what, a, b in zip(("y", *BDALN_GRADS), out["cpu"], out["cuda"]):
+        close(b.cpu(), a.detach().double(), dtype, f"{what}: CUDA against the CPU",
+              scale=1.0 if what in ("y", "dx", "dresidual") else 1000 ** 0.5)
+
+
+@pytest.mark.cuda
+def test_bias_dropout_add_layer_norm_cuda_graph_replays_draw_new_seeds():
+    """Captured in a CUDA graph with the seed drawn inside it (as ops.bias_dropout_add_layer_norm draws it), each
+    replay draws a new seed, and the kernel, which reads the seed when it runs, drops that seed's elements: every
+    replay matches the float64 reference for the seed it drew."""
+    gen = torch.Generator().manual_seed(29)
+    x, bias, res, w, lb = (t.detach() for t in bdaln_inputs(512, 768, torch.bfloat16, gen, device="cuda"))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.bertctl.bias_dropout_add_layer_norm(x, bias, res, w, lb, 1e-12, 0.1, ops._seed(x))  # warm-up
+        with torch.cuda.graph(graph, stream=stream):
+            seed = ops._seed(x)
+            y = torch.ops.bertctl.bias_dropout_add_layer_norm(x, bias, res, w, lb, 1e-12, 0.1, seed)[0]
+    torch.cuda.current_stream().wait_stream(stream)
+    d = lambda t: t.double()  # noqa: E731
+    seeds = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        seeds.append(int(seed))
+        ref = reference.bias_dropout_add_layer_norm_forward(d(x), d(bias), d(res), d(w), d(lb), 1e-12, 0.1,
+                                                            torch.tensor(seeds[-1]))[0]
+        close(y, ref, torch.bfloat16, f"replay {len(seeds)}")
+    assert len(set(seeds)) == 3
 
 
 def test_bias_dropout_add_layer_norm_gradcheck_float64():

@@ -54,6 +54,11 @@ CUDA_CASES = [
     Case("bias_gelu", (32768, 3072), "base 32768 tok", quick=True),
     Case("bias_gelu", (8192, 3072), "base 8192 tok"),
     Case("bias_gelu", (32768, 4096), "large 32768 tok"),
+    # A sub-layer output in training (dropout 0.1); "separate" adds the bias apart (in the model the matmul
+    # adds it), then torch's dropout and LayerNorm(+residual).
+    Case("bias_dropout_add_layer_norm", (32768, 768), "base 32768 tok", quick=True),
+    Case("bias_dropout_add_layer_norm", (8192, 768), "base 8192 tok"),
+    Case("bias_dropout_add_layer_norm", (32768, 1024), "large 32768 tok"),
 ]
 # CPU: one BERT-Base batch of 8 x 128 tokens (attention scores 8 x 12 x 128 x 128; 1024 tokens
 # through LayerNorm and the FFN), and 4096 tokens (32 x 128: scores 32 x 12 x 128 x 128), where a 4096 x 3072 fp32 tensor (50 MB) is past
@@ -65,7 +70,7 @@ CPU_CASES = [
     Case("bias_gelu", (1024, 3072), "base s128 b8", quick=True),
     Case("layer_norm", (4096, 768), "base 4096 tok"),
     Case("bias_gelu", (4096, 3072), "base 4096 tok"),
-    # A sub-layer output in training (dropout 0.1); CPU only: the op has no CUDA kernel.
+    # A sub-layer output in training (dropout 0.1).
     Case("bias_dropout_add_layer_norm", (1024, 768), "base s128 b8", quick=True),
     Case("bias_dropout_add_layer_norm", (4096, 768), "base 4096 tok"),
 ]
@@ -114,7 +119,7 @@ def fused_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p
 
 
 def separate_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p):
-    # bertctl's ops apart: the bias add, the hashed-mask dropout, LayerNorm + residual.
+    # bertctl's ops apart: the bias add, dropout (the hashed mask on the CPU, torch's on CUDA), LayerNorm + residual.
     return ops.layer_norm(ops.dropout(x + bias, p, True), weight, ln_bias, eps, residual=residual)
 
 

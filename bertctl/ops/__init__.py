@@ -1,4 +1,4 @@
-"""Fused ops used by the model: softmax (attention), LayerNorm(+residual), bias+GELU, dropout and (CPU)
+"""Fused ops used by the model: softmax (attention), LayerNorm(+residual), bias+GELU, dropout and
 bias+dropout+residual+LayerNorm.
 
 Public entry points (stable; the model calls only these):
@@ -19,10 +19,14 @@ Public entry points (stable; the model calls only these):
   recomputes the mask instead of storing it; elsewhere ``torch.nn.functional.dropout``.
 - ``bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps, p, training)``:
   LayerNorm(dropout(x + bias) + residual), BERT's sub-layer output after a matmul without its
-  bias.  On the CPU one compiled op (no CUDA kernel): the mask is ``dropout``'s for the same seed
-  (drawn the same way, so the ops apart give the same mask), recomputed in the backward, and
-  dropout(x + bias) + residual is never stored; mean and rstd are kept in float32.  Elsewhere the
-  ops apart: the bias add, ``dropout``, ``layer_norm``.
+  bias, one compiled op on the CPU and on CUDA: the mask is a hash of (seed, element index),
+  ``dropout``'s on the CPU for the same seed, recomputed in the backward (nothing of it stored), and
+  dropout(x + bias) + residual is never stored; mean and rstd are kept in float32.  The seed comes
+  from the input's device generator: on the CPU as ``dropout`` draws it (so the ops apart give the
+  same mask), on CUDA as a one-element device tensor the kernel reads at run time (so a CUDA graph
+  replays with a new seed each time, and ``torch.manual_seed`` repeats it).  One seed value drops
+  the same elements on either device.  Elsewhere the ops apart: the bias add, ``dropout``,
+  ``layer_norm``.
 
 Each op runs the compiled ``torch.ops.bertctl`` kernel (C++ on CPU, CUDA on NVIDIA GPUs)
 when the extension loaded and the inputs meet the kernel's preconditions (one gate
@@ -41,7 +45,7 @@ from bertctl.ops import reference
 
 __all__ = ["softmax", "layer_norm", "bias_gelu", "dropout", "bias_dropout_add_layer_norm", "fused_available",
            "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "dropout_kernel_ok",
-           "bias_dropout_add_layer_norm_kernel_ok", "reference"]
+           "bias_dropout_add_layer_norm_kernel_ok", "bias_dropout_add_layer_norm_available", "reference"]
 
 # Which compiled ops are registered for which dispatch keys, read once at import
 # (a constant for torch.compile's tracer).
@@ -175,10 +179,27 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
 
 # --- bias + dropout + residual + LayerNorm --------------------------------------------------
 
+def bias_dropout_add_layer_norm_available(device: str) -> bool:
+    """Whether the compiled bias+dropout+residual+LayerNorm (and its backward) has a kernel for ``device``
+    ("cpu", "cuda"): the model then runs its sub-layer outputs' matmuls without their bias."""
+    key = _KEY.get(device)
+    return key is not None and all(key in _KERNELS.get(name, ()) for name in
+                                   ("bias_dropout_add_layer_norm", "bias_dropout_add_layer_norm_backward"))
+
+
+def _seed(x: torch.Tensor) -> torch.Tensor:
+    """A dropout seed from x's device generator: on the CPU as ``dropout`` draws it (the same stream
+    either way); on CUDA on the device, read by the kernel when it runs (a CUDA graph's replay draws
+    its own)."""
+    if x.device.type == "cpu":
+        return torch.randint(0, 2 ** 62, (), dtype=torch.int64)
+    return torch.randint(0, 2 ** 62, (), dtype=torch.int64, device=x.device)
+
+
 def bias_dropout_add_layer_norm_kernel_ok(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor,
                                           weight: torch.Tensor, ln_bias: torch.Tensor, p: float) -> bool:
-    """The compiled bias+dropout+residual+LayerNorm takes: x of a supported dtype on the CPU (the only device it has
-    a kernel for), at least 1-D, non-empty, fewer than 2^32 elements; bias, weight and ln_bias 1-D of size
+    """The compiled bias+dropout+residual+LayerNorm takes: x of a supported dtype on a device with a kernel (CPU:
+    fp64/fp32/fp16/bf16, CUDA: fp32/fp16/bf16), at least 1-D, non-empty, fewer than 2^32 elements; bias, weight and ln_bias 1-D of size
     H = x.shape[-1], x's dtype or float32, weight and ln_bias one dtype; a residual of x's shape, dtype, device;
     0 <= p < 1."""
     if not (_has_kernel("bias_dropout_add_layer_norm", x) and x.dim() >= 1 and 0 < x.numel() < 2 ** 32
@@ -198,8 +219,7 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: t
         x, residual = x.to(common), residual.to(common)
     p = float(p) if training else 0.0
     if bias_dropout_add_layer_norm_kernel_ok(x, bias, residual, weight, ln_bias, p):
-        # The seed as dropout draws it (torch's CPU generator, none for p = 0): the same stream either way.
-        seed = torch.randint(0, 2 ** 62, (), dtype=torch.int64) if p > 0 else None
+        seed = _seed(x) if p > 0 else None
         return torch.ops.bertctl.bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, float(eps), p,
                                                              seed)[0]
     return layer_norm(dropout(x + bias, p, training), weight, ln_bias, eps, residual=residual)

@@ -1,25 +1,15 @@
 // The CPU dropout mask, shared by the dropout kernel (dropout.cpp) and the fused
 // bias + dropout + residual + LayerNorm (layer_norm.cpp), so that one (p, seed) gives one mask
-// in both: element i (row-major index of the tensor) of a call with key k is kept when
-// lowbias32(i * 0x9E3779B9 + k) >= p * 2^32.  Nothing is stored: a backward recomputes the mask
-// from (p, seed).  The plain-PyTorch twin is bertctl.ops.reference.dropout_forward.  At most
-// 2^32 elements (the index is 32 bits).
+// in both (the hash is ../dropout_hash.h's, which the CUDA kernel uses too).  Nothing is stored:
+// a backward recomputes the mask from (p, seed).  At most 2^32 elements (the index is 32 bits).
 #pragma once
 #include <ATen/core/Tensor.h>
+
+#include "../dropout_hash.h"
 
 #include <cstdint>
 
 namespace bertctl::cpu {
-
-// Chris Wellons' lowbias32: a 32-bit mixing function (bias 0.17 in his avalanche measure).
-inline uint32_t lowbias32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
 
 struct DropoutMask {
   uint32_t key = 0;        // lowbias32(low 32 bits of the seed) ^ its high 32 bits
@@ -33,12 +23,12 @@ struct DropoutMask {
     TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong && seed.device().is_cpu(), op,
                 ": seed must be one int64 on the CPU");
     const uint64_t s = static_cast<uint64_t>(seed.item<int64_t>());
-    key = lowbias32(static_cast<uint32_t>(s)) ^ static_cast<uint32_t>(s >> 32);
-    threshold = static_cast<uint32_t>(p * 4294967296.0);
+    key = dropout_key(s);
+    threshold = dropout_threshold(p);
   }
 
   // Whether element i is kept (branch-free: loops over it vectorise under `omp simd`).
-  bool keep(int64_t i) const { return lowbias32(static_cast<uint32_t>(i) * 0x9E3779B9u + key) >= threshold; }
+  bool keep(int64_t i) const { return dropout_keep(key, threshold, i); }
 };
 
 }  // namespace bertctl::cpu
