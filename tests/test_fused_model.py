@@ -122,7 +122,8 @@ def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):
 def test_fused_sublayer_outputs_train_alike_on_cpu_and_cuda(monkeypatch):
     """The sub-layer outputs' dropout is one hash on both devices: given the same seeds (a fixed sequence in place
     of each device's generator), the fused model in fp32 takes the same 3 AdamW steps on the CPU and on CUDA, hidden
-    dropout 0.1 (attention dropout off: on CUDA that is torch's), the losses and gradients equal up to rounding."""
+    dropout 0.1 after every sub-layer (the embeddings' dropout and attention dropout off: on CUDA those are
+    torch's), the losses and gradients equal up to rounding."""
     drop = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.0}
     results = {}
     for device, first in (("cpu", 1000), ("cuda", 1000), ("other seeds", 5000)):
@@ -131,6 +132,7 @@ def test_fused_sublayer_outputs_train_alike_on_cpu_and_cuda(monkeypatch):
         monkeypatch.setattr(ops, "_seed", lambda x: torch.tensor(next(seeds), device=x.device))
         torch.manual_seed(0)
         model = BertForPreTraining(tiny_config("fused", **drop)).to(device)
+        model.bert.embeddings.dropout.p = 0.0
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         gen = torch.Generator().manual_seed(4)
         losses, grads = [], []
@@ -140,7 +142,7 @@ def test_fused_sublayer_outputs_train_alike_on_cpu_and_cuda(monkeypatch):
             loss.backward()
             grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
         results[device if first == 1000 else "other seeds"] = (losses, grads)
     (loss_c, grads_c), (loss_g, grads_g) = results["cpu"], results["cuda"]
     assert abs(results["other seeds"][0][0] - loss_g[0]) > 1e-4  # the masks matter: dropout is on

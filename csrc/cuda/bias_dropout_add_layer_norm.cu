@@ -15,13 +15,14 @@
 // reads three and writes one, dropout's reads two and writes one, the matmul's bias gradient reads
 // dx again).  The dropped-out sum is never stored, in either direction.
 //
-// Layouts: one warp per row with the row in registers, 16-byte vectors where the row is a whole
-// number of them and the tensors are aligned (bf16/fp16 H up to 2048, fp32 up to 1024), single
-// elements for other rows of up to 1024; a block per row beyond.  The backward's warps walk the
-// rows of a persistent grid and keep their columns' partial sums of dy * xhat, dy (the LayerNorm's
-// weight and bias) and dx (the sub-layer's bias) in registers; a block adds its warps' partials in
-// a fixed order, and the column sums of the blocks' partials (cuda_util.cuh) finish them:
-// deterministic, no atomics.  Arithmetic as layer_norm.cu: fp32 statistics, the mean of the row
+// Layouts: the forward runs one warp per row with the row in registers, 16-byte vectors where the row
+// is a whole number of them and the tensors are aligned (bf16/fp16 H up to 2048, fp32 up to 1024),
+// single elements for other rows of up to 1024; a block per row beyond.  The backward runs such rows
+// of 33..1024 vectors (BERT's) in groups of threads one row wide (bdaln_bwd_groups), other rows a
+// warp per row, or a block per row beyond; each keeps its columns' partial sums of dy * xhat, dy (the
+// LayerNorm's weight and bias) and dx (the sub-layer's bias) in registers across the rows of a
+// persistent grid; a block adds its threads' partials in a fixed order, and the column sums of the
+// blocks' partials (cuda_util.cuh) finish them: deterministic, no atomics.  Arithmetic as layer_norm.cu: fp32 statistics, the mean of the row
 // shifted by its first element, the variance from a second pass, g * w rounded once.  Parameters
 // (the bias, the LayerNorm's weight and bias) are read in fp32.
 #include "../common.h"
@@ -31,8 +32,9 @@
 namespace bertctl::cuda {
 namespace {
 
-constexpr int kBwdThreads = 256;  // backward: 8 warps a block, one row a warp at a time
-constexpr int kLongThreads = 256;  // the block-per-row kernels
+constexpr int kBwdThreads = 256;    // bdaln_bwd_rows: 8 warps a block, one row a warp at a time
+constexpr int kGroupThreads = 384;  // bdaln_bwd_groups: groups of one row's width, two blocks an SM
+constexpr int kLongThreads = 256;   // the block-per-row kernels
 
 struct Drop {
   const int64_t* seed;  // one int64 on the device; null: no dropout
@@ -236,6 +238,118 @@ __global__ void __launch_bounds__(kBwdThreads) bdaln_bwd_rows(const T* __restric
   for (int c = threadIdx.x; c < cols; c += blockDim.x) out_b[c] = acc[2 * cols + c];
 }
 
+// Backward for rows of 33..1024 aligned 16-byte vectors (BERT's 768 and 1024): a persistent grid of
+// blocks of groups of one row's width, one vector a thread, as layer_norm.cu's ln_bwd_groups: a thread
+// owns fixed columns, so its partials (dy * xhat, dy, dx: 3 vectors) stay in registers across rows, with
+// about a third of the registers of a warp per row and so about three times the resident warps.  The
+// next row's x, residual, dy, mean and rstd are loaded before this row's reductions.  The weight and the
+// bias sit in shared memory in fp32; at the end the groups' partials are added in group order.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kGroupThreads, 2) bdaln_bwd_groups(const T* __restrict__ dy, const T* __restrict__ x,
+                                                                     const T* __restrict__ res,
+                                                                     const float* __restrict__ bias,
+                                                                     const float* __restrict__ w, Drop d,
+                                                                     const float* __restrict__ mean,
+                                                                     const float* __restrict__ rstd,
+                                                                     T* __restrict__ dres, T* __restrict__ dx,
+                                                                     float* __restrict__ part_ln,
+                                                                     float* __restrict__ part_b, int64_t rows,
+                                                                     int cols, float inv_cols, int group_threads) {
+  pdl_wait();
+  pdl_trigger();
+  extern __shared__ float smem[];  // red: 2 x 32 warps x 2 sums; the weight, the bias (cols each); acc: (G, 3, cols)
+  const int groups = blockDim.x / group_threads;
+  const int grp = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
+  const int gwarps = group_threads / kWarp;
+  const int col = t * VEC;
+  const bool in = col < cols;
+  float* wsm = smem + 128;
+  float* bsm = wsm + cols;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    wsm[c] = w[c];
+    bsm[c] = bias[c];
+  }
+  __syncthreads();
+  const uint32_t key = d.key();
+  float pw[VEC], pb[VEC], px[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) pw[k] = pb[k] = px[k] = 0.f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * groups;
+  Pack<T, VEC> qx{}, qr{}, qg{};
+  float mu = 0.f, rs = 0.f;
+  auto fetch = [&](int64_t row) {
+    if (in && row < rows) {
+      qx = load_pack<VEC>(x + row * cols + col);
+      qr = load_pack<VEC>(res + row * cols + col);
+      qg = load_pack<VEC>(dy + row * cols + col);
+      mu = mean[row];
+      rs = rstd[row];
+    }
+  };
+  int64_t row = static_cast<int64_t>(blockIdx.x) * groups + grp;
+  fetch(row);
+  // The loop bound depends on the block only: every thread reaches every barrier.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups, it = 0; base < rows; base += stride, ++it, row += stride) {
+    const bool live = in && row < rows;
+    const int64_t i0 = row * cols + col;
+    float h[VEC], g[VEC], sums[2] = {0.f, 0.f};
+    const float mu_r = mu, rs_r = rs;
+    if (live) {
+      float r[VEC];
+      unpack_float<VEC, true>(qx, h);
+      unpack_float<VEC, true>(qr, r);
+      unpack_float<VEC, true>(qg, g);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) h[k] = (h[k] + bsm[col + k]) * d.factor(key, i0 + k) + r[k];
+    }
+    fetch(row + stride);
+    if (live) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (h[k] - mu_r) * rs_r, gw = __fmul_rn(g[k], wsm[col + k]);  // never fused into an FMA
+        pw[k] = fmaf(g[k], xh, pw[k]);
+        pb[k] += g[k];
+        h[k] = xh;
+        g[k] = gw;
+        sums[0] += gw;
+        sums[1] = fmaf(gw, xh, sums[1]);
+      }
+    }
+    group_sums<2>(sums, smem + (it & 1) * 64, grp * gwarps, gwarps);  // buffers alternate: one barrier per row
+    if (live) {
+      const float c1 = __fdiv_rn(sums[0], cols), c2 = sums[1] * inv_cols;
+      float o[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = rs_r * (g[k] - c1 - h[k] * c2);
+      store_float<VEC>(dres + i0, o);
+      if (dx != nullptr) {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] *= d.factor(key, i0 + k);
+        store_float<VEC>(dx + i0, o);
+      }
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) px[k] += o[k];
+    }
+  }
+  float* acc = smem + 128 + 2 * cols;
+  if (in)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      acc[(grp * 3) * cols + col + k] = pw[k];
+      acc[(grp * 3 + 1) * cols + col + k] = pb[k];
+      acc[(grp * 3 + 2) * cols + col + k] = px[k];
+    }
+  __syncthreads();
+  float* out_ln = part_ln + static_cast<int64_t>(blockIdx.x) * 2 * cols;
+  float* out_b = part_b + static_cast<int64_t>(blockIdx.x) * cols;
+  for (int c = threadIdx.x; c < 3 * cols; c += blockDim.x) {
+    float total = 0.f;
+    for (int i = 0; i < groups; ++i) total += acc[i * 3 * cols + c];
+    if (c < 2 * cols) out_ln[c] = total;
+    else out_b[c - 2 * cols] = total;
+  }
+}
+
 // Backward for rows too long for registers: one block walks rows; thread t owns columns t,
 // t + 256, ... of its block's partials (no atomics).
 template <typename T>
@@ -306,13 +420,6 @@ bool with_row_layout(int cols, bool wide, F&& f) {
   if (n <= 16) { f(integral_constant<int, 1>{}, integral_constant<int, 16>{}); return true; }
   if (n <= 32) { f(integral_constant<int, 1>{}, integral_constant<int, 32>{}); return true; }
   return false;
-}
-
-template <typename K>
-int64_t resident_blocks(K kernel, int threads, size_t smem, int64_t needed) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count()));
 }
 
 at::Tensor as_float(const at::Tensor& p) {
@@ -423,6 +530,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_drop
                       (dxp == nullptr || aligned16(dxp)) && aligned16(bp) && aligned16(wp);
     const size_t smem = 3 * static_cast<size_t>(cols) * sizeof(float);
     constexpr int V = 16 / sizeof(T);
+    if (const int gt = block_group_threads<V>(cols, wide); gt > 0 && gt <= kGroupThreads) {
+      const int groups = kGroupThreads / gt;
+      const size_t gsmem = (128 + 2 * static_cast<size_t>(cols) + static_cast<size_t>(groups) * 3 * cols) * sizeof(float);
+      if (gsmem <= 48 * 1024) {
+        auto kernel = bdaln_bwd_groups<T, V>;
+        nb = resident_blocks(kernel, groups * gt, gsmem, ceil_div(rows, groups));
+        parts();
+        launch(kernel, nb, groups * gt, gsmem, stream, gp, xp, rp, bp, wp, d, mp, sp, dresp, dxp,
+               part_ln.data_ptr<float>(), part_b.data_ptr<float>(), rows, cols, 1.f / cols, gt);
+        return;
+      }
+    }
     const bool fits = smem <= 48 * 1024 && with_row_layout<V>(cols, wide, [&](auto vec, auto nvec) {
       constexpr int VV = decltype(vec)::value, NV = decltype(nvec)::value;
       auto kernel = bdaln_bwd_rows<T, VV, NV>;

@@ -215,6 +215,46 @@ inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProc
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Sum over the warps of a thread group (group_warps whole warps, the first being warp
+// group_warp0 of the block): each warp reduces with shuffles, lane 0 stores to red[warp], and after a block
+// barrier every thread adds its group's warp sums in a fixed order (deterministic, equal in
+// all threads).  Every thread of the block must call it (it holds a __syncthreads).
+template <int N>
+__device__ __forceinline__ void group_sums(float (&v)[N], float* red, int group_warp0, int group_warps) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int k = 0; k < N; ++k) v[k] = group_sum<kWarp>(v[k]);
+  if (lane == 0)
+#pragma unroll
+    for (int k = 0; k < N; ++k) red[warp * N + k] = v[k];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    float t = 0.f;
+    for (int i = 0; i < group_warps; ++i) t += red[(group_warp0 + i) * N + k];
+    v[k] = t;
+  }
+}
+
+// Blocks for a grid-stride kernel: as many as fit on the GPU at once, at most `needed`.
+template <typename K>
+int64_t resident_blocks(K kernel, int threads, size_t smem, int64_t needed) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count()));
+}
+
+// Threads per row for the group-per-row backward kernels (cols / V rounded up to whole warps), or 0 where the
+// warp-per-row kernel serves (rows of a single warp's width or less) or the row is not made
+// of aligned 16-byte vectors.
+template <int V>
+int block_group_threads(int cols, bool wide) {
+  if (!wide || cols % V != 0) return 0;
+  const int vecs = cols / V;
+  if (vecs <= kWarp || vecs > 1024) return 0;
+  return static_cast<int>(ceil_div(vecs, kWarp) * kWarp);
+}
+
 // Second stage of a column reduction: the column sums of part (nb, cols) fp32,
 // written in OutT; columns c < split go to out0[c], the rest to out1[c - split]
 // (so one launch finishes dweight and dbias stored side by side).  Block = 32

@@ -221,35 +221,6 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_packed(const T* __restrict
   }
 }
 
-// Sum over the warps of a thread group (group_warps whole warps, the first being warp
-// group_warp0 of the block): each warp reduces with shuffles, lane 0 stores to red[warp], and after a block
-// barrier every thread adds its group's warp sums in a fixed order (deterministic, equal in
-// all threads).  Every thread of the block must call it (it holds a __syncthreads).
-template <int N>
-__device__ __forceinline__ void group_sums(float (&v)[N], float* red, int group_warp0, int group_warps) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-#pragma unroll
-  for (int k = 0; k < N; ++k) v[k] = group_sum<kWarp>(v[k]);
-  if (lane == 0)
-#pragma unroll
-    for (int k = 0; k < N; ++k) red[warp * N + k] = v[k];
-  __syncthreads();
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    float t = 0.f;
-    for (int i = 0; i < group_warps; ++i) t += red[(group_warp0 + i) * N + k];
-    v[k] = t;
-  }
-}
-
-// Blocks for a grid-stride kernel: as many as fit on the GPU at once, at most `needed`.
-template <typename K>
-int64_t resident_blocks(K kernel, int threads, size_t smem, int64_t needed) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
-  return std::max<int64_t>(1, std::min<int64_t>(needed, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count()));
-}
-
 // Block-per-row forward for rows too long for registers: three passes through L1/L2.
 template <typename T>
 __global__ void __launch_bounds__(256) ln_fwd_long(const T* __restrict__ x, const T* __restrict__ res,
@@ -521,17 +492,6 @@ bool with_row_layout(int cols, bool wide, F&& f) {
   if (n <= 16) { f(integral_constant<int, 1>{}, integral_constant<int, 16>{}); return true; }
   if (n <= 32) { f(integral_constant<int, 1>{}, integral_constant<int, 32>{}); return true; }
   return false;
-}
-
-// Threads per row for ln_bwd_groups (cols / V rounded up to whole warps), or 0 where the
-// warp-per-row kernel serves (rows of a single warp's width or less) or the row is not made
-// of aligned 16-byte vectors.
-template <int V>
-int block_group_threads(int cols, bool wide) {
-  if (!wide || cols % V != 0) return 0;
-  const int vecs = cols / V;
-  if (vecs <= kWarp || vecs > 1024) return 0;
-  return static_cast<int>(ceil_div(vecs, kWarp) * kWarp);
 }
 
 at::Tensor as_float_param(const at::Tensor& p) { return p.scalar_type() == at::kFloat ? p.contiguous() : p.to(at::kFloat).contiguous(); }
