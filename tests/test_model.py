@@ -179,3 +179,46 @@ def test_gradients_flow_through_both_backends():
     torch.testing.assert_close(grads["sdpa"], grads["explicit"], atol=1e-6, rtol=1e-4)
     # The decoder is tied to the word embeddings (§3.1 uses the input embedding matrix for the output).
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def test_split_heads_matches_autograds_permute():
+    """SplitHeads gives the views of view/permute/unbind, and the same gradient (float64, bit for bit), also when one
+    of q, k, v gets none, and under torch.compile(fullgraph=True)."""
+    from bertctl.model import SplitHeads
+
+    torch.manual_seed(0)
+    B, S, nh, hs = 3, 5, 4, 8
+    qkv = torch.randn(B, S, 3 * nh * hs, dtype=torch.float64, requires_grad=True)
+    plain = lambda t: t.view(B, S, 3, nh, hs).permute(2, 0, 3, 1, 4).unbind(0)  # noqa: E731
+    split = lambda t: SplitHeads.apply(t, nh)  # noqa: E731
+    for a, b in zip(split(qkv), plain(qkv)):
+        assert torch.equal(a, b) and a.shape == (B, nh, S, hs)
+    grads = [torch.randn(B, nh, S, hs, dtype=torch.float64) for _ in range(3)]
+    for used in ((0, 1, 2), (0, 2)):
+        want = torch.autograd.grad([plain(qkv)[i] for i in used], qkv, [grads[i] for i in used])[0]
+        got = torch.autograd.grad([split(qkv)[i] for i in used], qkv, [grads[i] for i in used])[0]
+        assert torch.equal(got, want)
+    f = torch.compile(lambda t: sum((x * g).sum() for x, g in zip(split(t), grads)), fullgraph=True)
+    want = torch.autograd.grad(sum((x * g).sum() for x, g in zip(plain(qkv), grads)), qkv)[0]
+    torch.testing.assert_close(torch.autograd.grad(f(qkv), qkv)[0], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("V", [30522, 96, 13])
+def test_vocab_projection_padded_is_the_same_maths(V):
+    """The padded V-way projection (as on CUDA) gives the unpadded one's values and gradients (float64, to
+    rounding), its rows aligned to the padded width; V a multiple of the alignment is left alone."""
+    from bertctl.model import VOCAB_ALIGN, vocab_projection
+
+    gen = torch.Generator().manual_seed(V)
+    h = torch.randn(2, 5, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(V, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(V, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy = torch.randn(2, 5, V, dtype=torch.float64, generator=gen)
+    plain = vocab_projection(h, w, b)
+    padded = vocab_projection(h, w, b, pad_to=VOCAB_ALIGN)
+    assert padded.shape == plain.shape == (2, 5, V)
+    assert padded.stride(-2) == V + (-V % VOCAB_ALIGN) and padded.stride(-2) % VOCAB_ALIGN == 0
+    torch.testing.assert_close(padded, plain, rtol=1e-12, atol=1e-12)
+    for a, e in zip(torch.autograd.grad(padded, (h, w, b), dy), torch.autograd.grad(plain, (h, w, b), dy)):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
