@@ -66,6 +66,19 @@ inline void check_param(const at::Tensor& x, const at::Tensor& p, const char* op
 }
 
 // Only the two GELU forms BERT implementations use.
+// The checks bias_dropout_add_layer_norm (and its backward) make on every device.
+inline void check_bias_dropout_add_layer_norm(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                                              const at::Tensor& weight, double p,
+                                              const c10::optional<at::Tensor>& seed, const char* op) {
+  TORCH_CHECK(x.dim() >= 1, op, ": input must have at least one dimension");
+  check_param(x, bias, op, "bias");
+  check_same(x, residual, op, "residual");
+  check_param(x, weight, op, "weight");
+  TORCH_CHECK(x.numel() < (int64_t(1) << 32), op, ": at most 2^32 elements");
+  TORCH_CHECK(p >= 0 && p < 1, op, ": p must be in [0, 1), got ", p);
+  TORCH_CHECK(p == 0 || (seed.has_value() && seed->defined()), op, ": p > 0 needs a seed");
+}
+
 inline bool gelu_tanh(const std::string& approximate) {
   TORCH_CHECK(approximate == "none" || approximate == "tanh",
               "bertctl::bias_gelu: approximate must be \"none\" or \"tanh\", got \"", approximate, "\"");

@@ -512,18 +512,6 @@ void bias_dropout_add_layer_norm_backward_chunk(const scalar_t* dy, const scalar
   std::copy(dxbp, dxbp + cols, dbias);
 }
 
-void check_bias_dropout_add_layer_norm(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
-                                       const at::Tensor& weight, double p, const c10::optional<at::Tensor>& seed,
-                                       const char* op) {
-  TORCH_CHECK(x.dim() >= 1, op, ": input must have at least one dimension");
-  check_param(x, bias, op, "bias");
-  check_same(x, residual, op, "residual");
-  check_param(x, weight, op, "weight");
-  TORCH_CHECK(x.numel() < (int64_t(1) << 32), op, ": at most 2^32 elements");
-  TORCH_CHECK(p >= 0 && p < 1, op, ": p must be in [0, 1), got ", p);
-  TORCH_CHECK(p == 0 || (seed.has_value() && seed->defined()), op, ": p > 0 needs a seed");
-}
-
 // The mask of (p, seed), or one that keeps everything (p = 0: no seed needed, none read).
 DropoutMask mask_of(double p, const c10::optional<at::Tensor>& seed, const char* op) {
   return p > 0 ? DropoutMask(p, *seed, op) : DropoutMask();

@@ -81,37 +81,9 @@ __global__ void __launch_bounds__(kWarp) bdaln_fwd_rows(const T* __restrict__ x,
     const int col = (i * kWarp + lane) * VEC;
     if (col < cols) sum_of<VEC>(x, res, bias, d, key, row, cols, col, h[i]);
   }
-  const float h0 = __shfl_sync(0xffffffffu, h[0][0], 0);  // the row's first element (lane 0 holds it)
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i)
-    if ((i * kWarp + lane) * VEC < cols)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += h[i][k] - h0;
-  const float mean = h0 + group_sum<kWarp>(sum) * inv_cols;
-  float sq = 0.f;
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i)
-    if ((i * kWarp + lane) * VEC < cols)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sq += (h[i][k] - mean) * (h[i][k] - mean);
-  const float rstd = rsqrtf(group_sum<kWarp>(sq) * inv_cols + eps);
-  if (lane == 0 && mean_out != nullptr) {
-    mean_out[row] = mean;
-    rstd_out[row] = rstd;
-  }
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i) {
-    const int col = (i * kWarp + lane) * VEC;
-    if (col < cols) {
-      float wv[VEC], bv[VEC], o[VEC];
-      load_float<VEC>(w + col, wv);
-      load_float<VEC>(b + col, bv);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[i][k] - mean) * rstd, wv[k], bv[k]);
-      store_float<VEC, true>(y + row * cols + col, o);
-    }
-  }
+  warp_row_layer_norm<VEC, NVEC, true>(h, lane, cols, inv_cols, eps, w, b, y + row * cols,
+                                       mean_out == nullptr ? nullptr : mean_out + row,
+                                       mean_out == nullptr ? nullptr : rstd_out + row);
 }
 
 // Rows too long for registers: a block per row, h re-derived from memory in each pass.
@@ -429,16 +401,10 @@ at::Tensor as_float(const at::Tensor& p) {
 // Checks shared by both directions; the dropout parameters for the kernels.
 Drop check_and_drop(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual, const at::Tensor& weight,
                     double p, const c10::optional<at::Tensor>& seed, const char* op) {
-  TORCH_CHECK(x.dim() >= 1, op, ": input must have at least one dimension");
-  check_param(x, bias, op, "bias");
-  check_same(x, residual, op, "residual");
-  check_param(x, weight, op, "weight");
-  TORCH_CHECK(x.numel() < (int64_t(1) << 32), op, ": at most 2^32 elements");
-  TORCH_CHECK(p >= 0 && p < 1, op, ": p must be in [0, 1), got ", p);
+  check_bias_dropout_add_layer_norm(x, bias, residual, weight, p, seed, op);
   TORCH_CHECK(last_dim(x) <= INT32_MAX, op, ": rows longer than 2^31 are not supported");
   Drop d{nullptr, 0u, 1.f};
   if (p > 0) {
-    TORCH_CHECK(seed.has_value() && seed->defined(), op, ": p > 0 needs a seed");
     TORCH_CHECK(seed->numel() == 1 && seed->scalar_type() == at::kLong && seed->device() == x.device(), op,
                 ": seed must be one int64 on ", x.device(), " (bertctl.ops draws it from the CUDA generator)");
     d.seed = seed->data_ptr<int64_t>();

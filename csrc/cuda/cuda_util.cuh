@@ -215,6 +215,48 @@ inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProc
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// LayerNorm of one row that a warp holds in registers, h[i][k] being column (i * 32 + lane) * VEC + k:
+// the mean of the row shifted by its first element (so a constant row has exactly its value as mean
+// and gives y = b even with eps = 1e-12), the variance from a second pass, fp32 throughout;
+// y = (h - mean) * rstd * w + b written once (Streaming: with the evict-first hint), the statistics
+// by lane 0 where mean_out is not null.  Every lane of the warp must call it.
+template <int VEC, int NVEC, bool Streaming = false, typename T, typename W>
+__device__ __forceinline__ void warp_row_layer_norm(const float (&h)[NVEC][VEC], int lane, int cols, float inv_cols,
+                                                    float eps, const W* __restrict__ w, const W* __restrict__ b,
+                                                    T* __restrict__ y_row, float* mean_out, float* rstd_out) {
+  const float h0 = __shfl_sync(0xffffffffu, h[0][0], 0);  // the row's first element (lane 0 holds it)
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < NVEC; ++i)
+    if ((i * kWarp + lane) * VEC < cols)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sum += h[i][k] - h0;
+  const float mean = h0 + group_sum<kWarp>(sum) * inv_cols;
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < NVEC; ++i)
+    if ((i * kWarp + lane) * VEC < cols)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sq += (h[i][k] - mean) * (h[i][k] - mean);
+  const float rstd = rsqrtf(group_sum<kWarp>(sq) * inv_cols + eps);
+  if (lane == 0 && mean_out != nullptr) {
+    *mean_out = mean;
+    *rstd_out = rstd;
+  }
+#pragma unroll
+  for (int i = 0; i < NVEC; ++i) {
+    const int col = (i * kWarp + lane) * VEC;
+    if (col < cols) {
+      float wv[VEC], bv[VEC], o[VEC];
+      load_float<VEC>(w + col, wv);
+      load_float<VEC>(b + col, bv);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[i][k] - mean) * rstd, wv[k], bv[k]);
+      store_float<VEC, Streaming>(y_row + col, o);
+    }
+  }
+}
+
 // Sum over the warps of a thread group (group_warps whole warps, the first being warp
 // group_warp0 of the block): each warp reduces with shuffles, lane 0 stores to red[warp], and after a block
 // barrier every thread adds its group's warp sums in a fixed order (deterministic, equal in

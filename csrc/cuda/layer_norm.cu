@@ -83,40 +83,9 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
       }
     }
   }
-  const float h0 = __shfl_sync(0xffffffffu, h[0][0], 0);  // the row's first element (lane 0 holds it)
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i) {
-    if ((i * kWarp + lane) * VEC < cols)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += h[i][k] - h0;
-  }
-  const float mean = h0 + group_sum<kWarp>(sum) * inv_cols;
-  float sq = 0.f;
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i) {
-    const int col = (i * kWarp + lane) * VEC;
-    if (col < cols)
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) sq += (h[i][k] - mean) * (h[i][k] - mean);
-  }
-  const float rstd = rsqrtf(group_sum<kWarp>(sq) * inv_cols + eps);
-  if (lane == 0 && mean_out != nullptr) {
-    mean_out[row] = mean;
-    rstd_out[row] = rstd;
-  }
-#pragma unroll
-  for (int i = 0; i < NVEC; ++i) {
-    const int col = (i * kWarp + lane) * VEC;
-    if (col < cols) {
-      float wv[VEC], bv[VEC], o[VEC];
-      load_float<VEC>(w + col, wv);
-      load_float<VEC>(b + col, bv);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = fmaf((h[i][k] - mean) * rstd, wv[k], bv[k]);
-      store_float<VEC>(y + row * cols + col, o);
-    }
-  }
+  warp_row_layer_norm<VEC, NVEC>(h, lane, cols, inv_cols, eps, w, b, y + row * cols,
+                                 mean_out == nullptr ? nullptr : mean_out + row,
+                                 mean_out == nullptr ? nullptr : rstd_out + row);
 }
 
 // One warp per row for 16-bit rows on the vector path: every load is issued first (x, the
