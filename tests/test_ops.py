@@ -498,15 +498,16 @@ def test_opcheck(device):
         (bl.bias_gelu.default, (h, b, "tanh")),
         (bl.bias_gelu_backward.default, (torch.randn_like(h), h.detach(), b.detach(), "none")),
     ]
-    if device == "cpu":  # CPU kernels only
-        seed, c = torch.tensor(7), rand(32, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    # bias_dropout_add_layer_norm's seed lives on its input's device; dropout has a CPU kernel only
+    seed, c = torch.tensor(7, device=device), rand(32, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    if device == "cpu":
         cases.append((bl.dropout.default, (h, 0.1, seed)))
-        dh = torch.randn_like(h)
-        for p, s in ((0.1, seed), (0.0, None)):
-            _, m, sd = bl.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-12, p, s)
-            cases.append((bl.bias_dropout_add_layer_norm.default, (h, c, r, w, b, 1e-12, p, s)))
-            cases.append((bl.bias_dropout_add_layer_norm_backward.default,
-                          (dh, h.detach(), c.detach(), r.detach(), w.detach(), m, sd, p, s)))
+    dh = torch.randn_like(h)
+    for p, s in ((0.1, seed), (0.0, None)):
+        _, m, sd = bl.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-12, p, s)
+        cases.append((bl.bias_dropout_add_layer_norm.default, (h, c, r, w, b, 1e-12, p, s)))
+        cases.append((bl.bias_dropout_add_layer_norm_backward.default,
+                      (dh, h.detach(), c.detach(), r.detach(), w.detach(), m, sd, p, s)))
     for op, args in cases:
         # The backward ops' and layer_norm_inference's inputs do not require grad: they have no
         # derivative of their own (test_create_graph_first_order_right_second_order_refused,
