@@ -309,9 +309,9 @@ class BertSelfAttention(nn.Module):
         p = self.dropout_p if self.training else 0.0
         scale = 1.0 / math.sqrt(self.head_dim)
         if packed is not None and varlen_ok(qkv, self.head_dim):  # (T, 3H): attention without padding
-            # each (T, nh, hs): views whose rows are 3H apart, which FlashAttention reads as they are
-            q, k, v = qkv.view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-            ctx = VarlenAttention.apply(q, k, v, packed.cu_seqlens, packed.max_seqlen, p, scale)
+            q, k, v = qkv.view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # each (T, nh, hs)
+            ctx = VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), packed.cu_seqlens,
+                                        packed.max_seqlen, p, scale)
             return ctx.reshape(-1, x.shape[-1])
         if packed is not None:
             qkv, key_mask = packed.unpack(qkv), packed.key_mask
