@@ -18,7 +18,7 @@
 // Layouts: the forward runs one warp per row with the row in registers, 16-byte vectors where the row
 // is a whole number of them and the tensors are aligned (bf16/fp16 H up to 2048, fp32 up to 1024),
 // single elements for other rows of up to 1024; a block per row beyond.  The backward runs such rows
-// of 33..1024 vectors (BERT's) in groups of threads one row wide (bdaln_bwd_groups), other rows a
+// of 33..1024 vectors (BERT's) in groups of threads one row wide (layer_norm_backward.cuh's ln_bwd_groups, shared with layer_norm.cu), other rows a
 // warp per row, or a block per row beyond; each keeps its columns' partial sums of dy * xhat, dy (the
 // LayerNorm's weight and bias) and dx (the sub-layer's bias) in registers across the rows of a
 // persistent grid; a block adds its threads' partials in a fixed order, and the column sums of the
@@ -28,28 +28,13 @@
 #include "../common.h"
 #include "../dropout_hash.h"
 #include "cuda_util.cuh"
+#include "layer_norm_backward.cuh"
 
 namespace bertctl::cuda {
 namespace {
 
 constexpr int kBwdThreads = 256;    // bdaln_bwd_rows: 8 warps a block, one row a warp at a time
-constexpr int kGroupThreads = 384;  // bdaln_bwd_groups: groups of one row's width, two blocks an SM
 constexpr int kLongThreads = 256;   // the block-per-row kernels
-
-struct Drop {
-  const int64_t* seed;  // one int64 on the device; null: no dropout
-  uint32_t threshold;
-  float scale;  // 1 / (1 - p)
-
-  __device__ __forceinline__ uint32_t key() const {
-    return seed == nullptr ? 0u : dropout_key(static_cast<uint64_t>(*seed));
-  }
-  // The factor element i is multiplied by: scale where kept, else 0 (1 without dropout).
-  __device__ __forceinline__ float factor(uint32_t key, int64_t i) const {
-    if (seed == nullptr) return 1.f;
-    return dropout_keep(key, threshold, i) ? scale : 0.f;
-  }
-};
 
 // h = dropout(x + bias) + residual for VEC elements from column col of row `row`, into h (fp32).
 template <int VEC, typename T>
@@ -208,118 +193,6 @@ __global__ void __launch_bounds__(kBwdThreads) bdaln_bwd_rows(const T* __restric
   float* out_b = part_b + static_cast<int64_t>(blockIdx.x) * cols;
   for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) out_ln[c] = acc[c];
   for (int c = threadIdx.x; c < cols; c += blockDim.x) out_b[c] = acc[2 * cols + c];
-}
-
-// Backward for rows of 33..1024 aligned 16-byte vectors (BERT's 768 and 1024): a persistent grid of
-// blocks of groups of one row's width, one vector a thread, as layer_norm.cu's ln_bwd_groups: a thread
-// owns fixed columns, so its partials (dy * xhat, dy, dx: 3 vectors) stay in registers across rows, with
-// about a third of the registers of a warp per row and so about three times the resident warps.  The
-// next row's x, residual, dy, mean and rstd are loaded before this row's reductions.  The weight and the
-// bias sit in shared memory in fp32; at the end the groups' partials are added in group order.
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kGroupThreads, 2) bdaln_bwd_groups(const T* __restrict__ dy, const T* __restrict__ x,
-                                                                     const T* __restrict__ res,
-                                                                     const float* __restrict__ bias,
-                                                                     const float* __restrict__ w, Drop d,
-                                                                     const float* __restrict__ mean,
-                                                                     const float* __restrict__ rstd,
-                                                                     T* __restrict__ dres, T* __restrict__ dx,
-                                                                     float* __restrict__ part_ln,
-                                                                     float* __restrict__ part_b, int64_t rows,
-                                                                     int cols, float inv_cols, int group_threads) {
-  pdl_wait();
-  pdl_trigger();
-  extern __shared__ float smem[];  // red: 2 x 32 warps x 2 sums; the weight, the bias (cols each); acc: (G, 3, cols)
-  const int groups = blockDim.x / group_threads;
-  const int grp = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
-  const int gwarps = group_threads / kWarp;
-  const int col = t * VEC;
-  const bool in = col < cols;
-  float* wsm = smem + 128;
-  float* bsm = wsm + cols;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    wsm[c] = w[c];
-    bsm[c] = bias[c];
-  }
-  __syncthreads();
-  const uint32_t key = d.key();
-  float pw[VEC], pb[VEC], px[VEC];
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) pw[k] = pb[k] = px[k] = 0.f;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * groups;
-  Pack<T, VEC> qx{}, qr{}, qg{};
-  float mu = 0.f, rs = 0.f;
-  auto fetch = [&](int64_t row) {
-    if (in && row < rows) {
-      qx = load_pack<VEC>(x + row * cols + col);
-      qr = load_pack<VEC>(res + row * cols + col);
-      qg = load_pack<VEC>(dy + row * cols + col);
-      mu = mean[row];
-      rs = rstd[row];
-    }
-  };
-  int64_t row = static_cast<int64_t>(blockIdx.x) * groups + grp;
-  fetch(row);
-  // The loop bound depends on the block only: every thread reaches every barrier.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups, it = 0; base < rows; base += stride, ++it, row += stride) {
-    const bool live = in && row < rows;
-    const int64_t i0 = row * cols + col;
-    float h[VEC], g[VEC], sums[2] = {0.f, 0.f};
-    const float mu_r = mu, rs_r = rs;
-    if (live) {
-      float r[VEC];
-      unpack_float<VEC, true>(qx, h);
-      unpack_float<VEC, true>(qr, r);
-      unpack_float<VEC, true>(qg, g);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) h[k] = (h[k] + bsm[col + k]) * d.factor(key, i0 + k) + r[k];
-    }
-    fetch(row + stride);
-    if (live) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xh = (h[k] - mu_r) * rs_r, gw = __fmul_rn(g[k], wsm[col + k]);  // never fused into an FMA
-        pw[k] = fmaf(g[k], xh, pw[k]);
-        pb[k] += g[k];
-        h[k] = xh;
-        g[k] = gw;
-        sums[0] += gw;
-        sums[1] = fmaf(gw, xh, sums[1]);
-      }
-    }
-    group_sums<2>(sums, smem + (it & 1) * 64, grp * gwarps, gwarps);  // buffers alternate: one barrier per row
-    if (live) {
-      const float c1 = __fdiv_rn(sums[0], cols), c2 = sums[1] * inv_cols;
-      float o[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = rs_r * (g[k] - c1 - h[k] * c2);
-      store_float<VEC>(dres + i0, o);
-      if (dx != nullptr) {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) o[k] *= d.factor(key, i0 + k);
-        store_float<VEC>(dx + i0, o);
-      }
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) px[k] += o[k];
-    }
-  }
-  float* acc = smem + 128 + 2 * cols;
-  if (in)
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      acc[(grp * 3) * cols + col + k] = pw[k];
-      acc[(grp * 3 + 1) * cols + col + k] = pb[k];
-      acc[(grp * 3 + 2) * cols + col + k] = px[k];
-    }
-  __syncthreads();
-  float* out_ln = part_ln + static_cast<int64_t>(blockIdx.x) * 2 * cols;
-  float* out_b = part_b + static_cast<int64_t>(blockIdx.x) * cols;
-  for (int c = threadIdx.x; c < 3 * cols; c += blockDim.x) {
-    float total = 0.f;
-    for (int i = 0; i < groups; ++i) total += acc[i * 3 * cols + c];
-    if (c < 2 * cols) out_ln[c] = total;
-    else out_b[c - 2 * cols] = total;
-  }
 }
 
 // Backward for rows too long for registers: one block walks rows; thread t owns columns t,
@@ -498,9 +371,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_drop
     constexpr int V = 16 / sizeof(T);
     if (const int gt = block_group_threads<V>(cols, wide); gt > 0 && gt <= kGroupThreads) {
       const int groups = kGroupThreads / gt;
-      const size_t gsmem = (128 + 2 * static_cast<size_t>(cols) + static_cast<size_t>(groups) * 3 * cols) * sizeof(float);
+      const size_t gsmem = ln_bwd_groups_smem(cols, groups, true);
       if (gsmem <= 48 * 1024) {
-        auto kernel = bdaln_bwd_groups<T, V>;
+        auto kernel = ln_bwd_groups<T, float, V, true>;
         nb = resident_blocks(kernel, groups * gt, gsmem, ceil_div(rows, groups));
         parts();
         launch(kernel, nb, groups * gt, gsmem, stream, gp, xp, rp, bp, wp, d, mp, sp, dresp, dxp,

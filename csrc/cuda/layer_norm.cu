@@ -36,6 +36,7 @@
 // (rsqrt of var + eps in fp32).
 #include "../common.h"
 #include "cuda_util.cuh"
+#include "layer_norm_backward.cuh"
 
 namespace bertctl::cuda {
 namespace {
@@ -43,9 +44,6 @@ namespace {
 // One warp per block: a block's slot frees as soon as its row is done (1-4 % faster than
 // 4-warp blocks at 32768 x 768/1024 bf16 on an H200, equal at 8192 rows).
 constexpr int kFwdThreads = kWarp;
-// ln_bwd_groups: threads per block (groups of one row's width), two blocks per SM (at most 85
-// registers per thread).
-constexpr int kGroupThreads = 384;
 // Backward blocks: 8 warps capped at 128 registers (two blocks per SM) while a lane's
 // partial sums fit (up to 3 vectors per lane: H = 768 in 16-bit); 4 uncapped warps beyond.
 constexpr int bwd_threads(int nvec) { return nvec <= 3 ? 256 : 128; }
@@ -300,103 +298,6 @@ __global__ void __launch_bounds__(bwd_threads(NVEC), bwd_min_blocks(NVEC)) ln_bw
   for (int c = threadIdx.x; c < 2 * cols; c += kBwdThreads) out[c] = acc[c];
 }
 
-// Backward for the rows of ln_fwd_block: a persistent grid of blocks of G groups of
-// GT = cols / VEC threads (whole warps); a group works on one row at a time, one vector per
-// thread, so each thread owns fixed columns: its weight and its fp32 dweight/dbias partial
-// sums stay in registers across rows (about 60 registers, against 128 for a warp per row,
-// so about twice the resident warps).  The next row's x, residual, dy, mean and rstd are
-// loaded before the current row's reductions, so their latency overlaps.  At the end the
-// groups' partials are added in shared memory in group order and the block writes one
-// (2, H) partial row for column_sums: deterministic.
-template <typename T, typename W, int VEC>
-__global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(const T* __restrict__ dy, const T* __restrict__ x,
-                                                     const T* __restrict__ res, const W* __restrict__ w,
-                                                     const float* __restrict__ mean, const float* __restrict__ rstd,
-                                                     T* __restrict__ dx, float* __restrict__ part, int64_t rows,
-                                                     int cols, float inv_cols, int group_threads) {
-  pdl_wait();
-  pdl_trigger();
-  extern __shared__ float smem[];  // red: 2 x 32 warps x 2 sums; the weight (cols); acc: (G, 2, cols)
-  const int groups = blockDim.x / group_threads;
-  const int grp = threadIdx.x / group_threads, t = threadIdx.x % group_threads;
-  const int gwarps = group_threads / kWarp;
-  const int col = t * VEC;
-  const bool in = col < cols;
-  float* wsm = smem + 128;  // the weight in fp32, read per row (registers are the limit here)
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) wsm[c] = static_cast<float>(w[c]);
-  __syncthreads();
-  float dw[VEC], db[VEC];
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) dw[k] = db[k] = 0.f;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * groups;
-  Pack<T, VEC> px{}, pr{}, pg{};
-  float mu = 0.f, rs = 0.f;
-  auto fetch = [&](int64_t row) {
-    if (in && row < rows) {
-      px = load_pack<VEC>(x + row * cols + col);
-      if (res != nullptr) pr = load_pack<VEC>(res + row * cols + col);
-      pg = load_pack<VEC>(dy + row * cols + col);
-      mu = mean[row];
-      rs = rstd[row];
-    }
-  };
-  int64_t row = static_cast<int64_t>(blockIdx.x) * groups + grp;
-  fetch(row);
-  // The loop bound depends on the block only: every thread reaches every barrier.
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * groups, it = 0; base < rows; base += stride, ++it, row += stride) {
-    const bool live = in && row < rows;
-    float h[VEC], g[VEC], sums[2] = {0.f, 0.f};
-    const float mu_r = mu, rs_r = rs;
-    if (live) {
-      unpack_float<VEC, true>(px, h);
-      unpack_float<VEC, true>(pg, g);
-      if (res != nullptr) {
-        float r[VEC];
-        unpack_float<VEC, true>(pr, r);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) h[k] += r[k];
-      }
-    }
-    fetch(row + stride);
-    if (live) {
-      float wv[VEC];
-      *reinterpret_cast<Pack<float, VEC>*>(wv) = *reinterpret_cast<const Pack<float, VEC>*>(wsm + col);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xh = (h[k] - mu_r) * rs_r, gw = __fmul_rn(g[k], wv[k]);  // never fused into an FMA
-        dw[k] = fmaf(g[k], xh, dw[k]);
-        db[k] += g[k];
-        h[k] = xh;
-        g[k] = gw;  // dx reuses the rounded g * w that entered the sums
-        sums[0] += gw;
-        sums[1] = fmaf(gw, xh, sums[1]);
-      }
-    }
-    group_sums<2>(sums, smem + (it & 1) * 64, grp * gwarps, gwarps);  // buffers alternate: one barrier per row
-    if (live) {
-      const float c1 = __fdiv_rn(sums[0], cols), c2 = sums[1] * inv_cols;  // c1: as in ln_bwd_rows
-      float o[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = rs_r * (g[k] - c1 - h[k] * c2);
-      store_float<VEC>(dx + row * cols + col, o);
-    }
-  }
-  float* acc = smem + 128 + cols;
-  if (in)
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      acc[(grp * 2) * cols + col + k] = dw[k];
-      acc[(grp * 2 + 1) * cols + col + k] = db[k];
-    }
-  __syncthreads();
-  float* out = part + static_cast<int64_t>(blockIdx.x) * 2 * cols;
-  for (int c = threadIdx.x; c < 2 * cols; c += blockDim.x) {
-    float total = 0.f;
-    for (int i = 0; i < groups; ++i) total += acc[i * 2 * cols + c];
-    out[c] = total;
-  }
-}
-
 // Backward for rows too long for registers: one block walks rows; thread t owns
 // columns t, t + 256, ... so its dweight/dbias partials in `part` need no atomics.
 template <typename T>
@@ -590,13 +491,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(
       constexpr int V = 16 / sizeof(T);
       if (const int gt = block_group_threads<V>(cols, wide && aligned16(wp)); gt > 0 && gt <= kGroupThreads) {
         const int groups = kGroupThreads / gt;
-        const size_t gsmem = (128 + cols + static_cast<size_t>(groups) * 2 * cols) * sizeof(float);
+        const size_t gsmem = ln_bwd_groups_smem(cols, groups, false);
         if (gsmem <= 48 * 1024) {
-          auto kernel = ln_bwd_groups<T, W, V>;
+          auto kernel = ln_bwd_groups<T, W, V, false>;
           nb = resident_blocks(kernel, groups * gt, gsmem, ceil_div(rows, groups));
           part = at::empty({nb, 2 * cols}, x.options().dtype(at::kFloat));
-          launch(kernel, nb, groups * gt, gsmem, stream, gp, xp, rp, wp, mc.data_ptr<float>(), rc.data_ptr<float>(),
-                 op_, part.data_ptr<float>(), rows, cols, 1.f / cols, gt);
+          launch(kernel, nb, groups * gt, gsmem, stream, gp, xp, rp, static_cast<const float*>(nullptr), wp,
+                 Drop{nullptr, 0u, 1.f}, mc.data_ptr<float>(), rc.data_ptr<float>(), op_, static_cast<T*>(nullptr),
+                 part.data_ptr<float>(), static_cast<float*>(nullptr), rows, cols, 1.f / cols, gt);
           return true;
         }
       }
