@@ -58,9 +58,10 @@ TORCH_LIBRARY(bertctl, m) {
   // x * mask / (1 - p), the mask a function of (p, seed, element index) (CPU only): the op is
   // linear in x, so its backward is the same op on the gradient, and no mask is stored.
   m.def("dropout(Tensor x, float p, Tensor seed) -> Tensor");
-  // (y, mean, rstd) of LayerNorm(dropout(x + bias) + residual) over the last dim (CPU only): x is a
-  // matmul's output without its bias, weight and ln_bias the LayerNorm's; the mask is dropout's for
-  // the same (p, seed), recomputed in the backward; p = 0 (eval) needs no seed.
+  // (y, mean, rstd) of LayerNorm(dropout(x + bias) + residual) over the last dim (CPU and CUDA): x is
+  // a matmul's output without its bias, weight and ln_bias the LayerNorm's; the mask is a hash of
+  // (p, seed, element index) (dropout_hash.h; on the CPU dropout's for the same seed), recomputed in
+  // the backward; the seed is one int64 on x's device; p = 0 (eval) needs no seed.
   m.def("bias_dropout_add_layer_norm(Tensor x, Tensor bias, Tensor residual, Tensor weight, Tensor ln_bias, "
         "float eps, float p, Tensor? seed) -> (Tensor, Tensor, Tensor)");
   // (dx, dbias, dresidual, dweight, dln_bias); with p = 0, dx is dresidual and comes back empty.
