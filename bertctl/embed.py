@@ -30,7 +30,7 @@ from bertctl.workers import worker_pool
 
 # Table 7 of the paper: which hidden states feed the features.
 LAYER_CHOICES = ("last", "second-to-last", "sum-last-4", "concat-last-4", "embeddings")
-POOLING_CHOICES = ("cls", "mean", "max")
+POOLING_CHOICES = ("cls", "mean", "max", "mean-sqrt-len", "weighted-mean", "last")
 OUTPUT_SUFFIXES = (".npy", ".jsonl", ".safetensors")
 # auto: onnxruntime on the CPU in fp32 when installed (faster there:
 # benchmarks/results/embed-backends-cpu.json), else torch.
@@ -57,14 +57,20 @@ class EmbedConfig:
     device: str = "auto"
     backend: str = "auto"
     workers: int = 1  # tokenising processes (the output does not depend on it)
+    # A sentence-transformers checkpoint's own steps (bertctl.st_modules): Dense layers on the pooled
+    # vector (before normalize), and the text's lowercasing and prompt before tokenising.
+    dense: tuple = ()
+    lowercase: bool = False
+    prompt: str = ""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
             raise BertctlError(f"--backend must be one of {', '.join(BACKEND_CHOICES)}, not {self.backend!r}")
         if self.layers not in LAYER_CHOICES:
             raise BertctlError(f"--layers must be one of {', '.join(LAYER_CHOICES)}, not {self.layers!r}")
-        if self.pooling not in POOLING_CHOICES:
-            raise BertctlError(f"--pooling must be one of {', '.join(POOLING_CHOICES)}, not {self.pooling!r}")
+        if not all(mode in POOLING_CHOICES for mode in self.pooling.split(",")):
+            raise BertctlError(f"--pooling must be one of {', '.join(POOLING_CHOICES)} (or several joined by ','), "
+                               f"not {self.pooling!r}")
         if self.precision not in PRECISION_CHOICES:
             raise BertctlError(f"--precision must be one of {', '.join(PRECISION_CHOICES)}, not {self.precision!r}")
         if self.batch_size is not None and self.batch_size < 1:
@@ -226,19 +232,31 @@ def combine_layers(hidden_states, layers: str):
 
 
 def pool(x, mask, pooling: str):
-    """x (B, S, D) float, mask (B, S) 1 = real token -> (B, D); padding never contributes.
-    numpy arrays or torch tensors (both of one kind)."""
+    """x (B, S, D) float, mask (B, S) 1 = real token (padding on the right) -> (B, D), or (B, k*D) for
+    k modes joined by ","; padding never contributes.  numpy arrays or torch tensors (both of one kind).
+    The modes are sentence-transformers' ``Pooling``'s: cls, mean, max, mean-sqrt-len (the sum over the
+    square root of the length), weighted-mean (token i weighs i, from 1), last (the last real token)."""
+    numpy = isinstance(x, np.ndarray)
+    if not numpy:
+        import torch
+    if "," in pooling:
+        parts = [pool(x, mask, mode) for mode in pooling.split(",")]
+        return np.concatenate(parts, axis=-1) if numpy else torch.cat(parts, dim=-1)
     if pooling == "cls":
         return x[:, 0]
-    if isinstance(x, np.ndarray):
-        m = mask[:, :, None].astype(x.dtype)
-        if pooling == "mean":
-            return (x * m).sum(1) / np.maximum(m.sum(1), 1)
-        return np.where(m > 0, x, -np.inf).max(1)
-    m = mask.unsqueeze(-1).to(x.dtype)
-    if pooling == "mean":
-        return (x * m).sum(1) / m.sum(1).clamp(min=1)
-    return x.masked_fill(m == 0, float("-inf")).amax(1)
+    if pooling == "last":
+        rows = np.arange(x.shape[0]) if numpy else torch.arange(x.shape[0], device=x.device)
+        return x[rows, mask.sum(1) - 1]
+    m = mask[:, :, None].astype(x.dtype) if numpy else mask.unsqueeze(-1).to(x.dtype)  # (B, S, 1)
+    if pooling == "max":
+        return np.where(m > 0, x, -np.inf).max(1) if numpy else x.masked_fill(m == 0, float("-inf")).amax(1)
+    if pooling == "weighted-mean":
+        positions = np.arange(1, x.shape[1] + 1, dtype=x.dtype) if numpy else \
+            torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)
+        m = m * positions[None, :, None]
+    total, count = (x * m).sum(1), m.sum(1)  # (B, D), (B, 1)
+    count = np.maximum(count, 1e-9) if numpy else count.clamp(min=1e-9)
+    return total / (count ** 0.5 if pooling == "mean-sqrt-len" else count)
 
 
 def normalize(x):
@@ -329,6 +347,39 @@ def tokenize_texts(tokenizer, texts: list[str], max_length: int, workers: int = 
         return tokenizing.result()
 
 
+def prepare_texts(texts: list[str], config: EmbedConfig) -> list[str]:
+    """The texts as the tokenizer gets them: after a sentence-transformers checkpoint's default prompt
+    and lowercasing (which, as there, lowercases the prompt too)."""
+    if config.prompt:
+        texts = [config.prompt + t for t in texts]
+    return [t.lower() for t in texts] if config.lowercase else texts
+
+
+def checkpoint_config(directory: str | Path, *, pooling: str | None = None, layers: str | None = None,
+                      normalize: bool | None = None, max_length: int | None = None, **settings):
+    """``(EmbedConfig, encoder directory, sentence-transformers modules or None)`` for ``directory``.
+
+    Settings left None take the checkpoint's: a sentence-transformers directory's pooling,
+    normalisation and token limit (``bertctl.st_modules``), else last-layer mean pooling, no
+    normalisation and the model's positions.  Its Dense modules apply to its own pooled vectors
+    only: not when ``pooling`` or ``layers`` is given."""
+    from bertctl.st_modules import read_modules
+
+    st = read_modules(directory)
+    own = pooling is None and layers is None
+    config = EmbedConfig(
+        layers=layers or "last",
+        pooling=pooling or (st.pooling if st else "mean"),
+        normalize=normalize if normalize is not None else bool(st and st.normalize),
+        max_length=max_length if max_length is not None else (st.max_length if st else None),
+        dense=st.dense if st and own else (),
+        lowercase=bool(st and st.lowercase),
+        prompt=st.prompt if st else "",
+        **settings,
+    )
+    return config, (st.encoder if st else Path(directory)), st
+
+
 def token_limit(config: EmbedConfig, max_positions: int) -> int:
     """Tokens a text keeps, [CLS] and [SEP] included: ``--max-seq-length``, at most the model's positions."""
     return max_positions if config.max_length is None else min(config.max_length, max_positions)
@@ -358,23 +409,20 @@ def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfi
             raise BertctlError(f"out of {device.type.upper()} memory embedding {ids.shape[0]} texts of {ids.shape[1]} "
                                f"tokens in one forward pass: pass a smaller --batch-tokens") from None
     states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
-    feats = pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)
-    if config.normalize:
-        feats = normalize(feats)
-    return feats  # on the device: the caller copies many batches at once (one wait, not one a batch)
+    return pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)  # on the device: the caller copies many batches at once (one wait, not one a batch)
 
 
 def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
     states = model.hidden_states(ids, mask, np.zeros_like(ids), all_layers=config.layers != "last")
-    feats = pool(combine_layers(states, config.layers), mask, config.pooling)
-    return normalize(feats) if config.normalize else feats
+    return pool(combine_layers(states, config.layers), mask, config.pooling)
 
 
 def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True,
                 summary: bool | None = None, tokenizing: Tokenizing | None = None) -> np.ndarray:
     """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``.
     ``progress`` shows a bar on stderr, ``summary`` (default: as ``progress``) a closing line there.
-    ``tokenizing``: the texts' tokenising, begun by the caller (at this model's ``token_limit``)."""
+    ``tokenizing``: the texts' tokenising, begun by the caller (of ``prepare_texts``, at this model's
+    ``token_limit``)."""
     onnx = getattr(model, "runtime", "torch") == "onnxruntime"
     features = _features_onnx if onnx else _features_torch
     device = model.device if onnx else next(model.parameters()).device
@@ -385,7 +433,7 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
     if tokenizing is not None and tokenizing.max_length != max_length:
         raise ValueError(f"texts tokenised to {tokenizing.max_length} tokens, the model takes {max_length}")
     flat, lengths = (tokenizing.result() if tokenizing is not None
-                     else tokenize_texts(tokenizer, texts, max_length, config.workers))
+                     else tokenize_texts(tokenizer, prepare_texts(texts, config), max_length, config.workers))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
     tokenized = time.perf_counter() - start
     out: np.ndarray | None = None
@@ -418,6 +466,11 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
                 flush()
             advance(len(index))
         flush()
+    assert out is not None
+    for dense in config.dense:  # sentence-transformers' Dense modules, then its Normalize
+        out = dense(out)
+    if config.normalize:
+        out = normalize(out)
     bad = int((~np.isfinite(out)).any(axis=1).sum()) if out is not None else 0
     if bad:  # fp16's range ends at 65504: a checkpoint with large activations overflows it
         precision = resolve_precision(config.precision, device)
@@ -433,7 +486,6 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
             f" ({getattr(model, 'runtime', 'torch')})"
             + (f"; {truncated} filled the {max_length}-token limit (longer texts are truncated)" if truncated else "")
         )
-    assert out is not None
     return out
 
 

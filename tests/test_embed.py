@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
-from bertctl.embed import EmbedConfig, embed_texts, length_batches, load_encoder
+from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, length_batches, load_encoder
 from bertctl.tokenizer import BertTokenizer
 
 runner = CliRunner()
@@ -122,7 +122,8 @@ def test_output_formats_keep_input_order(tmp_path, minilm_dir):
     # Row i belongs to text i whatever the batching: compare with one-at-a-time embedding.
     model = load_encoder(minilm_dir, torch.device("cpu"))
     tok = BertTokenizer.from_pretrained(minilm_dir)
-    single = np.stack([embed_texts(model, tok, [t], EmbedConfig(), progress=False)[0] for t in texts])
+    config = checkpoint_config(minilm_dir)[0]  # the checkpoint's sentence-transformers settings, as the CLI's
+    single = np.stack([embed_texts(model, tok, [t], config, progress=False)[0] for t in texts])
     np.testing.assert_allclose(a, single, atol=1e-5)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import typer
 
 from bertctl.cli import options as opt
-from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES, EmbedConfig
+from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES
 
 
 def register(app: typer.Typer) -> None:
@@ -15,18 +15,25 @@ def register(app: typer.Typer) -> None:
         inputs: list[Path] = typer.Argument(..., help="Text files (one text per line) or JSONL files."),
         model: Path = typer.Option(..., "--model", help="Checkpoint directory (bertctl's or Hugging Face's)."),
         output: Path = typer.Option(..., "--output", "-o", help=f"Output file: {', '.join(OUTPUT_SUFFIXES)}."),
-        pooling: str = typer.Option("mean", help=f"Token pooling: {', '.join(POOLING_CHOICES)}."),
-        layers: str = typer.Option("last", help=f"Hidden states to use: {', '.join(LAYER_CHOICES)}."),
-        normalize: bool = typer.Option(False, "--normalize", help="L2-normalise each embedding."),
+        pooling: str = typer.Option(None, show_default="the checkpoint's sentence-transformers pooling, else mean",
+                                    help=f"Token pooling: {', '.join(POOLING_CHOICES)}, or several joined by ',' "
+                                         "(their vectors concatenated)."),
+        layers: str = typer.Option(None, show_default="last",
+                                   help=f"Hidden states to use: {', '.join(LAYER_CHOICES)}. --pooling or --layers "
+                                        "skips a sentence-transformers checkpoint's Dense modules."),
+        normalize: bool = typer.Option(None, "--normalize/--no-normalize",
+                                       show_default="as the checkpoint's sentence-transformers modules, else no",
+                                       help="L2-normalise each embedding."),
         field: str = typer.Option(None, "--field", help="JSONL field holding the text (default 'text')."),
         batch_size: int = typer.Option(None, "--batch-size", show_default="no limit: --batch-tokens decides",
                                        help="Texts per forward pass, at most."),
         batch_tokens: int = typer.Option(None, "--batch-tokens", show_default="1024 on the CPU, 65536 on a GPU",
                                          help="Padded tokens (texts x longest) per forward pass, at most; texts are "
                                               "sorted by length first, so short ones go many to a batch."),
-        max_seq_length: int = typer.Option(None, "--max-seq-length", show_default=False,
-                                           help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2 "
-                                                "(default and upper bound: the model's max_position_embeddings)."),
+        max_seq_length: int = typer.Option(None, "--max-seq-length",
+                                           show_default="a sentence-transformers checkpoint's max_seq_length, else "
+                                                        "the model's max_position_embeddings (the upper bound)",
+                                           help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2."),
         old_max_length: int = opt.OLD_MAX_LENGTH,
         precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (the weights cast once; fp16 "
                                       "on a GPU only), or auto (bf16 on a GPU, fp32 on the CPU). fp32 gives the "
@@ -44,31 +51,39 @@ def register(app: typer.Typer) -> None:
         workers: int = opt.WORKERS,
         no_progress: bool = opt.NO_PROGRESS,
     ) -> None:
-        """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order."""
+        """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order.
+
+        A sentence-transformers checkpoint (modules.json) embeds as its encode() does unless flags
+        say otherwise: its pooling, Dense layers, normalisation, token limit, lowercasing and prompt."""
         import numpy as np
 
         from bertctl.checkpoint import load_config
-        from bertctl.embed import (Tokenizing, embed_texts, load_encoder, read_texts, resolve_backend, resolve_device,
-                                   token_limit, write_embeddings)
+        from bertctl.embed import (Tokenizing, checkpoint_config, embed_texts, load_encoder, prepare_texts, read_texts,
+                                   resolve_backend, resolve_device, token_limit, write_embeddings)
         from bertctl.errors import BertctlError
         from bertctl.io import check_writable
+        from bertctl.progress import stderr
         from bertctl.tokenizer import load_tokenizer
 
-        config = EmbedConfig(layers=layers, pooling=pooling, normalize=normalize, batch_size=batch_size,
-                             batch_tokens=batch_tokens, max_length=old_max_length if max_seq_length is None else max_seq_length,
-                             precision=old_dtype or precision, device=device, backend=backend,
-                             workers=workers or opt.usable_cpus())
+        config, encoder_dir, st = checkpoint_config(
+            model, pooling=pooling, layers=layers, normalize=normalize,
+            max_length=old_max_length if max_seq_length is None else max_seq_length, batch_size=batch_size,
+            batch_tokens=batch_tokens, precision=old_dtype or precision, device=device, backend=backend,
+            workers=workers or opt.usable_cpus())
         if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
         check_writable(output)  # before the model runs, not after
         texts = [t for path in inputs for t in read_texts(path, field)]
-        tokenizer = load_tokenizer(model)
+        tokenizer = load_tokenizer(encoder_dir)
+        if st is not None:
+            skipped = " (its Dense modules skipped: --pooling or --layers given)" if st.dense and not config.dense else ""
+            stderr.print(f"{model}: a sentence-transformers checkpoint: {st.describe()}{skipped}; flags override")
         # Tokenising starts before torch loads (its workers fork from a small process) and runs
         # while torch, the device and the model load.
-        with Tokenizing(tokenizer, texts, token_limit(config, load_config(model).max_position_embeddings),
-                        config.workers) as tokenizing:
+        with Tokenizing(tokenizer, prepare_texts(texts, config),
+                        token_limit(config, load_config(encoder_dir).max_position_embeddings), config.workers) as tokenizing:
             where = resolve_device(config.device)
-            encoder = load_encoder(model, where, resolve_backend(config, where, onnx), onnx,
+            encoder = load_encoder(encoder_dir, where, resolve_backend(config, where, onnx), onnx,
                                    fallback=backend == "auto", precision=config.precision)
             array = embed_texts(encoder, tokenizer, texts, config, progress=not no_progress, summary=True,
                                 tokenizing=tokenizing)
