@@ -53,8 +53,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Embed texts (the paper's feature-based approach); one float32 row per input line, in input order.
 
-        A sentence-transformers checkpoint (modules.json) embeds as its encode() does unless flags
-        say otherwise: its pooling, Dense layers, normalisation, token limit, lowercasing and prompt."""
+        A sentence-transformers checkpoint (modules.json) embeds as its encode() does unless flags say otherwise."""
         import numpy as np
 
         from bertctl.checkpoint import load_config
