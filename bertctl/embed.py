@@ -348,24 +348,40 @@ def tokenize_texts(tokenizer, texts: list[str], max_length: int, workers: int = 
 
 
 def prepare_texts(texts: list[str], config: EmbedConfig) -> list[str]:
-    """The texts as the tokenizer gets them: after a sentence-transformers checkpoint's default prompt
-    and lowercasing (which, as there, lowercases the prompt too)."""
+    """The texts as the tokenizer gets them: after the prompt and a sentence-transformers checkpoint's
+    lowercasing (which, as there, lowercases the prompt too)."""
     if config.prompt:
         texts = [config.prompt + t for t in texts]
     return [t.lower() for t in texts] if config.lowercase else texts
 
 
 def checkpoint_config(directory: str | Path, *, pooling: str | None = None, layers: str | None = None,
-                      normalize: bool | None = None, max_length: int | None = None, **settings):
+                      normalize: bool | None = None, max_length: int | None = None, prompt: str | None = None,
+                      prompt_name: str | None = None, **settings):
     """``(EmbedConfig, encoder directory, sentence-transformers modules or None)`` for ``directory``.
 
     Settings left None take the checkpoint's: a sentence-transformers directory's pooling,
-    normalisation and token limit (``bertctl.st_modules``), else last-layer mean pooling, no
-    normalisation and the model's positions.  Its Dense modules apply to its own pooled vectors
-    only: not when ``pooling`` or ``layers`` is given."""
+    normalisation, token limit and default prompt (``bertctl.st_modules``), else last-layer mean
+    pooling, no normalisation, the model's positions and no prompt.  ``prompt_name`` picks one of the
+    checkpoint's named prompts.  Its Dense modules apply to its own pooled vectors only: not when
+    ``pooling`` or ``layers`` is given."""
     from bertctl.st_modules import read_modules
 
     st = read_modules(directory)
+    if prompt is not None and prompt_name is not None:
+        raise BertctlError("--prompt and --prompt-name: give one")
+    if prompt_name is not None:
+        named = dict(st.prompts) if st else {}
+        if prompt_name not in named:
+            where = st.prompts_file if st else f"{directory} (no sentence-transformers modules.json)"
+            raise BertctlError(f"--prompt-name {prompt_name}: no such prompt in {where}"
+                               + (f" (it has {', '.join(named)})" if named else ""))
+        prompt = named[prompt_name]
+    if prompt is None:
+        prompt = st.prompt if st else ""
+    if prompt and st and not st.include_prompt:
+        raise BertctlError(f"{Path(directory) / 'modules.json'}: its Pooling leaves out the prompt's tokens, which "
+                           "embed does not support; embed without a prompt (--prompt '')")
     own = pooling is None and layers is None
     config = EmbedConfig(
         layers=layers or "last",
@@ -374,7 +390,7 @@ def checkpoint_config(directory: str | Path, *, pooling: str | None = None, laye
         max_length=max_length if max_length is not None else (st.max_length if st else None),
         dense=st.dense if st and own else (),
         lowercase=bool(st and st.lowercase),
-        prompt=st.prompt if st else "",
+        prompt=prompt,
         **settings,
     )
     return config, (st.encoder if st else Path(directory)), st

@@ -15,7 +15,8 @@ no flags; a flag given overrides its setting.  What is read, and from where:
 - the token limit: ``max_seq_length`` in the encoder's ``sentence_bert_config.json``, else its
   tokenizer's ``model_max_length`` (at most the model's positions);
 - lowercasing (``do_lower_case`` there) and a default prompt (``default_prompt_name`` in
-  ``config_sentence_transformers.json``), both applied to the text before tokenising.
+  ``config_sentence_transformers.json``, whose other ``prompts`` embed's ``--prompt-name`` picks), both
+  applied to the text before tokenising.
 
 Anything else (a module type embed cannot compute, prompts excluded from pooling, a residual Dense) is
 refused with a line naming the file, rather than silently giving other vectors.
@@ -84,7 +85,10 @@ class SentenceTransformerModules:
     normalize: bool = False
     max_length: int | None = None  # None: the model's positions
     lowercase: bool = False
-    prompt: str = ""
+    prompt: str = ""  # the default prompt (default_prompt_name's), "" if none
+    prompts: tuple[tuple[str, str], ...] = ()  # every named prompt, as (name, text)
+    prompts_file: Path | None = None
+    include_prompt: bool = True  # False: the pooling leaves out the prompt's tokens (not supported)
 
     def describe(self) -> str:
         parts = [f"{self.pooling} pooling", *(d.describe() for d in self.dense)]
@@ -194,18 +198,14 @@ def read_modules(directory: str | Path) -> SentenceTransformerModules | None:
                                "pooled vectors instead")
     st_config = encoder / "sentence_bert_config.json"
     lowercase = bool(_read_json(st_config).get("do_lower_case", False)) if st_config.exists() else False
-    prompt = ""
     top_config = directory / "config_sentence_transformers.json"
-    if top_config.exists():
-        top = _read_json(top_config)
-        name = top.get("default_prompt_name")
-        if name:
-            prompts = top.get("prompts") or {}
-            if name not in prompts:
-                raise BertctlError(f"{top_config}: default_prompt_name {name!r} is not among its prompts")
-            prompt = str(prompts[name])
-    if prompt and not _read_json(paths[1] / "config.json").get("include_prompt", True):
-        raise BertctlError(f"{paths[1] / 'config.json'}: pooling that leaves out the prompt's tokens is not "
-                           "supported by embed")
+    top = _read_json(top_config) if top_config.exists() else {}
+    prompts = {str(k): str(v) for k, v in (top.get("prompts") or {}).items()}
+    name = top.get("default_prompt_name")
+    if name and name not in prompts:
+        raise BertctlError(f"{top_config}: default_prompt_name {name!r} is not among its prompts")
+    include_prompt = bool(_read_json(paths[1] / "config.json").get("include_prompt", True))
     return SentenceTransformerModules(encoder=encoder, pooling=pooling, dense=tuple(dense), normalize=normalize,
-                                      max_length=_token_limit(encoder), lowercase=lowercase, prompt=prompt)
+                                      max_length=_token_limit(encoder), lowercase=lowercase,
+                                      prompt=prompts[name] if name else "", prompts=tuple(prompts.items()),
+                                      prompts_file=top_config, include_prompt=include_prompt)

@@ -132,6 +132,19 @@ def test_the_older_layout_with_a_prompt_limit_and_lowercasing(tmp_path, minilm_d
     config = checkpoint_config(root)[0]
     assert prepare_texts(["Upper CASE"], config) == ["query: upper case"]
     np.testing.assert_allclose(bertctl_embed(root, texts), st_encode(root, texts), atol=ATOL)
+    # Another named prompt, and a prompt of one's own, as encode(prompt_name=...) and encode(prompt=...).
+    st_model = SentenceTransformer(str(root), device="cpu")
+    np.testing.assert_allclose(bertctl_embed(root, texts, prompt_name="document"),
+                               st_model.encode(texts, prompt_name="document", batch_size=32), atol=ATOL)
+    np.testing.assert_allclose(bertctl_embed(root, texts, prompt="Passage: "),
+                               st_model.encode(texts, prompt="Passage: ", batch_size=32), atol=ATOL)
+    assert not np.allclose(bertctl_embed(root, texts[:4], prompt="Passage: "), bertctl_embed(root, texts[:4]), atol=1e-3)
+    (tmp_path / "in.txt").write_text("a text\n", encoding="utf-8")
+    for flags, message in ((["--prompt-name", "passage"], "--prompt-name passage: no such prompt in "),
+                           (["--prompt-name", "query", "--prompt", "x"], "--prompt and --prompt-name: give one")):
+        result = runner.invoke(app, ["embed", "--model", str(root), "-o", str(tmp_path / "o.npy"), *flags,
+                                     str(tmp_path / "in.txt")])
+        assert result.exit_code == 2 and message in result.output, result.output
 
 
 def _st_dir(tmp_path, minilm_dir, modules, pooling=None):

@@ -24,6 +24,12 @@ def register(app: typer.Typer) -> None:
         normalize: bool = typer.Option(None, "--normalize/--no-normalize",
                                        show_default="as the checkpoint's sentence-transformers modules, else no",
                                        help="L2-normalise each embedding."),
+        prompt: str = typer.Option(None, "--prompt", show_default="a sentence-transformers checkpoint's default prompt, "
+                                                                      "else none",
+                                   help="Text put before every input (e.g. 'query: '), as encode(prompt=...)."),
+        prompt_name: str = typer.Option(None, "--prompt-name", show_default=False,
+                                        help="One of a sentence-transformers checkpoint's named prompts "
+                                             "(config_sentence_transformers.json), as encode(prompt_name=...)."),
         field: str = typer.Option(None, "--field", help="JSONL field holding the text (default 'text')."),
         batch_size: int = typer.Option(None, "--batch-size", show_default="no limit: --batch-tokens decides",
                                        help="Texts per forward pass, at most."),
@@ -65,7 +71,7 @@ def register(app: typer.Typer) -> None:
         from bertctl.tokenizer import load_tokenizer
 
         config, encoder_dir, st = checkpoint_config(
-            model, pooling=pooling, layers=layers, normalize=normalize,
+            model, pooling=pooling, layers=layers, normalize=normalize, prompt=prompt, prompt_name=prompt_name,
             max_length=old_max_length if max_seq_length is None else max_seq_length, batch_size=batch_size,
             batch_tokens=batch_tokens, precision=old_dtype or precision, device=device, backend=backend,
             workers=workers or opt.usable_cpus())
