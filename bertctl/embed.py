@@ -4,7 +4,8 @@ Texts are tokenised (in ``workers`` processes for large inputs, while the ``embe
 torch and the model: ``Tokenizing``), sorted by
 token count and cut into batches of at most ``batch_size`` texts and ``batch_tokens`` padded tokens
 (short texts go many to a batch, long ones few, and little is padding); the chosen layers are
-combined, pooled over real tokens, optionally L2-normalised, and written in input order.
+combined, pooled over real tokens, mapped by a sentence-transformers checkpoint's Dense layers (if any),
+optionally L2-normalised, and written in input order.
 
 Two backends run the encoder: PyTorch (``BertModel``, any device and dtype) and ONNX Runtime on the
 CPU (``bertctl.export.OnnxEncoder``).  The ONNX Runtime path imports no torch: numpy arrays in and
@@ -259,13 +260,21 @@ def pool(x, mask, pooling: str):
     return total / (count ** 0.5 if pooling == "mean-sqrt-len" else count)
 
 
-def normalize(x):
-    """Rows scaled to unit L2 norm (as ``torch.nn.functional.normalize``: norms below 1e-12 count as 1e-12)."""
-    if isinstance(x, np.ndarray):
-        return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-    import torch
-
-    return torch.nn.functional.normalize(x, dim=-1)
+def finish_features(out: np.ndarray, config: EmbedConfig, rows: int = 65536) -> np.ndarray:
+    """A sentence-transformers checkpoint's Dense modules, then L2 normalisation (as
+    ``torch.nn.functional.normalize``: norms below 1e-12 count as 1e-12), over the pooled (N, D)
+    float32 vectors ``rows`` at a time, so that the temporaries stay small beside a large output;
+    normalisation is in place."""
+    for dense in config.dense:
+        mapped = np.empty((len(out), dense.weight.shape[0]), np.float32)
+        for i in range(0, len(out), rows):
+            mapped[i:i + rows] = dense(out[i:i + rows])
+        out = mapped
+    if config.normalize:
+        for i in range(0, len(out), rows):
+            block = out[i:i + rows]
+            block /= np.maximum(np.linalg.norm(block, axis=-1, keepdims=True), 1e-12)
+    return out
 
 
 def length_batches(lengths: np.ndarray, batch_size: int | None, batch_tokens: int) -> list[np.ndarray]:
@@ -483,10 +492,7 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
             advance(len(index))
         flush()
     assert out is not None
-    for dense in config.dense:  # sentence-transformers' Dense modules, then its Normalize
-        out = dense(out)
-    if config.normalize:
-        out = normalize(out)
+    out = finish_features(out, config)
     bad = int((~np.isfinite(out)).any(axis=1).sum()) if out is not None else 0
     if bad:  # fp16's range ends at 65504: a checkpoint with large activations overflows it
         precision = resolve_precision(config.precision, device)

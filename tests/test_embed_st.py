@@ -18,8 +18,8 @@ from sentence_transformers.sentence_transformer import modules as models
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
-from bertctl.embed import checkpoint_config, embed_texts, load_encoder, prepare_texts
-from bertctl.st_modules import read_modules
+from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, finish_features, load_encoder, prepare_texts
+from bertctl.st_modules import Dense, read_modules
 from bertctl.tokenizer import load_tokenizer
 
 runner = CliRunner()
@@ -178,3 +178,18 @@ def test_a_pipeline_embed_cannot_compute_is_one_line(tmp_path, minilm_dir, modul
     line = result.output.strip()
     assert "\n" not in line and message in line, line
     assert not out.exists()
+
+
+def test_dense_and_normalisation_by_row_chunks_match_torch():
+    """finish_features works rows at a time, normalising in place: the same as torch over the whole array."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 6, generator=g, dtype=torch.float64) * 3
+    x[4] = 0  # a zero row (normalised alone below): divided by 1e-12, as torch.nn.functional.normalize does
+    w, b = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    config = EmbedConfig(normalize=True, dense=(Dense(w.float().numpy(), b.float().numpy(), "tanh", None),))
+    got = finish_features(x.float().numpy().copy(), config, rows=3)
+    want = torch.nn.functional.normalize(torch.tanh(x @ w.T + b), dim=-1)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-6)
+    plain = x.float().numpy().copy()
+    assert finish_features(plain, EmbedConfig(normalize=True), rows=4) is plain  # in place, no copy
+    np.testing.assert_allclose(plain, torch.nn.functional.normalize(x, dim=-1).numpy(), atol=1e-6)
