@@ -434,7 +434,8 @@ def _features_torch(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfi
             raise BertctlError(f"out of {device.type.upper()} memory embedding {ids.shape[0]} texts of {ids.shape[1]} "
                                f"tokens in one forward pass: pass a smaller --batch-tokens") from None
     states = encoded.hidden_states if all_layers else (encoded.last_hidden_state,)
-    return pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)  # on the device: the caller copies many batches at once (one wait, not one a batch)
+    # On the device: the caller copies many batches at once (one wait, not one a batch).
+    return pool(combine_layers(states, config.layers).float(), mask_t, config.pooling)
 
 
 def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
@@ -493,7 +494,7 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
         flush()
     assert out is not None
     out = finish_features(out, config)
-    bad = int((~np.isfinite(out)).any(axis=1).sum()) if out is not None else 0
+    bad = int((~np.isfinite(out)).any(axis=1).sum())
     if bad:  # fp16's range ends at 65504: a checkpoint with large activations overflows it
         precision = resolve_precision(config.precision, device)
         raise BertctlError(f"{bad} of the {len(texts)} embeddings are not finite (NaN or inf) at --precision "

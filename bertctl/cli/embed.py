@@ -24,8 +24,8 @@ def register(app: typer.Typer) -> None:
         normalize: bool = typer.Option(None, "--normalize/--no-normalize",
                                        show_default="as the checkpoint's sentence-transformers modules, else no",
                                        help="L2-normalise each embedding."),
-        prompt: str = typer.Option(None, "--prompt", show_default="a sentence-transformers checkpoint's default prompt, "
-                                                                      "else none",
+        prompt: str = typer.Option(None, "--prompt",
+                                   show_default="a sentence-transformers checkpoint's default prompt, else none",
                                    help="Text put before every input (e.g. 'query: '), as encode(prompt=...)."),
         prompt_name: str = typer.Option(None, "--prompt-name", show_default=False,
                                         help="One of a sentence-transformers checkpoint's named prompts "
@@ -81,12 +81,13 @@ def register(app: typer.Typer) -> None:
         texts = [t for path in inputs for t in read_texts(path, field)]
         tokenizer = load_tokenizer(encoder_dir)
         if st is not None:
-            skipped = " (its Dense modules skipped: --pooling or --layers given)" if st.dense and not config.dense else ""
+            skipped = (" (its Dense modules skipped: --pooling or --layers given)"
+                       if st.dense and not config.dense else "")
             stderr.print(f"{model}: a sentence-transformers checkpoint: {st.describe()}{skipped}; flags override")
         # Tokenising starts before torch loads (its workers fork from a small process) and runs
         # while torch, the device and the model load.
-        with Tokenizing(tokenizer, prepare_texts(texts, config),
-                        token_limit(config, load_config(encoder_dir).max_position_embeddings), config.workers) as tokenizing:
+        limit = token_limit(config, load_config(encoder_dir).max_position_embeddings)
+        with Tokenizing(tokenizer, prepare_texts(texts, config), limit, config.workers) as tokenizing:
             where = resolve_device(config.device)
             encoder = load_encoder(encoder_dir, where, resolve_backend(config, where, onnx), onnx,
                                    fallback=backend == "auto", precision=config.precision)
