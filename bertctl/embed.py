@@ -392,6 +392,8 @@ def checkpoint_config(directory: str | Path, *, pooling: str | None = None, laye
         raise BertctlError(f"{Path(directory) / 'modules.json'}: its Pooling leaves out the prompt's tokens, which "
                            "embed does not support; embed without a prompt (--prompt '')")
     own = pooling is None and layers is None
+    if own and st and st.unsupported:
+        raise BertctlError(st.unsupported)
     config = EmbedConfig(
         layers=layers or "last",
         pooling=pooling or (st.pooling if st else "mean"),

@@ -19,7 +19,8 @@ no flags; a flag given overrides its setting.  What is read, and from where:
   applied to the text before tokenising.
 
 Anything else (a module type embed cannot compute, prompts excluded from pooling, a residual Dense) is
-refused with a line naming the file, rather than silently giving other vectors.
+refused with a line naming the file, rather than silently giving other vectors, unless ``--pooling``
+or ``--layers`` asks for the encoder's own pooled vectors instead.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class Dense:
 @dataclass(frozen=True)
 class SentenceTransformerModules:
     encoder: Path  # the directory holding the BERT encoder and its tokenizer
-    pooling: str  # embed's --pooling value: one mode or several joined by ","
+    pooling: str | None  # embed's --pooling value: one mode or several joined by ","; None if unsupported
     dense: tuple[Dense, ...] = ()
     normalize: bool = False
     max_length: int | None = None  # None: the model's positions
@@ -89,9 +90,11 @@ class SentenceTransformerModules:
     prompts: tuple[tuple[str, str], ...] = ()  # every named prompt, as (name, text)
     prompts_file: Path | None = None
     include_prompt: bool = True  # False: the pooling leaves out the prompt's tokens (not supported)
+    unsupported: str | None = None  # why embed cannot compute the checkpoint's own pipeline, if it cannot
 
     def describe(self) -> str:
-        parts = [f"{self.pooling} pooling", *(d.describe() for d in self.dense)]
+        parts = [f"{self.pooling} pooling" if self.pooling else "pooling embed cannot compute"]
+        parts += [d.describe() for d in self.dense]
         parts += ["L2-normalised"] if self.normalize else []
         parts += [f"{self.max_length} tokens"] if self.max_length else []
         parts += ["lowercased"] if self.lowercase else []
@@ -166,9 +169,9 @@ def _token_limit(encoder: Path) -> int | None:
     return None
 
 
-def read_modules(directory: str | Path) -> SentenceTransformerModules | None:
-    """The sentence-transformers pipeline of ``directory``, or None when it has no ``modules.json``."""
-    directory = Path(directory)
+def _listing(directory: Path) -> tuple[list[str], list[Path]] | None:
+    """modules.json's module types (class names) and folders, or None without one; the first must be
+    the encoder."""
     listing = directory / "modules.json"
     if not listing.exists():
         return None
@@ -176,26 +179,53 @@ def read_modules(directory: str | Path) -> SentenceTransformerModules | None:
     if not isinstance(modules, list) or not all(isinstance(m, dict) and "type" in m for m in modules):
         raise BertctlError(f"{listing}: expected a list of modules with a 'type' each")
     kinds = [str(m["type"]).rsplit(".", 1)[-1] for m in modules]
-    paths = [directory / str(m.get("path", "")) for m in modules]
     if not kinds or kinds[0] not in ("Transformer", "BERT"):
         raise BertctlError(f"{listing}: the first module must be the Transformer encoder, not {kinds[:1] or 'none'}")
-    encoder = paths[0]
+    return kinds, [directory / str(m.get("path", "")) for m in modules]
+
+
+def encoder_dir(directory: str | Path) -> Path | None:
+    """The folder of a sentence-transformers checkpoint's encoder (itself, or 0_Transformer/ in the
+    older layout), or None when ``directory`` has no ``modules.json``."""
+    found = _listing(Path(directory))
+    return None if found is None else found[1][0]
+
+
+def read_modules(directory: str | Path) -> SentenceTransformerModules | None:
+    """The sentence-transformers pipeline of ``directory``, or None when it has no ``modules.json``.
+    A pipeline embed cannot compute is kept as ``unsupported``, the line to stop with when the
+    checkpoint's own pooling is asked for."""
+    directory = Path(directory)
+    found = _listing(directory)
+    if found is None:
+        return None
+    kinds, paths = found
+    listing = directory / "modules.json"
+    encoder, pooling, dense, normalize, unsupported = paths[0], None, [], False, None
     if len(kinds) < 2 or kinds[1] != "Pooling":
-        raise BertctlError(f"{listing}: embed needs a Pooling module after the encoder (found "
-                           f"{kinds[1] if len(kinds) > 1 else 'none'})")
-    pooling = _pooling(paths[1])
-    dense, normalize = [], False
+        unsupported = (f"{listing}: no Pooling module after the encoder (found "
+                       f"{kinds[1] if len(kinds) > 1 else 'none'}); pass --pooling")
+    else:
+        try:
+            pooling = _pooling(paths[1])
+        except BertctlError as e:
+            unsupported = f"{e}; pass --pooling"
     for kind, path in zip(kinds[2:], paths[2:]):
+        if unsupported:
+            break
         if normalize:
-            raise BertctlError(f"{listing}: a {kind} module after Normalize is not supported by embed")
-        if kind == "Dense":
-            dense.append(_dense(path))
+            unsupported = f"{listing}: a {kind} module after Normalize is not supported by embed; pass --pooling"
+        elif kind == "Dense":
+            try:
+                dense.append(_dense(path))
+            except BertctlError as e:
+                unsupported = f"{e}; pass --pooling"
         elif kind == "Normalize":
             normalize = True
         else:
-            raise BertctlError(f"{listing}: module {kind} ({path.name}) is not one embed computes (Transformer, "
-                               "Pooling, Dense, Normalize); pass --pooling to embed with the encoder's own "
-                               "pooled vectors instead")
+            unsupported = (f"{listing}: module {kind} ({path.name}) is not one embed computes (Transformer, "
+                           "Pooling, Dense, Normalize); pass --pooling to embed with the encoder's own pooled "
+                           "vectors instead")
     st_config = encoder / "sentence_bert_config.json"
     lowercase = bool(_read_json(st_config).get("do_lower_case", False)) if st_config.exists() else False
     top_config = directory / "config_sentence_transformers.json"
@@ -204,8 +234,9 @@ def read_modules(directory: str | Path) -> SentenceTransformerModules | None:
     name = top.get("default_prompt_name")
     if name and name not in prompts:
         raise BertctlError(f"{top_config}: default_prompt_name {name!r} is not among its prompts")
-    include_prompt = bool(_read_json(paths[1] / "config.json").get("include_prompt", True))
+    include_prompt = bool(pooling is None or _read_json(paths[1] / "config.json").get("include_prompt", True))
     return SentenceTransformerModules(encoder=encoder, pooling=pooling, dense=tuple(dense), normalize=normalize,
+                                      unsupported=unsupported,
                                       max_length=_token_limit(encoder), lowercase=lowercase,
                                       prompt=prompts[name] if name else "", prompts=tuple(prompts.items()),
                                       prompts_file=top_config, include_prompt=include_prompt)

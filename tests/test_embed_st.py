@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from bertctl.cli.app import app
 from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, finish_features, load_encoder, prepare_texts
-from bertctl.st_modules import Dense, read_modules
+from bertctl.st_modules import Dense, encoder_dir, read_modules
+from bertctl.tasks.common import model_dir_of
 from bertctl.tokenizer import load_tokenizer
 
 runner = CliRunner()
@@ -129,6 +130,9 @@ def test_the_older_layout_with_a_prompt_limit_and_lowercasing(tmp_path, minilm_d
     st = read_modules(root)
     assert (st.encoder, st.pooling, st.max_length, st.lowercase, st.prompt, st.normalize) == \
         (root / "0_Transformer", "max,mean-sqrt-len", 24, True, "Query: ", False)
+    # finetune, eval and export find the encoder there too.
+    assert encoder_dir(root) == model_dir_of(root) == root / "0_Transformer"
+    assert encoder_dir(minilm_dir) == model_dir_of(minilm_dir) == minilm_dir
     config = checkpoint_config(root)[0]
     assert prepare_texts(["Upper CASE"], config) == ["query: upper case"]
     np.testing.assert_allclose(bertctl_embed(root, texts), st_encode(root, texts), atol=ATOL)
@@ -165,7 +169,7 @@ def _st_dir(tmp_path, minilm_dir, modules, pooling=None):
      "modules.json: module LSTM (2_LSTM) is not one embed computes"),
     ([("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize"), ("Dense", "3_Dense")], None,
      "modules.json: a Dense module after Normalize is not supported"),
-    ([("Transformer", ""), ("Normalize", "2_Normalize")], None, "modules.json: embed needs a Pooling module"),
+    ([("Transformer", ""), ("Normalize", "2_Normalize")], None, "modules.json: no Pooling module after the encoder"),
     ([("Transformer", ""), ("Pooling", "1_Pooling")], {"pooling_mode": "median"},
      "config.json: pooling mode 'median' is not one embed computes"),
     ([("Transformer", ""), ("Pooling", "1_Pooling"), ("Dense", "2_Dense")], None, "2_Dense/config.json: missing"),
@@ -179,6 +183,11 @@ def test_a_pipeline_embed_cannot_compute_is_one_line(tmp_path, minilm_dir, modul
     line = result.output.strip()
     assert "\n" not in line and message in line, line
     assert not out.exists()
+    # --pooling asks for the encoder's own pooled vectors: the pipeline after it is not needed.
+    result = runner.invoke(app, ["embed", "--model", str(root), "--pooling", "mean", "--no-normalize", "-o", str(out),
+                                 str(tmp_path / "in.txt")])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose(np.load(out), bertctl_embed(minilm_dir, ["a text"], normalize=False), atol=1e-6)
 
 
 def test_dense_and_normalisation_by_row_chunks_match_torch():

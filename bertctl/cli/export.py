@@ -26,8 +26,10 @@ def onnx(
     """Export the encoder or a task head with dynamic batch and sequence axes; the file is written only
     after ONNX Runtime reproduces PyTorch within 1e-4.  The report (outputs, max abs diff) goes to stdout."""
     from bertctl.export import export_onnx
+    from bertctl.st_modules import encoder_dir
 
-    report = export_onnx(model, output, architecture=architecture, hidden_states=hidden_states,
+    # A sentence-transformers checkpoint's encoder: the directory itself, or its 0_Transformer/.
+    report = export_onnx(encoder_dir(model) or model, output, architecture=architecture, hidden_states=hidden_states,
                          attn_implementation=attn, opset=opset)
     typer.echo(json.dumps(report, indent=2))
 

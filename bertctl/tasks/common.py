@@ -19,10 +19,16 @@ MODEL_SUBDIR = "model"
 
 
 def model_dir_of(path: str | Path) -> Path:
-    """A fine-tuning output folder holds the model in ``model/``; accept either."""
+    """A fine-tuning output folder holds the model in ``model/``, and an older sentence-transformers
+    checkpoint its encoder in the folder its ``modules.json`` names (``0_Transformer/``); accept each."""
+    from bertctl.st_modules import encoder_dir
+
     path = Path(path)
     if not (path / "config.json").exists() and (path / MODEL_SUBDIR / "config.json").exists():
         return path / MODEL_SUBDIR
+    encoder = encoder_dir(path) if path.is_dir() and not (path / "config.json").exists() else None
+    if encoder is not None and (encoder / "config.json").exists():
+        return encoder
     if not path.is_dir():
         raise BertctlError(f"{path}: model directory not found")
     if not (path / "config.json").exists():
