@@ -130,7 +130,7 @@ def test_the_older_layout_with_a_prompt_limit_and_lowercasing(tmp_path, minilm_d
     st = read_modules(root)
     assert (st.encoder, st.pooling, st.max_length, st.lowercase, st.prompt, st.normalize) == \
         (root / "0_Transformer", "max,mean-sqrt-len", 24, True, "Query: ", False)
-    # finetune, eval and export find the encoder there too.
+    # finetune and export find the encoder there too.
     assert encoder_dir(root) == model_dir_of(root) == root / "0_Transformer"
     assert encoder_dir(minilm_dir) == model_dir_of(minilm_dir) == minilm_dir
     config = checkpoint_config(root)[0]
