@@ -22,8 +22,10 @@ Tasks (``--tasks``):
   ``eval`` articles; ``--squad-epochs`` (default 3, the recipe's).
 - paraphrase: MRPC-like pairs built from the corpus (``corpus_tasks.py``), accuracy and F1.
 - acceptability: CoLA-like sentences built from the corpus, Matthews correlation.
+- similarity: STS-B-like pairs built from the corpus, scored 0-5 (``--regression`` on both sides:
+  one output, MSE loss), Pearson and Spearman correlation.
 - rte_size: the first 2,490 training pairs of paraphrase (RTE's train size), for whole-run speed.
-The two built tasks are generated at run time into ``--work`` (never committed).
+The three built tasks are generated at run time into ``--work`` (never committed).
 
 Modes:
 - ``--mode quality``: runs per task, seed and side; ``finetune-<task>.json`` holds per-seed
@@ -69,11 +71,11 @@ sys.path.append(str(ROOT))  # after PYTHONPATH, so a pinned copy of the package 
 sys.path.append(str(ROOT / "benchmarks"))
 
 import corpus_tasks  # noqa: E402
-from bertctl.tasks.metrics import (accuracy, binary_f1, conlleval, matthews_corrcoef,  # noqa: E402
-                                   squad_v1_evaluate)
+from bertctl.tasks.metrics import (accuracy, binary_f1, conlleval, matthews_corrcoef, pearson,  # noqa: E402
+                                   spearman, squad_v1_evaluate)
 
 SIDES = ("bertctl", "hf")
-QUALITY_TASKS = ("sst2", "conll", "squad", "paraphrase", "acceptability")
+QUALITY_TASKS = ("sst2", "conll", "squad", "paraphrase", "acceptability", "similarity")
 SPEED_TASKS = ("rte_size", "sst2", "squad")
 PARITY_POINTS = -0.3  # issue 13: bertctl's mean >= the Trainer's minus 0.3 points
 SPEED_TARGET = 0.7  # issue 13: whole runs take at most 0.7x the HF script's time
@@ -85,6 +87,7 @@ class Task:
     kind: str  # glue, ner or squad
     metrics: tuple[str, ...]  # the first is the main one
     text: tuple[str, ...] = ()  # glue: text column(s)
+    regression: bool = False  # glue: the label is a number
 
 
 TASKS = {
@@ -92,6 +95,7 @@ TASKS = {
     "paraphrase": Task("glue", ("accuracy", "f1"), ("sentence1", "sentence2")),
     "rte_size": Task("glue", ("accuracy", "f1"), ("sentence1", "sentence2")),
     "acceptability": Task("glue", ("matthews_corrcoef", "accuracy"), ("sentence",)),
+    "similarity": Task("glue", ("pearson", "spearmanr"), ("sentence1", "sentence2"), regression=True),
     "conll": Task("ner", ("test_f1", "valid_f1")),
     "squad": Task("squad", ("f1", "exact_match")),
 }
@@ -136,7 +140,7 @@ def prepare_inputs(task: str, a) -> dict:
             _slice_lines(src / "dev.tsv", base / "dev.tsv", max(a.limit // 4, 8))
             src = base
         return {"dir": src, "train": src / "train.tsv", "dev": src / "dev.tsv"}
-    if task in ("paraphrase", "acceptability", "rte_size"):
+    if task in ("paraphrase", "acceptability", "similarity", "rte_size"):
         version = f"seed{a.data_seed}-{_digest(Path(corpus_tasks.__file__))}"  # the rules' version
         built = a.work / "inputs" / f"corpus-tasks-{version}"
         if not (built / "stats.json").exists():
@@ -274,7 +278,7 @@ def commands(task: str, side: str, seed: int, inputs: dict, out: Path, a) -> lis
             cmd += ["--train", str(inputs["train"]), "--dev", str(inputs["dev"]), "--text-column", t.text[0]]
             if len(t.text) > 1:
                 cmd += ["--text-pair-column", t.text[1]]
-            cmd += ["--label-column", "label"]
+            cmd += ["--label-column", "label"] + (["--regression"] if t.regression else [])
     elif t.kind == "ner":
         cmd += ["--data-dir", str(inputs["dir"])]
     else:
@@ -300,13 +304,18 @@ def score(task: str, inputs: dict, out: Path) -> dict:
         lines = files[0].read_text(encoding="utf-8").splitlines()
         header = lines[0].split("\t")
         ip, il = header.index("prediction"), header.index("label")
+        number = float if TASKS[task].regression else int
         for line in lines[1:]:
             cells = line.split("\t")
-            preds.append(int(cells[ip]))
-            gold.append(int(cells[il]))
-        m = {"accuracy": accuracy(preds, gold), "f1": binary_f1(preds, gold),
-             "matthews_corrcoef": matthews_corrcoef(preds, gold)}
-        _check(out, own.get("accuracy"), m["accuracy"])
+            preds.append(number(cells[ip]))
+            gold.append(number(cells[il]))
+        if TASKS[task].regression:
+            m = {"pearson": pearson(preds, gold), "spearmanr": spearman(preds, gold)}
+            _check(out, own.get("pearson"), m["pearson"], scale=10)  # the predictions are written to 6 decimals
+        else:
+            m = {"accuracy": accuracy(preds, gold), "f1": binary_f1(preds, gold),
+                 "matthews_corrcoef": matthews_corrcoef(preds, gold)}
+            _check(out, own.get("accuracy"), m["accuracy"])
         m = {k: 100 * v for k, v in m.items()}
     elif kind == "ner":
         gold, pred, gs, ps = [], [], [], []

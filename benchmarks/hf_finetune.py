@@ -6,7 +6,8 @@ Each sub-command follows its example script in ``transformers/examples/pytorch``
 ``datasets`` library (not installed on the GPU machine):
 
 - ``glue`` (run_glue.py): a TSV with a header, named text and label columns (labels sorted as
-  strings, as ``label_list.sort()``), ``tokenizer(a[, b], truncation=True, max_length=128)``,
+  strings, as ``label_list.sort()``; with ``--regression`` one output and float labels, as for STS-B),
+  ``tokenizer(a[, b], truncation=True, max_length=128)``,
   train, ``save_model``, predict on dev.
 - ``ner`` (run_ner.py): CoNLL-2003 files, ``is_split_into_words``, the label on the first piece of
   each word only (``label_all_tokens=False``), evaluation on valid after every epoch with
@@ -42,7 +43,8 @@ sys.path.append(str(ROOT))  # bertctl.tasks.metrics: plain Python and numpy
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bertctl.tasks.metrics import accuracy, binary_f1, conlleval, matthews_corrcoef, squad_v1_evaluate  # noqa: E402
+from bertctl.tasks.metrics import (accuracy, binary_f1, conlleval, matthews_corrcoef, pearson,  # noqa: E402
+                                   spearman, squad_v1_evaluate)
 
 
 # ------------------------------------------------------------------------------ shared
@@ -140,17 +142,22 @@ def glue(a) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cols = [a.text_column] + ([a.text_pair_column] if a.text_pair_column else []) + [a.label_column]
     train_rows, dev_rows = read_tsv(Path(a.train), cols), read_tsv(Path(a.dev), cols)
-    labels = sorted({r[-1] for r in train_rows})  # run_glue: label_list = unique(label); sort()
-    label_id = {l: i for i, l in enumerate(labels)}
     set_seed(a.seed)  # run_glue seeds before building the model (the head's initialisation)
     tokenizer = AutoTokenizer.from_pretrained(a.model, use_fast=True)
-    model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=len(labels), label2id=label_id,
-                                                               id2label=dict(enumerate(labels)))
+    if a.regression:  # run_glue's is_regression: one output, float labels (the model's MSE loss)
+        labels = None
+        model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1)
+    else:
+        labels = sorted({r[-1] for r in train_rows})  # run_glue: label_list = unique(label); sort()
+        label_id = {l: i for i, l in enumerate(labels)}
+        model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=len(labels), label2id=label_id,
+                                                                   id2label=dict(enumerate(labels)))
 
     def encode(rows):
         texts = ([r[0] for r in rows],) + (([r[1] for r in rows],) if a.text_pair_column else ())
         enc = tokenizer(*texts, truncation=True, max_length=a.max_seq_length)
-        return [{"input_ids": i, "token_type_ids": t, "attention_mask": m, "labels": label_id[r[-1]]}
+        return [{"input_ids": i, "token_type_ids": t, "attention_mask": m,
+                 "labels": float(r[-1]) if a.regression else label_id[r[-1]]}
                 for i, t, m, r in zip(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"], rows)]
 
     train, dev = encode(train_rows), encode(dev_rows)
@@ -158,15 +165,24 @@ def glue(a) -> None:
                            DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8))
     result = trainer.train()
     trainer.save_model(str(out / "model"))
-    preds = np.argmax(trainer.predict(dev).predictions, -1)
+    logits = trainer.predict(dev).predictions
     gold = [d["labels"] for d in dev]
     with open(out / "predictions_dev.tsv", "w", encoding="utf-8") as f:  # bertctl's layout
         f.write("index\tprediction\tlabel\tsource\n")
-        for i, (p, r) in enumerate(zip(preds, dev_rows)):
-            f.write(f"{i}\t{labels[int(p)]}\t{r[-1]}\t{a.dev}:{i + 2}\n")
-    metrics = {"task": "glue", "accuracy": accuracy(preds, gold)}
-    if len(labels) == 2:
-        metrics.update(f1=binary_f1(preds, gold), matthews_corrcoef=matthews_corrcoef(preds, gold))
+        if a.regression:  # run_glue: np.squeeze(predictions); written as bertctl writes scores
+            preds = [float(f"{x:.6f}") for x in np.asarray(logits, dtype=np.float64)[:, 0]]
+            for i, (p, r) in enumerate(zip(preds, dev_rows)):
+                f.write(f"{i}\t{p:.6f}\t{float(r[-1]):g}\t{a.dev}:{i + 2}\n")
+        else:
+            preds = np.argmax(logits, -1)
+            for i, (p, r) in enumerate(zip(preds, dev_rows)):
+                f.write(f"{i}\t{labels[int(p)]}\t{r[-1]}\t{a.dev}:{i + 2}\n")
+    if a.regression:
+        metrics = {"task": "glue", "pearson": pearson(preds, gold), "spearmanr": spearman(preds, gold)}
+    else:
+        metrics = {"task": "glue", "accuracy": accuracy(preds, gold)}
+        if len(labels) == 2:
+            metrics.update(f1=binary_f1(preds, gold), matthews_corrcoef=matthews_corrcoef(preds, gold))
     metrics.update(train_examples=len(train), dev_examples=len(dev),
                    settings=settings(a, max_seq_length=a.max_seq_length, labels=labels))
     finish(a, out, metrics, result)
@@ -407,6 +423,8 @@ def main(argv=None) -> int:
     g.add_argument("--text-column", required=True)
     g.add_argument("--text-pair-column", default=None, help="default: none (single sentences)")
     g.add_argument("--label-column", required=True)
+    g.add_argument("--regression", action="store_true", help="the label is a number: one output, MSE loss "
+                                                              "(default: classes)")
     g.add_argument("--max-seq-length", type=int, default=128, help="default 128")
     n = sub.add_parser("ner", parents=[common], help="CoNLL-2003 NER (run_ner.py)")
     n.add_argument("--data-dir", required=True, help="folder with train.txt, valid.txt, test.txt")
