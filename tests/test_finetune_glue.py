@@ -184,6 +184,50 @@ def test_regression_head(tiny, tmp_path):
     assert config["num_labels"] == 1 and config["problem_type"] == "regression"
 
 
+def test_labels_are_scores_as_a_float_column_reads():
+    def ex(*labels):
+        return [glue.Example(f"r{i}", "a", None, label) for i, label in enumerate(labels)]
+    assert glue.labels_are_scores(ex("3.4", "0", "5"))
+    assert glue.labels_are_scores(ex("1.0", "0.0"))  # floats, though whole: a float column
+    assert glue.labels_are_scores(ex(2.5, 1))  # JSON numbers
+    assert glue.labels_are_scores(ex("2e-1", "1"))
+    assert not glue.labels_are_scores(ex("1", "0", "2"))
+    assert not glue.labels_are_scores(ex("pos", "3.5"))
+    assert not glue.labels_are_scores(ex("nan", "1.5"))
+    assert not glue.labels_are_scores(ex(True, False))
+
+
+def test_own_scores_train_a_regression_without_the_flag(tiny, tmp_path):
+    """Own data whose labels are decimal numbers train a regression as run_glue does (float column), say so,
+    and eval scores it from the head alone; --no-regression keeps them classes."""
+    train, dev = tmp_path / "train.tsv", tmp_path / "dev.tsv"
+    train.write_text("a\tb\tscore\n" + "".join(f"A cat {i}.\tA dog {i}.\t{i % 5}.{i % 3}\n" for i in range(16)))
+    dev.write_text("a\tb\tscore\n" + "".join(f"A cat {i}.\tA cow {i}.\t{(i * 7) % 5}.5\n" for i in range(8)))
+    cols = ["--text-column", "a", "--text-pair-column", "b", "--label-column", "score"]
+    out = tmp_path / "out"
+    r = invoke(["finetune", "glue", "--train", str(train), "--dev", str(dev), *cols, "--model", str(tiny), "--output",
+                str(out), "--epochs", "1", "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "regression" in r.output and "--no-regression" in r.output
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["num_labels"] == 1 and config["problem_type"] == "regression"
+    r = invoke(["eval", "glue", "--data", str(dev), *cols, "--model", str(out), "--output", str(tmp_path / "ev"),
+                "--quiet"])
+    assert r.exit_code == 0, r.output
+    metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    rows = [line.split("\t") for line in (tmp_path / "ev" / "predictions_dev.tsv").read_text().splitlines()[1:]]
+    pred, gold = np.array([float(r[1]) for r in rows]), np.array([float(r[2]) for r in rows])
+    # the file's 6 decimals against the tiny model's outputs, which spread over about 1e-4
+    assert metrics["pearson"] == pytest.approx(np.corrcoef(pred, gold)[0, 1], abs=2e-3)
+    assert sorted(gold) == sorted((i * 7) % 5 + 0.5 for i in range(8))
+    classes = tmp_path / "classes"
+    r = invoke(["finetune", "glue", "--train", str(train), "--dev", str(train), *cols, "--no-regression", "--model",
+                str(tiny), "--output", str(classes), "--epochs", "1", "--quiet"])
+    assert r.exit_code == 0, r.output
+    config = json.loads((classes / "model" / "config.json").read_text())
+    assert config["num_labels"] == len({f"{i % 5}.{i % 3}" for i in range(16)})
+
+
 def test_unlabelled_test_file_gets_predictions(tiny, sst2, tmp_path):
     out = tmp_path / "out"
     assert invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",

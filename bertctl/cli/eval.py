@@ -94,7 +94,9 @@ def glue(
     text_column: Optional[str] = typer.Option(None, "--text-column"),
     text_pair_column: Optional[str] = typer.Option(None, "--text-pair-column"),
     label_column: Optional[str] = typer.Option(None, "--label-column"),
-    regression: bool = typer.Option(False, "--regression"),
+    regression: Optional[bool] = typer.Option(None, "--regression/--no-regression", help="Own data: the label is a "
+                                              "number or a class.", show_default="as the model's head: one output "
+                                              "is a regression"),
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows"),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
@@ -111,6 +113,8 @@ def glue(
         examples, report = g.read_glue_tsv(data, spec, skip_bad_rows=skip_bad_rows, require_labels=False)
         glue_data = g.GlueData(spec, [], [(spec.name, Path(data), examples)], [report])
     else:
+        if regression is None and text_column is not None:  # own data: as the fine-tuned head
+            regression = g.regression_head(_need_model(model, output))
         glue_data = g.load_data(task=task, data_dir=data_dir, dev=data, text_column=text_column,
                                 text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                                 skip_bad_rows=skip_bad_rows, need_train=False)

@@ -99,7 +99,7 @@ def glue(
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Own data: the text column."),
     text_pair_column: Optional[str] = typer.Option(None, "--text-pair-column", help="Own data: second text column."),
     label_column: Optional[str] = typer.Option(None, "--label-column", help="Own data: the label column."),
-    regression: bool = typer.Option(False, "--regression", help="Own data: the label is a number (MSE loss)."),
+    regression: Optional[bool] = opt.REGRESSION,
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed rows instead of "
                                                                       "stopping."),
     max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per example, specials included."),

@@ -21,6 +21,7 @@ loaders do.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -235,6 +236,18 @@ def read_table(path: str | Path, *, text_column: str, text_pair_column: str | No
     return examples, report
 
 
+def labels_are_scores(examples: Sequence[Example]) -> bool:
+    """Whether the labels read as a column of floats, as Hugging Face's run_glue takes a regression: every
+    label a finite number, one at least written with a decimal point or an exponent (3.4, 1.0, 2e-1)."""
+    raw = [str(e.label).strip() for e in examples if e.label is not None]
+    try:
+        if not raw or not all(math.isfinite(float(r)) for r in raw):
+            return False
+    except ValueError:
+        return False
+    return any("." in r or "e" in r.lower() for r in raw)
+
+
 def custom_task(train: Sequence[Example], regression: bool, labels: Sequence[str] | None = None) -> GlueTask:
     """A task spec for users' data: labels sorted as strings (numbers numerically) unless given."""
     if regression:
@@ -327,9 +340,12 @@ class GlueData:
 
 def load_data(*, task: str | None, data_dir: str | Path | None, train: str | Path | None = None,
               dev: str | Path | None = None, text_column: str | None = None, text_pair_column: str | None = None,
-              label_column: str | None = None, regression: bool = False, skip_bad_rows: bool = False,
+              label_column: str | None = None, regression: bool | None = False, skip_bad_rows: bool = False,
               need_train: bool = True) -> GlueData:
-    """Either a canonical task folder (``task`` + ``data_dir``) or the user's files with named columns."""
+    """Either a canonical task folder (``task`` + ``data_dir``) or the user's files with named columns.
+
+    Own data: ``regression`` None decides from the labels (``labels_are_scores``) and says so when they
+    are scores."""
     if text_column is not None or (task in (None, "custom")):
         if text_column is None or label_column is None:
             raise BertctlError("own data needs --text-column and --label-column (and --train/--dev)")
@@ -339,6 +355,11 @@ def load_data(*, task: str | None, data_dir: str | Path | None, train: str | Pat
                   skip_bad_rows=skip_bad_rows)
         tr, rtr = read_table(train, **kw) if need_train else ([], None)
         dv, rdv = read_table(dev, **kw)
+        if regression is None:
+            regression = labels_are_scores(tr or dv)
+            if regression:
+                stderr.print(f"{train if tr else dev}: the labels are decimal numbers, so this is a regression (one "
+                             "output, MSE loss, Pearson and Spearman); --no-regression makes them classes")
         spec = custom_task(tr or dv, regression)
         if need_train:
             normalise_labels(tr, spec, str(train))
@@ -444,6 +465,13 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
         log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})
     common.emit_metrics(output, result)
     return result
+
+
+def regression_head(model_dir: str | Path) -> bool:
+    """Whether a fine-tuned classifier's head is a regression's (one output)."""
+    from bertctl.checkpoint import load_config
+
+    return load_config(common.model_dir_of(model_dir)).num_labels == 1
 
 
 def run_eval(data: GlueData, model_dir: str | Path, cfg: TrainConfig, *, max_seq_length: int = 128,
