@@ -211,7 +211,8 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
         t_step = _calibrate_step_seconds(mconf, batch_size, max_seq_length, ds.max_predictions, seed)
         budget = max(10.0, minutes * 60 - (time.monotonic() - t0) - 10.0)  # evals and export take a few s
         max_steps = int(min(20000, max(20, 0.85 * budget / t_step)))
-        stderr.print(f"default job: {t_step * 1e3:.0f} ms/step here -> {max_steps} steps in ~{minutes:g} min")
+        stderr.print(f"default job: {t_step * 1e3:.0f} ms a step on this CPU -> {max_steps} steps in ~{minutes:g} min "
+                     "(re-planned from the run's own pace as it trains)")
     options = {"warmup_fraction": 0.05, "eval_batches": 8, **train_options}
     if not options.get("eval_every"):
         options["eval_every"] = max(10, max_steps // 5)  # a few points on the accuracy curve
