@@ -36,6 +36,10 @@ EVAL_TOKENS = typer.Option(None, "--eval-batch-tokens", help="Padded tokens (exa
 WARMUP = typer.Option(0.1, "--warmup-fraction", help="Fraction of the steps with linear lr warm-up.")
 WD = typer.Option(0.01, "--weight-decay", help="AdamW weight decay (not on biases and LayerNorm).")
 SEED = typer.Option(42, "--seed", help="Random seed (head initialisation, data order, dropout).")
+REGRESSION = typer.Option(None, "--regression/--no-regression", help="Own data: the label is a number (one output, "
+                          "MSE loss; Pearson and Spearman) or a class.",
+                          show_default="a number when every label is one and some are written with a decimal "
+                                       "point, e.g. 3.4 or 1.0 (a float column, as run_glue reads it)")
 GROUP = typer.Option(False, "--group-by-length/--no-group-by-length", help="Batches of similar length (Hugging "
                      "Face's mega-batch scheme): less padding, slightly less random order.")
 MAX_STEPS = typer.Option(None, "--max-steps", help="Stop after this many optimizer steps.",
@@ -99,7 +103,7 @@ def glue(
     text_column: Optional[str] = typer.Option(None, "--text-column", help="Own data: the text column."),
     text_pair_column: Optional[str] = typer.Option(None, "--text-pair-column", help="Own data: second text column."),
     label_column: Optional[str] = typer.Option(None, "--label-column", help="Own data: the label column."),
-    regression: Optional[bool] = opt.REGRESSION,
+    regression: Optional[bool] = REGRESSION,
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed rows instead of "
                                                                       "stopping."),
     max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per example, specials included."),

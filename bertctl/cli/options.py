@@ -23,10 +23,6 @@ ATTN = typer.Option("auto", "--attn", help="Attention: sdpa (PyTorch's fused att
                     "encoder runs on the real tokens only; on a GPU with FlashAttention's variable-length kernel), "
                     "or auto: unpadded, but sdpa under --compile or CUDA graphs and for pretraining on a GPU, explicit for "
                     "pretraining on a CPU with the compiled kernels.")
-REGRESSION = typer.Option(None, "--regression/--no-regression", help="Own data: the label is a number (one output, "
-                          "MSE loss; Pearson and Spearman) or a class.",
-                          show_default="a number when every label is one and some are written with a decimal "
-                                       "point, e.g. 3.4 or 1.0 (a float column, as run_glue reads it)")
 CUDA_GRAPHS = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay each training step as one CUDA "
                            "graph (one launch instead of ~1,000: batch-32 steps are bound by the host); under torchrun the "
                            "gradient all-reduce is in the graph. Needs GPUs, bf16 or fp32, AdamW, padded attention and "
