@@ -57,7 +57,8 @@ reached about 86-87% paraphrase accuracy and F1 about 91 (always "1": 66.7 / 80.
 acceptability Matthews correlation about 41 at 77.6% accuracy (always "1": 0 / 70.0), bertctl and
 transformers alike; errors fall mostly on the held-out antonyms, swapped names and replaced
 words, and on dropped words, broken agreement and swaps. On a third of the paraphrase training
-set the model stayed at always "1": the tasks need their full size.
+set the model stayed at always "1": the tasks need their full size. On similarity (seeds 42-61)
+MiniLM-L6 reached Pearson about 90 and Spearman about 89.6, bertctl and transformers alike.
 
 Everything follows from the inputs and ``--seed`` (Python's ``random.Random`` and sha256 of
 paragraph ids; no dependency on hash seeds, dict order or the platform). The files are written
