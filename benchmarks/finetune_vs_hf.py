@@ -31,7 +31,8 @@ The three built tasks are generated at run time into ``--work`` (never committed
 Modes:
 - ``--mode quality``: runs per task, seed and side; ``finetune-<task>.json`` holds per-seed
   metrics of both sides, mean, std (sample), the mean difference (bertctl - HF) with the std of
-  the per-seed differences, and whether it meets issue 13's target (difference >= -0.3 points).
+  the per-seed differences and the standard error of their mean, and whether it meets issue 13's
+  target (difference >= -0.3 points).
   ``--jobs N`` runs N processes at once on the one GPU (quality only; their times are not used).
 - ``--mode speed``: one process at a time, after a throwaway process that warms the file cache
   and the driver; wall time from process start to ``metrics.json``
@@ -554,6 +555,8 @@ def summarise_quality(task: str, runs: list[dict]) -> dict:
     for side in SIDES:
         result[side] = {m: _stats([p[side][m] for p in per_seed]) for m in names}
     result["difference"] = {m: _stats([p["bertctl"][m] - p["hf"][m] for p in per_seed]) for m in names}
+    for d in result["difference"].values():  # of the mean difference: how far the target is, in its noise
+        d["standard_error"] = d["std"] / d["n"] ** 0.5
     result["meets_target"] = {m: result["difference"][m]["mean"] >= PARITY_POINTS for m in names}
     result["target"] = f"mean(bertctl) - mean(HF) >= {PARITY_POINTS} points over >= 5 seeds"
     result["enough_seeds"] = len(seeds) >= 5
@@ -627,6 +630,7 @@ def table(rows: list[dict]) -> None:
                 b, h, d = r["bertctl"][m], r["hf"][m], r["difference"][m]
                 print(f"quality  {r['task']:<14} {m:<18} seeds {len(r['seeds'])}  bertctl {b['mean']:6.2f} ± "
                       f"{b['std']:4.2f}  HF {h['mean']:6.2f} ± {h['std']:4.2f}  diff {d['mean']:+6.2f} ± {d['std']:4.2f}"
+                      f" (se {d['standard_error']:4.2f})"
                       f"  {'ok' if r['meets_target'][m] else 'BELOW'}")
         else:
             b, h = r["bertctl"]["seconds_to_metrics"], r["hf"]["seconds_to_metrics"]
