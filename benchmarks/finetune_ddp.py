@@ -76,7 +76,8 @@ def one_run(gpus: int, batch: int, seed: int, work: Path, a) -> dict:
     graphs = [e for e in events if e.get("event") == "cuda_graphs"]
     run.update(metric=metrics[a.metric], train_examples_per_second=metrics["train_examples_per_second"],
                world_size=metrics.get("device", {}).get("world_size"),
-               cuda_graphs={k: graphs[-1][k] for k in ("graphs", "capture_seconds", "eager_steps", "rare_shape_steps")
+               cuda_graphs={k: graphs[-1][k] for k in ("graphs", "capture_seconds", "warmup_seconds", "record_seconds",
+                                                    "instantiate_seconds", "eager_steps", "rare_shape_steps")
                             if k in graphs[-1]} if graphs else None)
     return run
 

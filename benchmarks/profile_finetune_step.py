@@ -1,6 +1,8 @@
 """Where a fine-tuning step's time goes on the host: the real engine step on real SST-2 batches.
 
     python benchmarks/profile_finetune_step.py --vocab VOCAB --sst2 TRAIN.tsv [--size base] [--attn unpadded] [--compile]
+    torchrun --nproc-per-node 2 benchmarks/profile_finetune_step.py --vocab VOCAB --sst2 TRAIN.tsv \
+        --config MODEL/config.json --attn sdpa --cuda-graphs --batch-size 64 -o OUT.json   # OUT.rank1.json too
 
 Builds the ``--size`` architecture (random weights) with a 2-label head, the one training engine
 (``Engine.train_step``: bf16 autocast, fused AdamW, clipping) and the fine-tuning loader's batches of
@@ -10,10 +12,17 @@ before the GPU finishes, so host time close to the wall time means the host is t
 CUDA kernels launched, the host-device synchronisations (``cudaStreamSynchronize``,
 ``cudaDeviceSynchronize``, device-to-host copies) and the operators with the most host time. JSON
 on stdout (``-o`` writes it too).
+
+With ``--cuda-graphs`` each step replays as the engine's whole-step graph; the warm-up steps capture
+the shapes (their host time, split into the eager warm-up, the recording and the instantiation, is
+reported), and the timed steps replay. Under ``torchrun`` every rank takes its slice of the global
+``--batch-size`` (the graphs then hold the gradient all-reduces); the report adds the GPU's busy time
+per step (the union of its kernels' spans) and the NCCL kernels' share, per rank.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,6 +49,11 @@ def main() -> None:
     ap.add_argument("--vocab", required=True, help="vocab.txt (uncased WordPiece)")
     ap.add_argument("--sst2", required=True, help="SST-2 train.tsv")
     ap.add_argument("--size", default="base")
+    ap.add_argument("--config", type=Path, default=None, help="a model's config.json (instead of --size)")
+    ap.add_argument("--batch-size", type=int, default=32, help="the global batch")
+    ap.add_argument("--cuda-graphs", action="store_true", help="the engine's whole-step CUDA graphs")
+    ap.add_argument("--warm-first-shape-only", action="store_true",
+                    help="with --cuda-graphs: only the first capture runs the eager warm-up step")
     ap.add_argument("--attn", default="unpadded", help="sdpa, explicit or unpadded")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--compile-mode", default=None,
@@ -56,17 +70,21 @@ def main() -> None:
     spec = task_spec("sst2")
     examples = read_glue_tsv(a.sst2, spec)[0][: a.examples]
     feats = featurize(examples, tok, spec, max_seq_length=128)
-    config = BertConfig.preset(a.size, vocab_size=len(tok.vocab), num_labels=2, attn_implementation=a.attn)
+    over = dict(vocab_size=len(tok.vocab), num_labels=2, attn_implementation=a.attn)
+    config = BertConfig.from_json_file(a.config, **over) if a.config else BertConfig.preset(a.size, **over)
     torch.manual_seed(0)
     model = BertForSequenceClassification(config)
-    device = torch.device(a.device)
+    dist = distributed.setup(a.device)
+    device = dist.device
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    dist = distributed.Dist(device=device)
     total = a.warmup + 2 * a.steps + 2
-    cfg = EngineConfig(batch_size=32, max_steps=total, lr=5e-5, warmup_steps=10, seed=0, precision="bf16" if cuda else "fp32",
-                       compile=a.compile, compile_dynamic=True, show_progress=False)
+    cfg = EngineConfig(batch_size=a.batch_size, max_steps=total, lr=5e-5, warmup_steps=10, seed=0,
+                       precision="bf16" if cuda else "fp32", compile=a.compile, compile_dynamic=True,
+                       cuda_graphs=a.cuda_graphs, show_progress=False)
     engine = Engine(cfg, model, TaskObjective(), dist=dist)
+    if engine.graphs is not None:
+        engine.graphs.warm_each_shape = not a.warm_first_shape_only
     if a.compile_mode:  # the engine's compile with another mode (what the engine would need to offer)
         engine.step_model = torch.compile(engine.model, dynamic=True, mode=a.compile_mode)
         step = engine.train_step
@@ -75,13 +93,17 @@ def main() -> None:
             torch.compiler.cudagraph_mark_step_begin()  # a new iteration: earlier graph outputs may be overwritten
             return step(sb, stats)
         engine.train_step = train_step
-    per_epoch = steps_per_epoch(len(feats), 32)
-    batches = Prefetcher(task_batches(feats, 32, seed=0, start_step=0, steps_per_epoch=per_epoch,
-                                      group_by_length=False), lambda sb: sb, pin=cuda)
+    per_epoch = steps_per_epoch(len(feats), a.batch_size, dist.world_size)
+    batches = Prefetcher(task_batches(feats, a.batch_size, seed=0, start_step=0, steps_per_epoch=per_epoch,
+                                      group_by_length=False, rank=dist.rank, world_size=dist.world_size),
+                         lambda sb: sb, pin=cuda)
     stats = torch.zeros(1, device=device)
+    t_warm = time.perf_counter()
     for _ in range(a.warmup):
         engine.train_step(next(batches), stats)
     sync()
+    t_warm = time.perf_counter() - t_warm
+    graphs_warm = engine.graphs.summary() if engine.graphs is not None else None
 
     host = []
     t0 = time.perf_counter()
@@ -100,13 +122,39 @@ def main() -> None:
             engine.train_step(next(batches), stats)
         sync()
     batches.close()
-    out = {"what": "fine-tuning step host profile", "size": a.size, "attn": a.attn,
-           "compile": a.compile_mode or a.compile,
+    out = {"what": "fine-tuning step host profile", "size": str(a.config) if a.config else a.size, "attn": a.attn,
+           "compile": a.compile_mode or a.compile, "cuda_graphs": a.cuda_graphs, "batch_size": a.batch_size,
+           "rank": dist.rank, "world_size": dist.world_size,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
            "examples": len(feats), "mean_tokens": sum(len(f["input_ids"]) for f in feats) / len(feats),
+           "warmup_steps": a.warmup, "warmup_seconds": t_warm, "graphs_after_warmup": graphs_warm,
+           "graphs_at_end": engine.graphs.summary() if engine.graphs is not None else None,
            "wall_ms_per_step": wall * 1e3, "host_issue_ms_per_step": sum(host) / len(host) * 1e3,
-           **summarize(prof, a.steps, "step", a.rows)}
-    emit(out, a.output)
+           **gpu_timeline(prof, a.steps), **summarize(prof, a.steps, "step", a.rows)}
+    output = a.output
+    if output is not None and dist.rank:
+        output = output.with_suffix(f".rank{dist.rank}.json")
+    if dist.is_main:
+        emit(out, output)
+    elif output is not None:
+        output.write_text(json.dumps(out, indent=1) + "\n")
+    distributed.teardown(dist)
+
+
+def gpu_timeline(prof, steps: int) -> dict:
+    """The GPU's busy time per step (the union of its kernels' spans, so that kernels on several
+    streams count once) and the NCCL kernels' own time, from a trace of ``steps`` steps."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for lo, hi, _ in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    nccl = sum(hi - lo for lo, hi, name in spans if "nccl" in name.lower())
+    window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {"gpu_busy_ms_per_step": busy / 1e3 / steps, "gpu_span_ms_per_step": window / 1e3 / steps,
+            "nccl_kernel_ms_per_step": nccl / 1e3 / steps}
 
 
 if __name__ == "__main__":

@@ -44,6 +44,24 @@ def test_a_last_batch_smaller_than_the_world_joins_the_one_before():
     assert L.steps_per_epoch(65, 32, 1) == 3 and L.steps_per_epoch(65, 32, 2) == 2
 
 
+@pytest.mark.parametrize("tokens", [False, True], ids=["sequence", "token"])
+def test_every_rank_knows_the_global_batchs_loss_normaliser(tokens):
+    """Several processes: each rank's step carries the loss normaliser of the whole global batch (the
+    sum of every rank's own), so the step needs no collective to learn it; one process carries none."""
+    rng = np.random.default_rng(1)
+    feats = []
+    for n in rng.integers(3, 30, 23):
+        labels = np.where(rng.random(n + 2) < 0.3, -100, rng.integers(0, 3, n + 2)) if tokens else 1
+        feats.append({"input_ids": np.arange(n + 2), "token_type_ids": np.zeros(n + 2, dtype=np.int8), "labels": labels})
+    idx = rng.permutation(23)
+    for world in (2, 3):
+        steps = [L.task_step(feats, idx, rank=r, world_size=world, micro_batch_size=4) for r in range(world)]
+        total = sum(sb.counts["loss"] for sb in steps)
+        assert total == (sum(int((f["labels"] != -100).sum()) for f in feats) if tokens else 23)
+        assert all(sb.global_counts == {"loss": total} for sb in steps)
+    assert L.task_step(feats, idx, rank=0, world_size=1, micro_batch_size=None).global_counts is None
+
+
 def _setup(tmp_path, dropout: float | None = None, tokens: bool = False):
     from bertctl.checkpoint import load_pretrained
     from bertctl.model import BertForSequenceClassification, BertForTokenClassification

@@ -93,13 +93,16 @@ class StepBatch:
 
     ``counts`` holds this rank's normaliser of every loss term (e.g. ``{"mlm": masked tokens,
     "nsp": sequences}``) and the work done, for throughput: ``sequences``, ``tokens`` (real tokens),
-    ``attn_pairs`` (Σ length²) and ``padded_tokens`` (B·S computed).
+    ``attn_pairs`` (Σ length²) and ``padded_tokens`` (B·S computed). Without ``global_counts``,
+    several processes sum the normalisers over ranks on the device.
     """
 
     micro: list[dict[str, torch.Tensor]]
     counts: dict[str, float]
     signature: tuple = ()  # several processes: the global step's shapes (every rank's), for the CUDA graphs
     shape_steps: int | None = None  # steps of the run with this step's shapes (None: not known), for the graphs
+    global_counts: dict[str, float] | None = None  # several processes: each loss term's count over all ranks,
+    # where the rank knows it (fine-tuning sees the global batch): the step then needs no collective for it
 
     @property
     def sequences(self) -> int:
@@ -265,6 +268,7 @@ class Engine:
             self._graph_stats: torch.Tensor | None = None
             self._graph_loss = torch.zeros((), device=self.device)
             self._graph_scales = torch.zeros(len(objective.loss_terms), device=self.device)
+            self._host_scales = True  # the captured step reads its loss scales from _graph_scales
             if dist.enabled:
                 self._graph_counts = torch.zeros(len(objective.loss_terms), device=self.device)
                 self._flat_grad = distributed.flat_gradients(self.model)
@@ -307,11 +311,12 @@ class Engine:
 
     def _graph_body(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """The step that the graphs capture: ``_step`` on static tensors, its results in tensors
-        allocated outside the graph. Several processes: each loss term's normaliser is summed over
-        ranks here, as the eager step does (a copy: the input buffer must hold this rank's counts at
-        every replay)."""
+        allocated outside the graph. The loss scales come from the host (``_host_scales``: one process,
+        or several that know the global counts); else each loss term's normaliser is summed over ranks
+        here, as the eager step does (a copy: the input buffer must hold this rank's counts at every
+        replay)."""
         self._graph_loss.zero_()
-        if self._flat_grad is None:
+        if self._host_scales:
             scales = self._graph_scales.unbind()
         else:
             counts = distributed.all_reduce_sum(self._graph_counts.clone(), self.dist)
@@ -338,16 +343,19 @@ class Engine:
                 # phase's lr): a float lr would be baked into the next capture, freezing the schedule.
                 self._lr_to_tensors()
                 self.graphs.clear()
-            if self._flat_grad is None:
-                scales = [1.0 / max(sb.counts[t], 1.0) for t in terms]
+            self._host_scales = self._flat_grad is None or sb.global_counts is not None
+            if self._host_scales:
+                counts = sb.counts if self._flat_grad is None else sb.global_counts
+                scales = [W / max(counts[t], 1.0) for t in terms]
                 self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
             else:
                 counts = [sb.counts[t] for t in terms]
                 self._graph_counts.copy_(torch.tensor(counts, dtype=torch.float32, pin_memory=True), non_blocking=True)
+            if self._flat_grad is not None:
                 ids = sb.micro[0].get("input_ids")
                 self._id_count = max(sb.signature[1]) * ids[0].numel() if sb.signature and ids is not None else 0
             capture = sb.shape_steps is None or sb.shape_steps >= self.cfg.graph_min_steps
-            if self.graphs.step(sb.micro, sb.signature, capture=capture):
+            if self.graphs.step(sb.micro, (sb.signature, self._host_scales), capture=capture):
                 self.scheduler.step()
                 return self._graph_loss
             # a shape too rare to be worth a capture, or past the graph budget: the same step, eagerly
@@ -356,7 +364,9 @@ class Engine:
             self.scheduler.step()
             return self._graph_loss
         micro = [to_device(m, self.device) for m in sb.micro]
-        if self.dist.enabled:
+        if self.dist.enabled and sb.global_counts is not None:
+            scales = [W / max(sb.global_counts[t], 1.0) for t in terms]
+        elif self.dist.enabled:
             # Pinned and non-blocking: a copy from pageable memory would make the host wait for the
             # GPU to finish the previous step, every step.
             counts = torch.tensor([sb.counts[t] for t in terms], dtype=torch.float32,

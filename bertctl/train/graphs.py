@@ -95,8 +95,10 @@ class StepGraphs:
     """
 
     def __init__(self, body: Callable[[list[dict[str, torch.Tensor]]], None],
-                 state_tensors: Callable[[], list[torch.Tensor]], device: torch.device, max_graphs: int = 128):
+                 state_tensors: Callable[[], list[torch.Tensor]], device: torch.device, max_graphs: int = 128,
+                 warm_each_shape: bool = True):
         self.body = body
+        self.warm_each_shape = warm_each_shape  # False: only the first capture runs the eager warm-up
         self.state_tensors = state_tensors
         self.device = device
         self.max_graphs = max_graphs
@@ -104,6 +106,7 @@ class StepGraphs:
         self.eager_shapes = 0  # steps run eagerly because max_graphs was reached
         self.rare_steps = 0  # steps run eagerly because their shape was too rare to capture
         self.capture_seconds = 0.0  # host time spent warming up and capturing (the price of each new shape)
+        self.phase_seconds = {"warmup": 0.0, "record": 0.0, "instantiate": 0.0}  # capture_seconds' main parts
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
 
@@ -155,25 +158,33 @@ class StepGraphs:
         current = torch.cuda.current_stream(self.device)
         rng = torch.cuda.get_rng_state(self.device)
         cpu_rng = torch.get_rng_state()
-        snapshot = [(t, t.clone()) for t in self.state_tensors()]
+        warm = self.warm_each_shape or not self.graphs
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            self.body(static)  # warm-up: lazy allocations and plans happen outside the capture
-            # the warm-up may have created state (AdamW's moments on the first step): fresh is zero
-            known = {t.data_ptr() for t, _ in snapshot}  # by storage: ``p.data`` is a new object per call
-            for t in self.state_tensors():
-                if t.data_ptr() not in known:
-                    t.zero_()
-            for t, saved in snapshot:
-                t.copy_(saved)
+            if warm:
+                snapshot = [(t, t.clone()) for t in self.state_tensors()]
+                self.body(static)  # warm-up: lazy allocations and plans happen outside the capture
+                # the warm-up may have created state (AdamW's moments on the first step): fresh is zero
+                known = {t.data_ptr() for t, _ in snapshot}  # by storage: ``p.data`` is a new object per call
+                for t in self.state_tensors():
+                    if t.data_ptr() not in known:
+                        t.zero_()
+                for t, saved in snapshot:
+                    t.copy_(saved)
+                del snapshot
+            t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 self.body(static)
+                t2 = time.perf_counter()
             finally:
                 graph.capture_end()
         current.wait_stream(self.stream)
-        del snapshot
+        t3 = time.perf_counter()
+        self.phase_seconds["warmup"] += t1 - t0
+        self.phase_seconds["record"] += t2 - t1
+        self.phase_seconds["instantiate"] += t3 - t2
         torch.cuda.set_rng_state(rng, self.device)
         torch.set_rng_state(cpu_rng)
         self.capture_seconds += time.perf_counter() - t0
@@ -181,4 +192,5 @@ class StepGraphs:
 
     def summary(self) -> dict:
         return {"graphs": len(self.graphs), "capture_seconds": round(self.capture_seconds, 3),
+                **{f"{k}_seconds": round(v, 3) for k, v in self.phase_seconds.items()},
                 "eager_steps": self.eager_shapes, "rare_shape_steps": self.rare_steps}

@@ -148,6 +148,15 @@ def feature_length(feature: dict) -> int:
     return int(feature["input_ids"].shape[-1])
 
 
+def loss_count(feature: dict) -> int:
+    """What one feature adds to the loss's normaliser: its labelled tokens (token labels, -100 for
+    none), else 1 (one example)."""
+    labels = feature.get("labels")
+    if isinstance(labels, np.ndarray) and labels.ndim == 1:
+        return int((labels != IGNORE_INDEX).sum())
+    return 1
+
+
 def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTIPLE,
             length: int | None = None) -> dict[str, torch.Tensor]:
     """Stack task features into padded int64 tensors (padded to the longest, rounded up to ``multiple``,
@@ -224,7 +233,8 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     Several processes pad every micro-batch to the global batch's longest example, so that all ranks
     share one sequence length per step; the step's ``signature`` (that length and every rank's rows)
     is then the same on every rank, which the CUDA graphs of all ranks must agree on, and a task has
-    as many signatures as one process has shapes.
+    as many signatures as one process has shapes. Every rank also knows the global batch's loss
+    normaliser (``global_counts``), so the step needs no collective to learn it.
     """
     parts = np.array_split(idx, world_size)
     mine = parts[rank]
@@ -235,6 +245,7 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
         signature = (length, tuple(len(part) for part in parts), micro_batch_size)
     micro, counts = [], {"loss": 0.0, "sequences": float(len(mine)), "tokens": 0.0, "attn_pairs": 0.0,
                          "padded_tokens": 0.0}
+    totals = {"loss": float(sum(loss_count(features[i]) for i in idx))} if world_size > 1 else None
     for start in range(0, len(mine), micro_size):
         mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id, length=length)
         lengths = mb["attention_mask"].sum(dim=-1).double()
@@ -247,7 +258,7 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
         counts["attn_pairs"] += float((lengths * lengths).sum())
         counts["padded_tokens"] += float(mb["input_ids"].numel())
         micro.append(mb)
-    return StepBatch(micro, counts, signature)
+    return StepBatch(micro, counts, signature, global_counts=totals)
 
 
 def shape_class(lengths: np.ndarray, idx: np.ndarray, world_size: int, micro_batch_size: int | None) -> tuple:
