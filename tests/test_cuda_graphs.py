@@ -334,6 +334,8 @@ def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool
     grads, launched = [], []
     for step in range(3):  # the first step learns which parameters get no gradient; later ones rely on it
         micro = _data(step, rank)
+        if step % 2:  # the ids' all-gather started before the forward pass (else finish gathers them)
+            reducer.gather_ids(micro, id_count=3 * 5)
         for i, ids in enumerate(micro):
             if i == len(micro) - 1:
                 reducer.arm()

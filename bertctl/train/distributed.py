@@ -145,6 +145,7 @@ class GradientReducer:
       last gradient backward produces, which no bucket could overlap.
 
     ``bucket_mb=0`` is one all-reduce of the whole buffer after backward (no overlap, no rows).
+    ``gather_ids()`` at the start of the step (the ids' all-gather then overlaps the forward pass),
     ``arm()`` before the last micro-batch's backward (earlier ones only accumulate); ``finish()``
     after it. The result is that of dividing the whole buffer by the world size and summing it over
     ranks, which the tests compare with.
@@ -189,6 +190,18 @@ class GradientReducer:
         self._works: list = []
         self._fired: set | None = set()  # the first step's: which parameters get gradients at all
         self._unused: set = set()
+        self._gathered: tuple | None = None  # every rank's ids and their all-gather, once started
+
+    def gather_ids(self, input_ids: list[torch.Tensor], id_count: int) -> None:
+        """Start gathering every rank's input ids (this rank's micro-batches, padded to ``id_count``,
+        the most any rank has) for the embedding rows ``finish`` averages; asynchronous."""
+        if self.rows is None or not self.buckets:
+            return
+        ids = torch.cat([t.reshape(-1) for t in input_ids])
+        if ids.numel() < id_count:
+            ids = torch.cat([ids, ids.new_zeros(id_count - ids.numel())])
+        every = ids.new_empty(self.d.world_size * ids.numel())
+        self._gathered = (every, ids, _all_gather_single(every, ids, async_op=True))
 
     def arm(self) -> None:
         self.armed = True
@@ -229,11 +242,11 @@ class GradientReducer:
             if input_ids is None:
                 dist.all_reduce(grad.div_(W), op=dist.ReduceOp.SUM)
             else:
-                ids = torch.cat([t.reshape(-1) for t in input_ids])
-                if ids.numel() < id_count:
-                    ids = torch.cat([ids, ids.new_zeros(id_count - ids.numel())])
-                every = ids.new_empty(W * ids.numel())
-                _all_gather_single(every, ids)
+                if self._gathered is None:
+                    self.gather_ids(input_ids, id_count)
+                every, _, work = self._gathered
+                self._gathered = None
+                work.wait()
                 touched = grad.index_select(0, every).div_(W)
                 dist.all_reduce(touched, op=dist.ReduceOp.SUM)
                 grad.index_copy_(0, every, touched)

@@ -392,6 +392,10 @@ class Engine:
         """
         terms = self.objective.loss_terms
         W = self.dist.world_size
+        ids = None
+        if self._flat_grad is not None and self._id_count and all("input_ids" in mb for mb in micro):
+            ids = [mb["input_ids"] for mb in micro]
+            self._reducer.gather_ids(ids, self._id_count)  # overlaps the forward pass
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             if last and self._flat_grad is not None:
@@ -407,7 +411,6 @@ class Engine:
                 step_loss += loss.detach() / W
                 stats += torch.stack([s[k].detach().float() for k in (*terms, *self.objective.stat_names)])
         if self._flat_grad is not None:
-            ids = [mb["input_ids"] for mb in micro] if self._id_count and all("input_ids" in mb for mb in micro) else None
             self._reducer.finish(ids, self._id_count)
         if self.cfg.max_grad_norm and self.cfg.optimizer != "lamb":  # LAMB normalises by the global norm itself
             self.scaler.unscale_(self.optimizer)
