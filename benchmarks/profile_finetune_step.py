@@ -45,7 +45,7 @@ from host_profile import emit, summarize  # noqa: E402  (beside this script)
 
 
 
-def main() -> None:
+def main() -> distributed.Dist:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", required=True, help="vocab.txt (uncased WordPiece)")
     ap.add_argument("--sst2", required=True, help="SST-2 train.tsv")
@@ -139,7 +139,7 @@ def main() -> None:
         emit(out, output)
     elif output is not None:
         output.write_text(json.dumps(out, indent=1) + "\n")
-    distributed.teardown(dist, synchronize=False)  # as finetune leaves: a barrier after captured collectives can hang
+    return dist
 
 
 def gpu_timeline(prof, steps: int) -> dict:
@@ -166,4 +166,6 @@ def gpu_timeline(prof, steps: int) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    # Leave the process group once main's engine is unreachable (as finetune does): its CUDA graphs hold
+    # collectives, and with them alive the group's destruction hung both ranks.
+    distributed.teardown(main(), synchronize=False)

@@ -2,6 +2,7 @@
 masked-position loss equals Hugging Face's all-position loss on the same weights and batch."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -92,3 +93,43 @@ def test_mixed_lengths_case_has_fine_tunings_padding_and_unpadded_gives_hfs_loss
         ref = step_loss("hf", theirs, b)
         torch.testing.assert_close(step_loss("bertctl", padded, b), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(step_loss("bertctl/unpadded", unpadded, b), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_the_graphs_provider_times_pretrains_own_step():
+    """``bertctl/graphs`` replays the engine's pretraining step as CUDA graphs on the loader's (pinned)
+    batches: three of its steps leave the weights that three eager engine steps on the same batches
+    leave (dropout off), and the benchmark times it beside the eager provider."""
+    import copy
+
+    from bertctl.bench.model import _engine_step_fn, bench_model
+    from bertctl.train import distributed
+    from bertctl.train.engine import Engine, EngineConfig
+    from bertctl.train.loader import pretraining_step
+    from bertctl.train.pretrain import PretrainingObjective
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    conf = BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = bertctl_model(conf, cuda)
+    twin = copy.deepcopy(model)
+    cpu = synthetic_batches(500, 64, 8, n=3, seed=5)
+    gpu = [{k: v.to(cuda) for k, v in b.items()} for b in cpu]
+    step = _engine_step_fn(model, cpu, gpu, distributed.Dist(device=cuda))
+    eager = Engine(EngineConfig(batch_size=8, max_steps=1 << 40, lr=1e-4, precision="bf16"), twin,
+                   PretrainingObjective(), dist=distributed.Dist(device=cuda))
+    stats = torch.zeros(4, device=cuda)
+    keys = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels",
+            "next_sentence_label")
+    for c, g in zip(cpu, gpu):
+        step(g)
+        eager.train_step(pretraining_step({k: c[k] for k in keys}, 8), stats)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+    torch.manual_seed(0)
+    fresh = bertctl_model(conf, cuda)
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))  # it trained
+    out = bench_model(["tiny-64"], ["bertctl", "bertctl/graphs"], steps=3, warmup=2, log=lambda m: None,
+                      inference=False)
+    assert [r["provider"] for r in out["train"]] == ["bertctl", "bertctl/graphs"]
+    assert all(r.get("seq_per_s", 0) > 0 for r in out["train"]), out["train"]

@@ -9,6 +9,11 @@ LayerNorm), gradient clipping at 1.0:
   sequence; loss sums normalised by host-side counts (no host sync in the step).
 - ``bertctl/unpadded``: the same with ``attn_implementation="unpadded"``: the encoder on the real
   tokens only and FlashAttention's variable-length kernel (a batch with < 10% padding runs padded).
+- ``bertctl/graphs`` (GPU): ``bertctl pretrain``'s own step, its default on a GPU: the one training
+  engine and the pretraining objective (which also counts correct predictions), each step replayed as
+  one CUDA graph (``bertctl.train.graphs``), inputs copied from pinned host memory as the loader
+  gives them. The model and maths are ``bertctl``'s; the host issues one launch a step instead of
+  every kernel. Under torchrun the graph holds the gradient all-reduces too.
 - ``hf``: ``transformers.BertForPreTraining(attn_implementation="sdpa")``, labels on all positions
   with -100 elsewhere (as HF's MLM collator makes them), the model's own loss.
 - ``+compile``: the same under ``torch.compile``; ``bertctl/torch-ops+compile`` compiles the model
@@ -45,7 +50,8 @@ CASES: dict[str, tuple[str, int, int]] = {
 # Cases whose lengths are those of fine-tuning data, not pretraining's: log-uniform on [8, seq] (mean 43
 # of 128, about 3 padded tokens per real one, as random batches of SST-2 sentences: 3.3).
 MIXED_CASES = {"base-mixed"}
-PROVIDERS = ("bertctl", "bertctl/unpadded", "bertctl+compile", "bertctl/torch-ops+compile", "hf", "hf+compile")
+PROVIDERS = ("bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl+compile", "bertctl/torch-ops+compile", "hf",
+             "hf+compile")
 MASK_ID, CLS_ID, SEP_ID = 4, 2, 3
 
 
@@ -125,6 +131,31 @@ def _train_step_fn(provider: str, model, opt, device_type: str = "cuda") -> Call
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dist) -> Callable[[dict], None]:
+    """``bertctl pretrain``'s step (the ``bertctl/graphs`` provider): the engine with the pretraining
+    objective and whole-step CUDA graphs. The step of ``gpu_batches[i]`` trains on ``cpu_batches[i]``
+    (pinned), which the engine copies into its graph's input buffers."""
+    from bertctl.train.engine import Engine, EngineConfig
+    from bertctl.train.loader import pretraining_step
+    from bertctl.train.pretrain import PretrainingObjective
+
+    objective = PretrainingObjective()
+    batch = int(cpu_batches[0]["input_ids"].shape[0])
+    cfg = EngineConfig(batch_size=batch * dist.world_size, max_steps=1 << 40, lr=1e-4, precision="bf16",
+                       cuda_graphs=True, show_progress=False)
+    engine = Engine(cfg, model, objective, dist=dist)
+    keys = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels",
+            "next_sentence_label")
+    steps = {id(g): pretraining_step({k: c[k].pin_memory() for k in keys}, batch)
+             for c, g in zip(cpu_batches, gpu_batches)}
+    stats = torch.zeros(len(objective.loss_terms) + len(objective.stat_names), device=dist.device)
+
+    def step(b: dict) -> None:
+        engine.train_step(steps[id(b)], stats)
 
     return step
 
@@ -214,13 +245,17 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 conf = BertConfig.preset(size, attn_implementation=attn, kernels=kernels)
                 model = (hf_model if provider.startswith("hf") else bertctl_model)(conf, device)
                 config = _config_of(model)
-                train_model = model
-                if world > 1:
-                    from bertctl.train.distributed import wrap_ddp
+                train_model = opt = None
+                if provider == "bertctl/graphs":
+                    step = _engine_step_fn(model, cpu_batches, gpu_batches, dist)
+                else:
+                    train_model = model
+                    if world > 1:
+                        from bertctl.train.distributed import wrap_ddp
 
-                    train_model = wrap_ddp(model, device)
-                opt = build_optimizer(model, "adamw", lr=1e-4)  # fused (CUDA or CPU)
-                step = _train_step_fn(provider, train_model, opt, device.type)
+                        train_model = wrap_ddp(model, device)
+                    opt = build_optimizer(model, "adamw", lr=1e-4)  # fused (CUDA or CPU)
+                    step = _train_step_fn(provider, train_model, opt, device.type)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
@@ -241,7 +276,8 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 results.append(row)
                 log(f"train {case} {provider}: {row['seq_per_s']} seq/s, MFU {row['mfu']}, {row['peak_mem_gib']} GiB")
                 del opt, step, train_model
-                if inference and world == 1 and case == cases[0] and not provider.endswith("+compile"):
+                if inference and world == 1 and case == cases[0] and not provider.endswith("+compile") \
+                        and provider != "bertctl/graphs":
                     model.eval()
                     f = _infer_fn(provider, model, device.type)
                     sec = _time(f, gpu_batches, steps, warmup, device)
