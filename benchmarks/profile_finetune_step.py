@@ -53,8 +53,6 @@ def main() -> distributed.Dist:
     ap.add_argument("--config", type=Path, default=None, help="a model's config.json (instead of --size)")
     ap.add_argument("--batch-size", type=int, default=32, help="the global batch")
     ap.add_argument("--cuda-graphs", action="store_true", help="the engine's whole-step CUDA graphs")
-    ap.add_argument("--warm-first-shape-only", action="store_true",
-                    help="with --cuda-graphs: only the first capture runs the eager warm-up step")
     ap.add_argument("--attn", default="unpadded", help="sdpa, explicit or unpadded")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--compile-mode", default=None,
@@ -84,8 +82,6 @@ def main() -> distributed.Dist:
                        precision="bf16" if cuda else "fp32", compile=a.compile, compile_dynamic=True,
                        cuda_graphs=a.cuda_graphs, show_progress=False)
     engine = Engine(cfg, model, TaskObjective(), dist=dist)
-    if engine.graphs is not None:
-        engine.graphs.warm_each_shape = not a.warm_first_shape_only
     if a.compile_mode:  # the engine's compile with another mode (what the engine would need to offer)
         engine.step_model = torch.compile(engine.model, dynamic=True, mode=a.compile_mode)
         step = engine.train_step

@@ -95,10 +95,8 @@ class StepGraphs:
     """
 
     def __init__(self, body: Callable[[list[dict[str, torch.Tensor]]], None],
-                 state_tensors: Callable[[], list[torch.Tensor]], device: torch.device, max_graphs: int = 128,
-                 warm_each_shape: bool = True):
+                 state_tensors: Callable[[], list[torch.Tensor]], device: torch.device, max_graphs: int = 128):
         self.body = body
-        self.warm_each_shape = warm_each_shape  # False: only the first capture runs the eager warm-up
         self.state_tensors = state_tensors
         self.device = device
         self.max_graphs = max_graphs
@@ -106,7 +104,9 @@ class StepGraphs:
         self.eager_shapes = 0  # steps run eagerly because max_graphs was reached
         self.rare_steps = 0  # steps run eagerly because their shape was too rare to capture
         self.capture_seconds = 0.0  # host time spent warming up and capturing (the price of each new shape)
-        self.phase_seconds = {"warmup": 0.0, "record": 0.0, "instantiate": 0.0}  # capture_seconds' main parts
+        # capture_seconds' parts: the eager warm-up (the first one also sets up the process's kernels and
+        # libraries), the recording, the instantiation
+        self.phase_seconds = {"warmup": 0.0, "record": 0.0, "instantiate": 0.0}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
 
@@ -158,20 +158,17 @@ class StepGraphs:
         current = torch.cuda.current_stream(self.device)
         rng = torch.cuda.get_rng_state(self.device)
         cpu_rng = torch.get_rng_state()
-        warm = self.warm_each_shape or not self.graphs
+        snapshot = [(t, t.clone()) for t in self.state_tensors()]
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            if warm:
-                snapshot = [(t, t.clone()) for t in self.state_tensors()]
-                self.body(static)  # warm-up: lazy allocations and plans happen outside the capture
-                # the warm-up may have created state (AdamW's moments on the first step): fresh is zero
-                known = {t.data_ptr() for t, _ in snapshot}  # by storage: ``p.data`` is a new object per call
-                for t in self.state_tensors():
-                    if t.data_ptr() not in known:
-                        t.zero_()
-                for t, saved in snapshot:
-                    t.copy_(saved)
-                del snapshot
+            self.body(static)  # warm-up: lazy allocations and plans happen outside the capture
+            # the warm-up may have created state (AdamW's moments on the first step): fresh is zero
+            known = {t.data_ptr() for t, _ in snapshot}  # by storage: ``p.data`` is a new object per call
+            for t in self.state_tensors():
+                if t.data_ptr() not in known:
+                    t.zero_()
+            for t, saved in snapshot:
+                t.copy_(saved)
             t1 = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
@@ -181,6 +178,7 @@ class StepGraphs:
             finally:
                 graph.capture_end()
         current.wait_stream(self.stream)
+        del snapshot  # after the wait: the restoring copies on the capture stream read it
         t3 = time.perf_counter()
         self.phase_seconds["warmup"] += t1 - t0
         self.phase_seconds["record"] += t2 - t1
