@@ -243,17 +243,12 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     if world_size > 1:
         length = round_up(max(feature_length(features[i]) for i in idx))
         signature = (length, tuple(len(part) for part in parts), micro_batch_size)
-    micro, counts = [], {"loss": 0.0, "sequences": float(len(mine)), "tokens": 0.0, "attn_pairs": 0.0,
-                         "padded_tokens": 0.0}
+    micro, counts = [], {"loss": float(sum(loss_count(features[i]) for i in mine)), "sequences": float(len(mine)),
+                         "tokens": 0.0, "attn_pairs": 0.0, "padded_tokens": 0.0}
     totals = {"loss": float(sum(loss_count(features[i]) for i in idx))} if world_size > 1 else None
     for start in range(0, len(mine), micro_size):
         mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id, length=length)
         lengths = mb["attention_mask"].sum(dim=-1).double()
-        labels = mb.get("labels")
-        if labels is not None and labels.shape == mb["input_ids"].shape:
-            counts["loss"] += float((labels != IGNORE_INDEX).sum())
-        else:
-            counts["loss"] += float(mb["input_ids"].shape[0])
         counts["tokens"] += float(lengths.sum())
         counts["attn_pairs"] += float((lengths * lengths).sum())
         counts["padded_tokens"] += float(mb["input_ids"].numel())
