@@ -115,7 +115,7 @@ def test_the_graphs_provider_times_pretrains_own_step():
     twin = copy.deepcopy(model)
     cpu = synthetic_batches(500, 64, 8, n=3, seed=5)
     gpu = [{k: v.to(cuda) for k, v in b.items()} for b in cpu]
-    step = _engine_step_fn(model, cpu, gpu, distributed.Dist(device=cuda))
+    step = _engine_step_fn(model, cpu, gpu, distributed.Dist(device=cuda), 64)
     eager = Engine(EngineConfig(batch_size=8, max_steps=1 << 40, lr=1e-4, precision="bf16"), twin,
                    PretrainingObjective(), dist=distributed.Dist(device=cuda))
     stats = torch.zeros(4, device=cuda)

@@ -135,12 +135,14 @@ def _train_step_fn(provider: str, model, opt, device_type: str = "cuda") -> Call
     return step
 
 
-def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dist) -> Callable[[dict], None]:
+def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dist,
+                    max_seq_length: int) -> Callable[[dict], None]:
     """``bertctl pretrain``'s step (the ``bertctl/graphs`` provider): the engine with the pretraining
     objective and whole-step CUDA graphs. The step of ``gpu_batches[i]`` trains on ``cpu_batches[i]``
-    (pinned), which the engine copies into its graph's input buffers."""
+    (pinned), which the engine copies into its graph's input buffers; under torchrun padded to
+    ``max_seq_length``, as pretrain pads them there."""
     from bertctl.train.engine import Engine, EngineConfig
-    from bertctl.train.loader import pretraining_step
+    from bertctl.train.loader import PAD_MULTIPLE, pretraining_step
     from bertctl.train.pretrain import PretrainingObjective
 
     objective = PretrainingObjective()
@@ -150,8 +152,15 @@ def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dis
     engine = Engine(cfg, model, objective, dist=dist)
     keys = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels",
             "next_sentence_label")
-    steps = {id(g): pretraining_step({k: c[k].pin_memory() for k in keys}, batch)
-             for c, g in zip(cpu_batches, gpu_batches)}
+    one_length = dist.world_size > 1  # every rank captures and replays the same graphs: one length, as pretrain pads
+    steps = {}
+    for c, g in zip(cpu_batches, gpu_batches):
+        b = {k: c[k] for k in keys}
+        if one_length:
+            for k in ("input_ids", "token_type_ids", "attention_mask"):
+                b[k] = torch.nn.functional.pad(b[k], (0, max_seq_length - b[k].shape[1]))
+        steps[id(g)] = pretraining_step({k: v.pin_memory() for k, v in b.items()}, batch,
+                                        max_seq_length if one_length else PAD_MULTIPLE)
     stats = torch.zeros(len(objective.loss_terms) + len(objective.stat_names), device=dist.device)
 
     def step(b: dict) -> None:
@@ -247,7 +256,7 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 config = _config_of(model)
                 train_model = opt = None
                 if provider == "bertctl/graphs":
-                    step = _engine_step_fn(model, cpu_batches, gpu_batches, dist)
+                    step = _engine_step_fn(model, cpu_batches, gpu_batches, dist, seq)
                 else:
                     train_model = model
                     if world > 1:
