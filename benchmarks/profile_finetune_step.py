@@ -140,7 +140,8 @@ def main() -> distributed.Dist:
 
 def gpu_timeline(prof, steps: int) -> dict:
     """The GPU's busy time per step (the union of its kernels' spans, so that kernels on several
-    streams count once) and the NCCL kernels' own time, from a trace of ``steps`` steps."""
+    streams count once), the NCCL kernels' own time and the part of it no other kernel overlaps, from
+    a trace of ``steps`` steps."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
 
@@ -158,10 +159,10 @@ def gpu_timeline(prof, steps: int) -> dict:
     window = (spans[-1][1] - spans[0][0]) if spans else 0.0
     return {"gpu_busy_ms_per_step": busy / 1e3 / steps, "gpu_span_ms_per_step": window / 1e3 / steps,
             "nccl_kernel_ms_per_step": nccl / 1e3 / steps,
-            "nccl_alone_ms_per_step": (busy - compute) / 1e3 / steps}  # NCCL with no other kernel running
+            "nccl_alone_ms_per_step": (busy - compute) / 1e3 / steps}
 
 
 if __name__ == "__main__":
-    # Leave the process group once main's engine is unreachable (as finetune does): its CUDA graphs hold
-    # collectives, and with them alive the group's destruction hung both ranks.
+    # Leave the process group after main returns, its engine unreachable, as finetune does: left from inside
+    # main, with the engine's CUDA graphs (which hold NCCL collectives) alive, both ranks hung (2 H100s).
     distributed.teardown(main(), synchronize=False)
