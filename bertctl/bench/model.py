@@ -50,8 +50,6 @@ CASES: dict[str, tuple[str, int, int]] = {
 # Cases whose lengths are those of fine-tuning data, not pretraining's: log-uniform on [8, seq] (mean 43
 # of 128, about 3 padded tokens per real one, as random batches of SST-2 sentences: 3.3).
 MIXED_CASES = {"base-mixed"}
-PROVIDERS = ("bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl+compile", "bertctl/torch-ops+compile", "hf",
-             "hf+compile")
 MASK_ID, CLS_ID, SEP_ID = 4, 2, 3
 
 
