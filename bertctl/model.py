@@ -583,8 +583,25 @@ def _masked_lm(head: BertLMPredictionHead, hidden: torch.Tensor, masked_position
     logits = head(hidden)
     loss = None
     if labels is not None:
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        flat = labels.flatten()
+        loss = _mean_over_labelled(masked_lm_cross_entropy(head.transform.config, logits.flatten(0, 1), flat)[0], flat)
     return logits, loss
+
+
+def masked_lm_cross_entropy(config: BertConfig, logits: torch.Tensor,
+                            labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy (float32, 0 where the label is -100) and argmax of MLM logits (N, V) against
+    labels (N,): the compiled op, which reads the logits in their own dtype, where the config uses the
+    fused kernels; else ``F.cross_entropy`` on an fp32 copy."""
+    if use_fused(config):
+        return ops.cross_entropy(logits, labels, IGNORE_INDEX)
+    return ops.reference.cross_entropy(logits, labels, IGNORE_INDEX)
+
+
+def _mean_over_labelled(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean of per-row losses over the rows whose label is not -100 (NaN when there are none, as
+    ``F.cross_entropy``'s mean)."""
+    return loss.sum() / (labels != IGNORE_INDEX).sum()
 
 
 class BertOnlyMLMHead(nn.Module):

@@ -105,6 +105,22 @@ BdalnGrads bias_dropout_add_layer_norm_backward_op(const Tensor& grad_y, const T
   return handle.call(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
 }
 
+using CrossEntropyOut = std::tuple<Tensor, Tensor, Tensor>;
+
+CrossEntropyOut cross_entropy_op(const Tensor& logits, const Tensor& labels, int64_t ignore_index) {
+  static const auto handle =
+      op<CrossEntropyOut(const Tensor&, const Tensor&, int64_t)>("bertctl::cross_entropy");
+  return handle.call(logits, labels, ignore_index);
+}
+
+Tensor cross_entropy_backward_op(const Tensor& grad_loss, const Tensor& logits, const Tensor& labels,
+                                 const Tensor& lse, int64_t ignore_index) {
+  static const auto handle =
+      op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t)>(
+          "bertctl::cross_entropy_backward");
+  return handle.call(grad_loss, logits, labels, lse, ignore_index);
+}
+
 // Linear in x: the backward is the same mask on the gradient, through the dispatcher, so a
 // double backward works too.
 class Dropout : public torch::autograd::Function<Dropout> {
@@ -219,6 +235,30 @@ class BiasDropoutAddLayerNorm : public torch::autograd::Function<BiasDropoutAddL
   }
 };
 
+// Saves the logits as they are (no fp32 copy) and each row's log-sum-exp; lse and argmax are not
+// differentiable.
+class CrossEntropy : public torch::autograd::Function<CrossEntropy> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& labels,
+                               int64_t ignore_index) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [loss, lse, argmax] = cross_entropy_op(logits, labels, ignore_index);
+    ctx->save_for_backward({logits, labels, lse});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->mark_non_differentiable({lse, argmax});
+    ctx->set_materialize_grads(false);
+    return {loss, lse, argmax};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor()};
+    const variable_list saved = ctx->get_saved_variables();
+    return {cross_entropy_backward_op(grads[0], saved[0], saved[1], saved[2],
+                                      ctx->saved_data["ignore_index"].toInt()),
+            Tensor(), Tensor()};
+  }
+};
+
 // The backward ops under create_graph=True: their outputs are differentiable, through a node that
 // raises.  Without grad mode (a plain backward) they run straight below autograd.
 [[noreturn]] void no_double_backward(const char* op_name) {
@@ -276,6 +316,18 @@ class BiasDropoutAddLayerNormBackward : public torch::autograd::Function<BiasDro
   }
 };
 
+class CrossEntropyBackward : public torch::autograd::Function<CrossEntropyBackward> {
+ public:
+  static Tensor forward(AutogradContext*, const Tensor& grad_loss, const Tensor& logits, const Tensor& labels,
+                        const Tensor& lse, int64_t ignore_index) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return cross_entropy_backward_op(grad_loss, logits, labels, lse, ignore_index);
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    no_double_backward("bertctl::cross_entropy_backward");
+  }
+};
+
 Tensor softmax_backward_autograd(const Tensor& grad_y, const Tensor& y, double scale) {
   if (!at::GradMode::is_enabled()) {
     at::AutoDispatchBelowADInplaceOrView below;
@@ -315,6 +367,20 @@ BdalnGrads bias_dropout_add_layer_norm_backward_autograd(const Tensor& grad_y, c
   const variable_list out =
       BiasDropoutAddLayerNormBackward::apply(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
   return {out[0], out[1], out[2], out[3], out[4]};
+}
+
+Tensor cross_entropy_backward_autograd(const Tensor& grad_loss, const Tensor& logits, const Tensor& labels,
+                                       const Tensor& lse, int64_t ignore_index) {
+  if (!at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return cross_entropy_backward_op(grad_loss, logits, labels, lse, ignore_index);
+  }
+  return CrossEntropyBackward::apply(grad_loss, logits, labels, lse, ignore_index);
+}
+
+CrossEntropyOut cross_entropy_autograd(const Tensor& logits, const Tensor& labels, int64_t ignore_index) {
+  const variable_list out = CrossEntropy::apply(logits, labels, ignore_index);
+  return {out[0], out[1], out[2]};
 }
 
 Tensor softmax_autograd(const Tensor& x, const std::optional<Tensor>& mask, double scale) {
@@ -366,4 +432,6 @@ TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
   m.impl("dropout", &dropout_autograd);
   m.impl("bias_dropout_add_layer_norm", &bias_dropout_add_layer_norm_autograd);
   m.impl("bias_dropout_add_layer_norm_backward", &bias_dropout_add_layer_norm_backward_autograd);
+  m.impl("cross_entropy", &cross_entropy_autograd);
+  m.impl("cross_entropy_backward", &cross_entropy_backward_autograd);
 }

@@ -67,4 +67,10 @@ TORCH_LIBRARY(bertctl, m) {
   // (dx, dbias, dresidual, dweight, dln_bias); with p = 0, dx is dresidual and comes back empty.
   m.def("bias_dropout_add_layer_norm_backward(Tensor grad_y, Tensor x, Tensor bias, Tensor residual, "
         "Tensor weight, Tensor mean, Tensor rstd, float p, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // (loss, lse, argmax) of the softmax cross-entropy of each row of logits (N, V) against labels (N,)
+  // int64: loss = lse - logits[label] (0 where the label is ignore_index), lse the row's log-sum-exp,
+  // both float32 (float64 for double logits); argmax the row's first maximal index.
+  m.def("cross_entropy(Tensor logits, Tensor labels, int ignore_index) -> (Tensor, Tensor, Tensor)");
+  // dlogits = grad_loss[:, None] * (exp(logits - lse[:, None]) - onehot(labels)), zero on ignored rows.
+  m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, int ignore_index) -> Tensor");
 }

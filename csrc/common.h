@@ -85,6 +85,25 @@ inline bool gelu_tanh(const std::string& approximate) {
   return approximate == "tanh";
 }
 
+// The checks cross_entropy (and its backward) make on every device: logits (N, V) with unit column
+// stride (rows may be strided: a view of a wider, aligned buffer), labels (N,) int64 on the same device.
+inline void check_cross_entropy(const at::Tensor& logits, const at::Tensor& labels, const char* op) {
+  TORCH_CHECK(logits.dim() == 2, op, ": logits must be 2-D (rows, classes), got ", logits.sizes());
+  TORCH_CHECK(logits.size(1) > 0, op, ": logits need at least one class");
+  TORCH_CHECK(logits.size(1) < (int64_t(1) << 31), op, ": at most 2^31 - 1 classes");
+  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0), op, ": labels must have shape (",
+              logits.size(0), "), got ", labels.sizes());
+  TORCH_CHECK(labels.scalar_type() == at::kLong, op, ": labels must be int64, got ", labels.scalar_type());
+  TORCH_CHECK(labels.device() == logits.device(), op, ": labels are on ", labels.device(), ", logits on ",
+              logits.device());
+}
+
+// Logits as the kernels read them: rows of unit column stride, each row starting stride(0) elements
+// after the previous one (a copy only when the columns are not contiguous).
+inline at::Tensor rows_unit_stride(const at::Tensor& x) {
+  return x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
+}
+
 // mean and rstd of LayerNorm, shape x.shape[:-1]: float32 (float64 for double
 // inputs, so that fp64 gradient checks see fp64 statistics).
 inline at::ScalarType stats_dtype(const at::Tensor& x) {

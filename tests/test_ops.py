@@ -15,7 +15,8 @@ from bertctl._ext import kernels_loaded
 from bertctl.ops import reference
 
 OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference", "bias_gelu",
-            "bias_gelu_backward", "dropout", "bias_dropout_add_layer_norm", "bias_dropout_add_layer_norm_backward")
+            "bias_gelu_backward", "dropout", "bias_dropout_add_layer_norm", "bias_dropout_add_layer_norm_backward",
+            "cross_entropy", "cross_entropy_backward")
 SIZES = (1, 7, 13, 127, 768, 1000, 1024, 4096)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One rounding of an O(1) result: fp32 math inside; fp16 has 11 significant bits, bf16 8.
@@ -403,6 +404,74 @@ def test_bias_gelu_rejects_unknown_approximation():
         ops.bias_gelu(torch.randn(2, 3), torch.randn(3), approximate="sigmoid")
 
 
+# --- softmax cross-entropy ------------------------------------------------------------------
+
+def ce_inputs(N, V, dtype, device, gen, pad=0):
+    """Logits (N, V) (a view of rows V + pad wide when pad > 0, as the vocabulary projection gives them),
+    std 3, one row shifted by +1000 and one by -1000 (the max must be taken out before exp); labels with
+    every third row ignored."""
+    wide = torch.randn(N, V + pad, generator=gen, dtype=torch.float64) * 3
+    wide[0] += 1000.0
+    wide[-1] -= 1000.0
+    x = wide.to(device=device, dtype=dtype)[:, :V].requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=gen)
+    labels[1::3] = -100
+    return x, labels.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V,pad", [(1, 0), (7, 0), (1000, 0), (1003, 0), (30522, 6), (30522, 0), (4096, 8)])
+def test_cross_entropy_matches_float64(device, dtype, V, pad):
+    """Per-row loss, argmax and the logits' gradient against F.cross_entropy in float64 on the same rounded
+    logits (rows of the 30,522-word vocabulary, contiguous and as a view of 30,528-wide rows)."""
+    gen = torch.Generator().manual_seed(V + pad)
+    x, labels = ce_inputs(37, V, dtype, device, gen, pad)
+    assert ops.cross_entropy_kernel_ok(x, labels)
+    loss, argmax = ops.cross_entropy(x, labels)
+    assert loss.dtype == torch.float32 and argmax.dtype == torch.int64
+    x64 = x.detach().double().cpu().requires_grad_()
+    ref = F.cross_entropy(x64, labels.cpu(), ignore_index=-100, reduction="none")
+    close(loss, ref, torch.float32, "loss", scale=50)  # |loss| up to ~40: a few fp32 ulps of the log-sum-exp
+    assert torch.equal(argmax.cpu(), x64.detach().argmax(-1))
+    g = torch.randn(37, generator=gen, dtype=torch.float64)
+    dx, = torch.autograd.grad(loss, x, g.to(device, torch.float32))
+    assert dx.dtype == dtype and dx.shape == x.shape
+    dref, = torch.autograd.grad(ref, x64, g)
+    close(dx, dref, dtype, "dlogits")
+    assert torch.equal(dx[1::3].cpu(), torch.zeros_like(dx[1::3]).cpu())  # ignored rows: exact zeros
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_reference_and_reduction(device):
+    """The compiled op and the plain-PyTorch fallback agree; summed over rows it is F.cross_entropy's sum."""
+    gen = torch.Generator().manual_seed(3)
+    x, labels = ce_inputs(64, 513, torch.float32, device, gen)
+    loss, argmax = ops.cross_entropy(x, labels)
+    ref_loss, ref_argmax = reference.cross_entropy(x, labels)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-5)
+    assert torch.equal(argmax, ref_argmax)
+    total = F.cross_entropy(x.double(), labels, ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(loss.sum().double(), total, atol=1e-3, rtol=1e-6)
+    lse = torch.logsumexp(x.detach().float(), -1)
+    g = torch.randn(64, generator=gen, dtype=torch.float32).to(device)
+    torch.testing.assert_close(torch.ops.bertctl.cross_entropy_backward(g, x.detach(), labels, lse, -100),
+                               reference.cross_entropy_backward(g, x.detach(), labels, lse, -100), atol=1e-6, rtol=1e-5)
+
+
+def test_cross_entropy_bad_label_is_an_error_on_cpu():
+    x = torch.randn(3, 5)
+    with pytest.raises(RuntimeError, match="label 5 of row 1 is outside"):
+        ops.cross_entropy(x, torch.tensor([0, 5, -100]))
+
+
+@pytest.mark.cuda
+def test_cross_entropy_bad_label_gives_nan_on_cuda():
+    x = torch.randn(3, 5, device="cuda")
+    loss, _ = ops.cross_entropy(x, torch.tensor([0, 5, -100], device="cuda"))
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[0]) and loss[2] == 0
+
+
 # --- the reference's hand-derived backward against autograd; gradcheck; opcheck ----------
 
 def test_reference_backward_matches_autograd():
@@ -444,6 +513,10 @@ def test_gradcheck_float64_cpu():
     assert torch.autograd.gradcheck(lambda *t: ops.layer_norm(t[0], t[2], t[3], 1e-12, residual=t[1]), (h, r, w, b))
     for approximate in ("none", "tanh"):
         assert torch.autograd.gradcheck(lambda t, u: ops.bias_gelu(t, u, approximate), (h, b))
+    labels = torch.tensor([3, -100, 0, 12])
+    assert torch.autograd.gradcheck(lambda t: ops.cross_entropy(t, labels)[0], (h,))
+    wide = torch.randn(4, 16, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda t: ops.cross_entropy(t[:, :13], labels)[0], (wide.requires_grad_(),))
 
 
 def test_create_graph_first_order_right_second_order_refused():
@@ -464,6 +537,8 @@ def test_create_graph_first_order_right_second_order_refused():
         ("softmax_backward", ops.softmax(s, None, 0.7), torch.softmax(0.7 * s, -1), (s,)),
         ("bias_dropout_add_layer_norm_backward", ops.bias_dropout_add_layer_norm(h, c, r, w, b, 1e-12, 0.1, False),
          F.layer_norm(h + c + r, (13,), w, b, 1e-12), (h, c, r, w, b)),
+        ("cross_entropy_backward", ops.cross_entropy(h, torch.tensor([3, -100, 0, 12]))[0],
+         F.cross_entropy(h, torch.tensor([3, -100, 0, 12]), reduction="none"), (h,)),
     ]
     for name, y, y_torch, wrt in cases:
         dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
@@ -508,6 +583,12 @@ def test_opcheck(device):
         cases.append((bl.bias_dropout_add_layer_norm.default, (h, c, r, w, b, 1e-12, p, s)))
         cases.append((bl.bias_dropout_add_layer_norm_backward.default,
                       (dh, h.detach(), c.detach(), r.detach(), w.detach(), m, sd, p, s)))
+    logits = rand(9, 40, dtype=torch.float32, device=device, gen=gen).requires_grad_()
+    labels = torch.tensor([0, 39, -100, 5, 7, -100, 1, 2, 3], device=device)
+    _, lse, _ = bl.cross_entropy(logits, labels, -100)
+    cases.append((bl.cross_entropy.default, (logits, labels, -100)))
+    cases.append((bl.cross_entropy.default, (logits[:, :37], labels.clamp(max=36), -100)))
+    cases.append((bl.cross_entropy_backward.default, (torch.randn(9, device=device), logits.detach(), labels, lse, -100)))
     for op, args in cases:
         # The backward ops' and layer_norm_inference's inputs do not require grad: they have no
         # derivative of their own (test_create_graph_first_order_right_second_order_refused,
@@ -884,7 +965,8 @@ def test_torch_compile_fullgraph_parity(device):
     def f(scores, mask, h, res, w, b, bias):
         p = ops.softmax(scores, mask, 0.125)
         y = ops.layer_norm(ops.bias_gelu(h, bias), w, b, 1e-12, residual=res)
-        return p, y
+        ce = ops.cross_entropy(y[:, :14], torch.tensor([1, -100, 13, 0, 2, 5], device=y.device))[0]
+        return p, y + ce[:, None]
 
     scores = rand(2, 2, 4, 8, dtype=torch.float32, device=device, gen=gen).requires_grad_()
     mask = (torch.rand(2, 8, generator=gen) > 0.3).to(device)

@@ -27,6 +27,12 @@ Public entry points (stable; the model calls only these):
   replays with a new seed each time, and ``torch.manual_seed`` repeats it).  One seed value drops
   the same elements on either device.  Elsewhere the ops apart: the bias add, ``dropout``,
   ``layer_norm``.
+- ``cross_entropy(logits, labels, ignore_index=-100)``: (loss, argmax) per row of logits (N, V):
+  the softmax cross-entropy against labels (N,) int64 in float32 (float64 for float64 logits; 0 on
+  rows labelled ignore_index) and the row's first maximal index.  The compiled op reads the logits
+  in their own dtype (no fp32 copy), rows may be strided (a view of wider aligned rows), and its
+  backward writes the gradient in one pass from the logits and each row's log-sum-exp.  A label
+  outside [0, V) is an error on the CPU and gives a NaN loss on CUDA.
 
 Each op runs the compiled ``torch.ops.bertctl`` kernel (C++ on CPU, CUDA on NVIDIA GPUs)
 when the extension loaded and the inputs meet the kernel's preconditions (one gate
@@ -43,9 +49,10 @@ import torch
 from bertctl._ext import OP_NAMES, compiled, kernels_loaded
 from bertctl.ops import reference
 
-__all__ = ["softmax", "layer_norm", "bias_gelu", "dropout", "bias_dropout_add_layer_norm", "fused_available",
-           "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "dropout_kernel_ok",
-           "bias_dropout_add_layer_norm_kernel_ok", "bias_dropout_add_layer_norm_available", "reference"]
+__all__ = ["softmax", "layer_norm", "bias_gelu", "dropout", "bias_dropout_add_layer_norm", "cross_entropy",
+           "fused_available", "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "dropout_kernel_ok",
+           "bias_dropout_add_layer_norm_kernel_ok", "bias_dropout_add_layer_norm_available", "cross_entropy_kernel_ok",
+           "reference"]
 
 # Which compiled ops are registered for which dispatch keys, read once at import
 # (a constant for torch.compile's tracer).
@@ -225,6 +232,25 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: t
     return layer_norm(dropout(x + bias, p, training), weight, ln_bias, eps, residual=residual)
 
 
+# --- softmax cross-entropy -------------------------------------------------------------------
+
+def cross_entropy_kernel_ok(logits: torch.Tensor, labels: torch.Tensor) -> bool:
+    """The compiled cross-entropy takes: logits (N, V) of a supported dtype on a device with a kernel, N > 0,
+    0 < V < 2^31; labels (N,) int64 on the same device."""
+    return (_has_kernel("cross_entropy", logits) and logits.dim() == 2 and logits.shape[0] > 0
+            and 0 < logits.shape[1] < 2 ** 31 and labels.dtype == torch.int64
+            and tuple(labels.shape) == (logits.shape[0],) and labels.device == logits.device)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                  ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, argmax) per row of logits (N, V); see the module docstring."""
+    if cross_entropy_kernel_ok(logits, labels):
+        loss, _, argmax = torch.ops.bertctl.cross_entropy(logits, labels, int(ignore_index))
+        return loss, argmax
+    return reference.cross_entropy(logits, labels, ignore_index)
+
+
 # --- registration: fake (meta) kernels for torch.compile ------------------------------------
 # (autograd is in C++, csrc/autograd.cpp, on the Autograd dispatch key)
 
@@ -277,6 +303,21 @@ def _register() -> None:
         dx = x.new_empty(x.shape if p > 0 else (0,))  # p = 0: dx is dresidual, returned empty
         return (dx, bias.new_empty(bias.shape), x.new_empty(x.shape), weight.new_empty(weight.shape),
                 weight.new_empty(weight.shape))
+
+    @torch.library.register_fake(lib + "cross_entropy")
+    def _cross_entropy_fake(logits, labels, ignore_index):
+        n = logits.shape[0]
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return logits.new_empty((n,), dtype=acc), logits.new_empty((n,), dtype=acc), \
+            logits.new_empty((n,), dtype=torch.int64)
+
+    @torch.library.register_fake(lib + "cross_entropy_backward")
+    def _cross_entropy_backward_fake(grad_loss, logits, labels, lse, ignore_index):
+        n, v = logits.shape
+        if logits.device.type != "cuda":
+            return logits.new_empty((n, v))
+        per16 = 16 // logits.element_size()  # CUDA: rows on 16-byte boundaries, a view of the first V columns
+        return logits.new_empty_strided((n, v), (-(-v // per16) * per16, 1))
 
 
 if compiled() is not None and _KERNELS:

@@ -176,6 +176,31 @@ def bias_gelu_backward(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
     return dx.to(x.dtype), dbias.to(bias.dtype)
 
 
+# --- softmax cross-entropy ------------------------------------------------------------------
+
+def cross_entropy_forward(logits: torch.Tensor, labels: torch.Tensor,
+                          ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, argmax) per row of logits (N, V): lse the log-sum-exp, loss = lse - logits[label]
+    (0 where the label is ignore_index), argmax the first maximal index; loss and lse in float32
+    (float64 for float64 logits)."""
+    x = logits.to(acc_dtype(logits))
+    lse = torch.logsumexp(x, dim=-1)
+    valid = labels != ignore_index
+    picked = x.gather(1, torch.where(valid, labels, 0)[:, None])[:, 0]
+    return torch.where(valid, lse - picked, 0.0), lse, x.argmax(dim=-1)
+
+
+def cross_entropy_backward(grad_loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                           ignore_index: int) -> torch.Tensor:
+    """dlogits = grad_loss * (softmax(logits) - onehot(label)), zero on ignored rows, in logits' dtype."""
+    x = logits.to(acc_dtype(logits))
+    valid = labels != ignore_index
+    g = torch.where(valid, grad_loss.to(x.dtype), 0.0)[:, None]
+    d = g * torch.exp(x - lse.to(x.dtype)[:, None])
+    d.scatter_add_(1, torch.where(valid, labels, 0)[:, None], -g)
+    return d.to(logits.dtype)
+
+
 # --- differentiable fallbacks -------------------------------------------------------------
 
 class _Softmax(torch.autograd.Function):
@@ -259,3 +284,12 @@ def bias_dropout_add_layer_norm(x: torch.Tensor, bias: torch.Tensor, residual: t
                                 seed: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable plain-PyTorch LayerNorm(dropout(x + bias) + residual), the hashed mask of (p, seed)."""
     return _BiasDropoutAddLayerNorm.apply(x, bias, residual, weight, ln_bias, float(eps), float(p), seed)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                  ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch per-row softmax cross-entropy (float32, float64 for float64 logits; 0 on ignored
+    rows) and each row's argmax; differentiable in the logits (autograd through log_softmax)."""
+    loss = torch.nn.functional.cross_entropy(logits.to(acc_dtype(logits)), labels, ignore_index=ignore_index,
+                                             reduction="none")
+    return loss, logits.argmax(dim=-1)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from bertctl.config import resolve_attention
 from bertctl.errors import BertctlError
+from bertctl.model import masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
 from bertctl.train import distributed, graphs, state
 from bertctl.train.engine import (IGNORE_INDEX, Engine, EngineConfig, autocast, load_optimizer_state,
@@ -125,20 +126,28 @@ def _is_run_dir(path: Path) -> bool:
     return (path / state.CHECKPOINT_DIR).is_dir() or (path / "model" / "config.json").is_file()
 
 
+def _config(model: torch.nn.Module):
+    """The BertConfig of a model, also inside DistributedDataParallel (``.module``)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model.config
+
+
 def pretraining_sums(model, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Forward one micro-batch; return summed losses and correct counts (fp32 scalars).
 
     The MLM head runs at masked_positions only (the model gathers (B, P, H) before
-    the V-way projection).  Cross-entropy is in fp32 on the (B·P, V) logits.  A model
-    without an NSP head (``BertForMaskedLM``) gives no ``nsp_*`` entries.
+    the V-way projection).  Cross-entropy is in fp32 over the (B·P, V) logits, read in
+    their own dtype by the fused op (``masked_lm_cross_entropy``).  A model without an
+    NSP head (``BertForMaskedLM``) gives no ``nsp_*`` entries.
     """
     out = model(mb["input_ids"], mb["token_type_ids"], mb["attention_mask"],
                 masked_positions=mb["masked_positions"])
-    logits = out.prediction_logits.flatten(0, 1).float()            # (B·P, V)
+    logits = out.prediction_logits.flatten(0, 1)                     # (B·P, V)
     labels = mb["masked_lm_labels"].flatten()                        # (B·P,)
-    mlm_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    valid = labels != IGNORE_INDEX
-    mlm_correct = ((logits.argmax(-1) == labels) & valid).sum()
+    loss, predicted = masked_lm_cross_entropy(_config(model), logits, labels)
+    mlm_sum = loss.sum()
+    mlm_correct = ((predicted == labels) & (labels != IGNORE_INDEX)).sum()
     sums = {"mlm_sum": mlm_sum, "mlm_correct": mlm_correct}
     if out.seq_relationship_logits is not None:
         nsp_logits = out.seq_relationship_logits.float()                # (B, 2)
