@@ -453,7 +453,11 @@ def test_cross_entropy_reference_and_reduction(device):
     assert torch.equal(argmax, ref_argmax)
     total = F.cross_entropy(x.double(), labels, ignore_index=-100, reduction="sum")
     torch.testing.assert_close(loss.sum().double(), total, atol=1e-3, rtol=1e-6)
-    lse = torch.logsumexp(x.detach().float(), -1)
+    op_loss, lse, op_argmax = torch.ops.bertctl.cross_entropy(x.detach(), labels, -100)
+    ref_rows = reference.cross_entropy_forward(x.detach().double(), labels, -100)
+    for a, e in zip((op_loss, lse), ref_rows[:2]):
+        torch.testing.assert_close(a.double(), e, atol=1e-4, rtol=1e-5)
+    assert torch.equal(op_argmax, ref_rows[2])
     g = torch.randn(64, generator=gen, dtype=torch.float32).to(device)
     torch.testing.assert_close(torch.ops.bertctl.cross_entropy_backward(g, x.detach(), labels, lse, -100),
                                reference.cross_entropy_backward(g, x.detach(), labels, lse, -100), atol=1e-6, rtol=1e-5)

@@ -19,10 +19,11 @@ import numpy as np
 
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open
+from bertctl.model import IGNORE_INDEX
 from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import conlleval
-from bertctl.tasks.trainer import IGNORE_INDEX, TrainConfig, device_info, predict
+from bertctl.tasks.trainer import TrainConfig, device_info, predict
 
 
 @dataclass

@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from bertctl.embed import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError, Stopped
-from bertctl.model import varied_shapes
+from bertctl.model import IGNORE_INDEX, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.train import distributed, state
 from bertctl.train import graphs
-from bertctl.train.engine import IGNORE_INDEX, Engine, EngineConfig, autocast, resolve_precision, to_device, warmup_steps
+from bertctl.train.engine import Engine, EngineConfig, autocast, resolve_precision, to_device, warmup_steps
 from bertctl.train.loader import Prefetcher, collate, feature_length, steps_per_epoch, task_batches
 
 

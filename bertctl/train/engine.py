@@ -48,12 +48,10 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from bertctl.errors import BertctlError
-from bertctl.model import IGNORE_INDEX  # noqa: F401  (the trainers' label to skip, from here)
 from bertctl.progress import MetricsLog, progress
 from bertctl.train import distributed, state
 from bertctl.train.graphs import StepGraphs, graphs_unsupported
 from bertctl.train.optim import build_optimizer, build_scheduler
-
 
 
 @dataclass

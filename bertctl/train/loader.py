@@ -24,7 +24,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from bertctl.train.engine import IGNORE_INDEX, StepBatch
+from bertctl.model import IGNORE_INDEX
+from bertctl.train.engine import StepBatch
 
 PAD_MULTIPLE = 8
 SEQUENCE_KEYS = ("input_ids", "token_type_ids", "attention_mask")

@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 from bertctl.config import resolve_attention
 from bertctl.errors import BertctlError
-from bertctl.model import masked_lm_cross_entropy
+from bertctl.model import IGNORE_INDEX, masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
 from bertctl.train import distributed, graphs, state
-from bertctl.train.engine import (IGNORE_INDEX, Engine, EngineConfig, autocast, load_optimizer_state,
-                                  resolve_precision, to_device, warmup_steps)
+from bertctl.train.engine import (Engine, EngineConfig, autocast, load_optimizer_state, resolve_precision, to_device,
+                                  warmup_steps)
 from bertctl.train.loader import Prefetcher, bucketed_batches, pretraining_step, trim
 from bertctl.train.metrics import plot_curves, train_flops_6nt
 from bertctl.train.optim import build_scheduler
