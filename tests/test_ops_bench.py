@@ -29,14 +29,14 @@ def test_bench_ops_cli_writes_report(tmp_path):
     assert device["copy_gbps"] > 0
     rows = report["rows"]
     assert {(r["op"], r["mode"], r["provider"]) for r in rows} == {
-        (op, mode, p) for op in ("softmax", "layer_norm", "bias_gelu", "bias_dropout_add_layer_norm")
+        (op, mode, p) for op in ("softmax", "layer_norm", "bias_gelu", "bias_dropout_add_layer_norm", "cross_entropy")
         for mode in ("fwd", "fwdbwd") for p in ("fused", "eager")}
     for r in rows:
         assert r["median_ms"] > 0
         # GB/s is the minimal byte count over the median time; % is against the measured copy bandwidth.
         assert r["gbps"] == pytest.approx(r["min_bytes"] / (r["median_ms"] * 1e-3) / 1e9, rel=1e-2, abs=0.1)
         assert r["pct_of_copy_bw"] == pytest.approx(100 * r["gbps"] / device["copy_gbps"], rel=1e-2, abs=0.1)
-    assert len(report["summary"]) == 8 and all("vs_eager" in s for s in report["summary"])
+    assert len(report["summary"]) == 10 and all("vs_eager" in s for s in report["summary"])
 
 
 @pytest.mark.usefixtures("fused_kernels")
@@ -89,6 +89,9 @@ def test_min_bytes_counts_each_tensor_once():
     assert min_bytes(Case("bias_dropout_add_layer_norm", (4, 8), "t"), "fwdbwd", 4) == 8 * 128 + 8 * 32 + 2 * 32
     # softmax fwd+bwd on (1, 1, 2, 4) bf16: x, y, dy, y, dx (5 x 16 B) + the (1, 4) mask
     assert min_bytes(Case("softmax", (1, 1, 2, 4), "t"), "fwdbwd", 2) == 5 * 16 + 4
+    # cross-entropy fwd+bwd on (3, 5) bf16 logits: logits, logits, dlogits (3 x 30 B) + per row the label,
+    # the fp32 loss and its gradient (16 B)
+    assert min_bytes(Case("cross_entropy", (3, 5), "t"), "fwdbwd", 2) == 3 * 30 + 3 * 16
     assert harness.rotation_count(harness.CACHE_BYTES // 3) == 4
 
 

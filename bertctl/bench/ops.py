@@ -1,7 +1,8 @@
 """Benchmark of the fused ops against eager PyTorch and torch.compile of the same expression.
 
-For each op (softmax with scale + key-padding mask, LayerNorm + residual, bias + GELU, and on CPU
-bias + dropout + residual + LayerNorm), each mode (``fwd``, ``fwdbwd``) and each provider
+For each op (softmax with scale + key-padding mask, LayerNorm + residual, bias + GELU,
+bias + dropout + residual + LayerNorm, and the masked-LM cross-entropy over a 30,522-token
+vocabulary), each mode (``fwd``, ``fwdbwd``) and each provider
 (``fused``: bertctl.ops; ``eager``: the plain PyTorch expression the model runs with
 ``kernels="torch"``; ``compile``: torch.compile of that expression; ``separate``, for an op that
 fuses other bertctl ops: those ops one after another, the path the model ran before), at BERT-Base
@@ -28,7 +29,7 @@ from bertctl.bench import harness
 
 PROVIDERS = ("fused", "eager", "compile", "separate")
 MODES = ("fwd", "fwdbwd")
-OPS = ("softmax", "layer_norm", "bias_gelu", "bias_dropout_add_layer_norm")
+OPS = ("softmax", "layer_norm", "bias_gelu", "bias_dropout_add_layer_norm", "cross_entropy")
 DROPOUT_P = 0.1  # BERT's hidden dropout, for bias_dropout_add_layer_norm
 # CPU: rounds of `reps` calls per provider, the providers alternating (harness.measure_interleaved).
 CPU_ROUNDS = 5
@@ -36,8 +37,8 @@ CPU_ROUNDS = 5
 
 @dataclass
 class Case:
-    op: str          # softmax | layer_norm | bias_gelu | bias_dropout_add_layer_norm
-    shape: tuple     # scores (B, heads, S, S); tokens x features otherwise
+    op: str          # softmax | layer_norm | bias_gelu | bias_dropout_add_layer_norm | cross_entropy
+    shape: tuple     # scores (B, heads, S, S); (masked tokens, vocabulary) for cross_entropy; tokens x features otherwise
     label: str       # e.g. "base s512 b64"
     quick: bool = False
 
@@ -59,6 +60,10 @@ CUDA_CASES = [
     Case("bias_dropout_add_layer_norm", (32768, 768), "base 32768 tok", quick=True),
     Case("bias_dropout_add_layer_norm", (8192, 768), "base 8192 tok"),
     Case("bias_dropout_add_layer_norm", (32768, 1024), "large 32768 tok"),
+    # The MLM loss of a pretraining step: 20 masked positions a sequence at seq 128, batch 256; 76 at seq
+    # 512, batch 32. On CUDA the logits are a view of rows padded to a multiple of 8, as the model's.
+    Case("cross_entropy", (5120, 30522), "base s128 b256", quick=True),
+    Case("cross_entropy", (2432, 30522), "base s512 b32"),
 ]
 # CPU: one BERT-Base batch of 8 x 128 tokens (attention scores 8 x 12 x 128 x 128; 1024 tokens
 # through LayerNorm and the FFN), and 4096 tokens (32 x 128: scores 32 x 12 x 128 x 128), where a 4096 x 3072 fp32 tensor (50 MB) is past
@@ -73,12 +78,15 @@ CPU_CASES = [
     # A sub-layer output in training (dropout 0.1).
     Case("bias_dropout_add_layer_norm", (1024, 768), "base s128 b8", quick=True),
     Case("bias_dropout_add_layer_norm", (4096, 768), "base 4096 tok"),
+    Case("cross_entropy", (160, 30522), "base s128 b8", quick=True),
+    Case("cross_entropy", (640, 30522), "base s128 b32"),
 ]
 TINY_CASES = [  # for the CLI's test: seconds, not minutes
     Case("softmax", (2, 2, 16, 16), "tiny", quick=True),
     Case("layer_norm", (64, 32), "tiny", quick=True),
     Case("bias_gelu", (64, 64), "tiny", quick=True),
     Case("bias_dropout_add_layer_norm", (64, 32), "tiny", quick=True),
+    Case("cross_entropy", (16, 50), "tiny", quick=True),
 ]
 
 
@@ -123,6 +131,15 @@ def separate_bias_dropout_add_layer_norm(x, bias, residual, weight, ln_bias, eps
     return ops.layer_norm(ops.dropout(x + bias, p, True), weight, ln_bias, eps, residual=residual)
 
 
+def eager_cross_entropy(logits, labels):
+    # The model's kernels="torch" path: cross-entropy on an fp32 copy of the logits, per row.
+    return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+def fused_cross_entropy(logits, labels):
+    return ops.cross_entropy(logits, labels)[0]
+
+
 # op: (fused, eager[, separate])
 EXPRESSIONS = {
     "softmax": (fused_softmax, eager_softmax),
@@ -130,6 +147,7 @@ EXPRESSIONS = {
     "bias_gelu": (fused_bias_gelu, eager_bias_gelu),
     "bias_dropout_add_layer_norm": (fused_bias_dropout_add_layer_norm, eager_bias_dropout_add_layer_norm,
                                     separate_bias_dropout_add_layer_norm),
+    "cross_entropy": (fused_cross_entropy, eager_cross_entropy),
 }
 
 
@@ -139,6 +157,12 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
     def randn(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype)
 
+    if case.op == "cross_entropy":
+        N, V = case.shape
+        width = V + (-V % 8 if device.type == "cuda" else 0)  # the vocabulary projection's aligned rows
+        logits = randn(N, width, std=3.0)[:, :V].requires_grad_(grad)
+        labels = torch.randint(0, V, (N,), generator=gen, device=device)
+        return (logits, labels), [logits]
     if case.op == "softmax":
         B, H, S, _ = case.shape
         x = randn(*case.shape, std=4.0).requires_grad_(grad)
@@ -168,6 +192,10 @@ def min_bytes(case: Case, mode: str, itemsize: int) -> int:
     for d in case.shape:
         n *= d
     big = n * itemsize
+    if case.op == "cross_entropy":
+        rows = case.shape[0]
+        # fwd: logits, labels -> the fp32 loss; fwd+bwd: then dloss, logits -> dlogits
+        return big + 12 * rows if mode == "fwd" else 3 * big + 16 * rows
     if case.op == "softmax":
         mask = case.shape[0] * case.shape[3]
         # fwd: x -> y; bwd: dy, y -> dx
@@ -253,8 +281,10 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
                 sets = []
                 for _ in range(harness.rotation_count(nbytes, limit=4 if device.type == "cuda" else 2)):
                     args, wrt = make_inputs(case, dtype, device, gen, grad)
-                    out_shape = case.shape
-                    dy = torch.randn(out_shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+                    if case.op == "cross_entropy":  # one fp32 loss per row
+                        dy = torch.randn(case.shape[:1], generator=gen, device=device, dtype=torch.float32)
+                    else:
+                        dy = torch.randn(case.shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
                     sets.append((args, wrt, dy))
                 runs = {p: _runner(fns[p], mode, len(sets[0][1])) for p in providers}
                 if device.type == "cpu":  # providers alternate in rounds (a shared machine's slow spells hit all)
