@@ -463,6 +463,17 @@ def test_cross_entropy_reference_and_reduction(device):
                                reference.cross_entropy_backward(g, x.detach(), labels, lse, -100), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_argmax_is_the_first_maximum(device):
+    """Ties go to the first maximal index (torch.argmax's rule), wherever they fall in the row's vectors."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 100, generator=gen)
+    for row, cols in enumerate(([3, 4], [17, 40], [0, 99], [63, 64], [98, 99], [5])):
+        x[row, cols] = 10.0
+    loss, argmax = ops.cross_entropy(x.to(device), torch.zeros(6, dtype=torch.int64, device=device))
+    assert argmax.tolist() == [3, 17, 0, 63, 98, 5] == x.argmax(-1).tolist()
+
+
 def test_cross_entropy_bad_label_is_an_error_on_cpu():
     x = torch.randn(3, 5)
     with pytest.raises(RuntimeError, match="label 5 of row 1 is outside"):

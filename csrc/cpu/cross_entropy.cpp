@@ -19,6 +19,29 @@ void check_labels(const at::Tensor& labels, int64_t V, int64_t ignore_index, con
                 " is outside [0, ", V, ") and is not ignore_index ", ignore_index);
 }
 
+// The first index of a row whose value equals v (v in the row), a vector of lanes compared at a time.
+template <typename acc_t>
+int64_t first_equal(const acc_t* row, int64_t n, acc_t v) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  const Vec vv(v);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const int equal = (Vec::loadu(row + j) != vv).zero_mask();  // lanes that compared equal
+    if (equal) return j + __builtin_ctz(static_cast<unsigned>(equal));
+  }
+  for (; j < n; ++j)
+    if (row[j] == v) return j;
+  return 0;
+}
+
+// The first NaN of a row (torch.argmax's answer for a row holding one).
+template <typename acc_t>
+int64_t first_nan(const acc_t* row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j)
+    if (std::isnan(row[j])) return j;
+  return 0;
+}
+
 template <typename scalar_t>
 void cross_entropy_rows(const at::Tensor& x_, const int64_t* lab, int64_t ignore_index, at::Tensor& loss_,
                         at::Tensor& lse_, at::Tensor& argmax_) {
@@ -37,9 +60,8 @@ void cross_entropy_rows(const at::Tensor& x_, const int64_t* lab, int64_t ignore
       const acc_t mx = reduce_row<acc_t>(
           V, ninf, [&](int64_t j) { return Vec::loadu(v + j); }, [&](int64_t j) { return v[j]; },
           [](const Vec& p, const Vec& q) { return at::vec::maximum(p, q); }, scalar_max<acc_t>);
-      int64_t best = 0;
       const bool nan = std::isnan(mx);
-      while (best < V - 1 && !(nan ? std::isnan(v[best]) : v[best] == mx)) ++best;
+      const int64_t best = nan ? first_nan(v, V) : first_equal(v, V, mx);
       acc_t l = mx;
       if (mx != ninf && !nan) {
         const Vec vmx(mx);
