@@ -98,6 +98,18 @@ inline void check_cross_entropy(const at::Tensor& logits, const at::Tensor& labe
               logits.device());
 }
 
+// ... and cross_entropy_backward's: grad_loss (N,), lse (N,) in the accumulation type (float64 for double
+// logits, else float32).
+inline void check_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                         const at::Tensor& labels, const at::Tensor& lse, const char* op) {
+  check_cross_entropy(logits, labels, op);
+  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == logits.size(0), op, ": grad_loss must have shape (",
+              logits.size(0), "), got ", grad_loss.sizes());
+  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(lse.sizes() == grad_loss.sizes() && lse.scalar_type() == acc, op, ": lse must be ", acc,
+              " of shape (", logits.size(0), ")");
+}
+
 // Logits as the kernels read them: rows of unit column stride, each row starting stride(0) elements
 // after the previous one (a copy only when the columns are not contiguous).
 inline at::Tensor rows_unit_stride(const at::Tensor& x) {

@@ -130,12 +130,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_cpu(const at::Tenso
 at::Tensor cross_entropy_backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& labels,
                                       const at::Tensor& lse, int64_t ignore_index) {
   const char* op = "bertctl::cross_entropy_backward";
-  check_cross_entropy(logits, labels, op);
-  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == logits.size(0), op, ": grad_loss must have shape (",
-              logits.size(0), "), got ", grad_loss.sizes());
-  const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(lse.sizes() == grad_loss.sizes() && lse.scalar_type() == acc, op, ": lse must be ", acc,
-              " of shape (", logits.size(0), ")");
+  check_cross_entropy_backward(grad_loss, logits, labels, lse, op);
+  const auto acc = lse.scalar_type();
   const auto x = rows_unit_stride(logits);
   const auto lab = labels.contiguous(), l = lse.contiguous();
   const auto g = grad_loss.to(acc).contiguous();

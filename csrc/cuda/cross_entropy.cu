@@ -175,12 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_cuda(const at::Tens
 
 at::Tensor cross_entropy_backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& labels,
                                        const at::Tensor& lse, int64_t ignore_index) {
-  const char* op = "bertctl::cross_entropy_backward";
-  check_cross_entropy(logits, labels, op);
-  TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == logits.size(0), op, ": grad_loss must have shape (",
-              logits.size(0), "), got ", grad_loss.sizes());
-  TORCH_CHECK(lse.sizes() == grad_loss.sizes() && lse.scalar_type() == at::kFloat, op,
-              ": lse must be float32 of shape (", logits.size(0), ")");
+  check_cross_entropy_backward(grad_loss, logits, labels, lse, "bertctl::cross_entropy_backward");
   const c10::cuda::OptionalCUDAGuard guard(logits.device());
   const auto x = rows_unit_stride(logits);
   const auto lab = labels.contiguous(), l = lse.contiguous();
