@@ -74,6 +74,14 @@ def test_bench_ops_rejects_unknown_op():
     assert "--op" in result.output
 
 
+def test_bench_ops_help_names_every_op():
+    from bertctl.bench.ops import OPS
+
+    result = CliRunner().invoke(app, ["bench", "ops", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert all(op in result.output for op in OPS)
+
+
 def test_bench_ops_rejects_bad_device():
     result = CliRunner().invoke(app, ["bench", "ops", "--device", "tpu"])
     assert result.exit_code == 2

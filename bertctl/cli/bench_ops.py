@@ -21,8 +21,8 @@ def register(bench_app: typer.Typer) -> None:
         tiny: bool = typer.Option(False, "--tiny", hidden=True, help="Tiny shapes (tests)."),
         provider: list[str] = typer.Option(None, "--provider", help="fused, eager, compile, separate (bertctl's "
                                            "ops apart, for an op that fuses them) (repeatable; default all)."),
-        op: list[str] = typer.Option(None, "--op", help="softmax, layer_norm, bias_gelu, bias_dropout_add_layer_norm "
-                                     "(CPU only) (repeatable; default all)."),
+        op: list[str] = typer.Option(None, "--op", help="softmax, layer_norm, bias_gelu, bias_dropout_add_layer_norm, "
+                                     "cross_entropy (repeatable; default all)."),
         reps: int = typer.Option(0, "--reps", help="Timed calls per measurement; on CPU per round, the providers "
                                                    "alternating (0: default for the device)."),
         rounds: int = typer.Option(0, "--rounds", help="CPU: rounds per measurement, the providers' order "
