@@ -121,23 +121,25 @@ def pytest_collection_modifyitems(config, items):
         if sweeps:
             config.hook.pytest_deselected(items=sweeps)
             items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if item.get_closest_marker("cuda"):
-            item.add_marker(skip)
+        if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif item.get_closest_marker("two_gpus") and torch.cuda.device_count() < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two GPUs"))
 
 
 def _skip_is_a_failure(report, item=None) -> None:
-    """A skipped test or module fails, unless it is a CUDA test on a machine without a GPU."""
+    """A skipped test or module fails, unless it is a CUDA test on a machine without a GPU, or a
+    two-GPU test on a machine with fewer."""
     if not report.skipped or hasattr(report, "wasxfail"):
         return
     if item is not None and item.get_closest_marker("cuda") and not torch.cuda.is_available():
         return
+    if item is not None and item.get_closest_marker("two_gpus") and torch.cuda.device_count() < 2:
+        return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
     report.outcome = "failed"
-    report.longrepr = f"skipped ({reason}); only CUDA tests may skip, on a machine without a GPU"
+    report.longrepr = f"skipped ({reason}); only CUDA tests may skip, on a machine without a GPU (two-GPU tests: with fewer than two)"
 
 
 @pytest.hookimpl(hookwrapper=True)

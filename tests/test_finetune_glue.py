@@ -325,6 +325,7 @@ def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.two_gpus
 def test_two_gpus_with_cuda_graphs_train_as_eager_ddp(tiny, sst2, tmp_path):
     """torchrun on 2 GPUs: the captured step (the normalisers and one flat gradient all-reduce inside
     the graph) trains as DDP's eager step, over batches of every length, with accumulation (micro-batches
@@ -334,8 +335,6 @@ def test_two_gpus_with_cuda_graphs_train_as_eager_ddp(tiny, sst2, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
     common = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--max-steps", "12",
               "--batch-size", "10", "--micro-batch-size", "3", "--attn", "sdpa", "--device", "cuda", "--log-every", "1",
               "--no-progress", "--no-tensorboard"]

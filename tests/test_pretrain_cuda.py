@@ -127,14 +127,13 @@ def test_a_second_phase_keeping_the_optimizer_follows_its_schedule_under_graphs(
                                torch.tensor([eager[s] for s in sorted(eager)]), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.two_gpus
 def test_two_gpus_with_cuda_graphs_pretrain_as_eager_ddp(data_dir, tmp_path):
     """torchrun on 2 GPUs: the captured step (untrimmed batches, so both ranks replay the same graphs;
     the normalisers and the gradient averaging inside the graph) trains as DDP's eager step, with
     accumulation (micro-batches of 8 of each rank's 16) and dropout on: same losses and weights."""
     from test_finetune_glue import torchrun
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
     runs = {}
     for name, flag in (("eager", "--no-cuda-graphs"), ("graphs", "--cuda-graphs")):
         out = tmp_path / name

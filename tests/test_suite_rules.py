@@ -1,5 +1,5 @@
 """The suite's own rules (tests/conftest.py), run on a scratch suite with the same conftest: a skip
-fails unless it is a CUDA test without a GPU, a missing shared data set fails, and the exhaustive
+fails unless it is a CUDA test without a GPU (or a two-GPU test with fewer), a missing shared data set fails, and the exhaustive
 sweeps run only when -m names them."""
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ def test_needs_data(shared_data):
 def test_gpu():
     pass
 
+@pytest.mark.cuda
+@pytest.mark.two_gpus
+def test_two_gpus():
+    pass
+
 @pytest.mark.exhaustive
 def test_sweep():
     pass
@@ -49,11 +54,14 @@ def test_skips_fail_and_exhaustive_runs_only_when_named(tmp_path):
     assert "Failed: real data sets not found at" in out.stdout
     assert "FAILED tests/test_scratch.py::test_skips" in out.stdout
     assert "ERROR tests/test_scratch.py::test_needs_data" in out.stdout
-    assert "1 failed, 2 deselected" in out.stdout and "1 error in" in out.stdout
+    assert "1 failed, 3 deselected" in out.stdout and "1 error in" in out.stdout
     out = pytest_("-m", "exhaustive and not cuda")
-    assert out.returncode == 0 and "1 passed, 3 deselected" in out.stdout, out.stdout
+    assert out.returncode == 0 and "1 passed, 4 deselected" in out.stdout, out.stdout
     out = pytest_("-k", "test_gpu")
     assert out.returncode == 0, out.stdout
     assert ("1 passed" if torch.cuda.is_available() else "1 skipped") in out.stdout
+    out = pytest_("-k", "test_two_gpus")
+    assert out.returncode == 0, out.stdout
+    assert ("1 passed" if torch.cuda.device_count() >= 2 else "1 skipped") in out.stdout
     out = pytest_("-m", "exhaustive and cuda")
     assert out.returncode == 5, out.stdout  # what .ci/run treats as a failure
