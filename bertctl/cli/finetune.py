@@ -8,8 +8,11 @@ predictions, ``metrics.json`` (also printed on stdout), ``metrics.jsonl`` and ``
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import typer
 
@@ -54,7 +57,7 @@ LOG_EVERY = typer.Option(50, "--log-every", help="Steps between logged mean trai
 
 
 def _train_config(v: dict) -> TrainConfig:
-    """A TrainConfig from a command's locals (old flag spellings folded in, every number checked)."""
+    """A TrainConfig from the shared options' values (old flag spellings folded in, every number checked)."""
     from bertctl.tasks.trainer import TrainConfig
 
     v = opt.merge_aliases(v, attention=v.get("attention"), no_bf16=v.get("no_bf16"), quiet=v.get("quiet"),
@@ -78,6 +81,61 @@ def _train_config(v: dict) -> TrainConfig:
                        graph_min_steps=v["graph_min_steps"])
 
 
+def _shared_options(
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
+    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH,
+    eval_batch_size: int = EVAL_BATCH, eval_batch_tokens: Optional[int] = EVAL_TOKENS,
+    warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
+    dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
+    precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
+    max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
+    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
+    tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION,
+    no_bf16: bool = opt.OLD_NO_BF16, quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
+    log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
+) -> None:
+    """The options every fine-tuning command takes after its own: this signature is their one list."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a fine-tuning command hands its task from the shared options."""
+
+    model: Path
+    output: Path
+    cfg: TrainConfig
+    lr_sweep: bool
+    resume: bool
+    dropout: Optional[float]
+
+
+def _training_options(**overrides: typer.models.OptionInfo) -> Callable:
+    """A command with the shared options (``_shared_options``) after its own, given to it as ``run``;
+    ``overrides`` replaces an option's declaration (e.g. another help text)."""
+    shared = [p.replace(default=overrides.get(p.name, p.default))
+              for p in inspect.signature(_shared_options, eval_str=True).parameters.values()]
+    names = [p.name for p in shared]
+
+    def decorate(command: Callable) -> Callable:
+        own = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+               for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "run"]
+
+        @functools.wraps(command)
+        def wrapper(**values):
+            v = {name: values.pop(name) for name in names}
+            run = Run(model=v["model"], output=v["output"], cfg=_train_config(v), lr_sweep=v["lr_sweep"],
+                      resume=v["resume"], dropout=v["dropout"])
+            return command(**values, run=run)
+
+        params = own + shared
+        wrapper.__signature__ = inspect.Signature(params, return_annotation=None)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return decorate
+
+
 @contextlib.contextmanager
 def _processes(output: Path):
     """The output folder as ``opt.run_output`` keeps it; under torchrun, leave the process group at the end."""
@@ -94,6 +152,7 @@ def _processes(output: Path):
 
 
 @finetune_app.command("glue")
+@_training_options()
 def glue(
     task: Optional[str] = typer.Option(None, "--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli "
                                                             "(omit for your own data with --text-column)."),
@@ -107,32 +166,21 @@ def glue(
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed rows instead of "
                                                                       "stopping."),
     max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per example, specials included."),
-    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
-    batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
-    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
-    warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
-    dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
-    precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
-    max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
-    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
-    tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
-    quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
-    log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
+    *, run: Run,
 ) -> None:
     """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data."""
     from bertctl.tasks import glue as g
 
-    cfg = _train_config(locals())
     data = g.load_data(task=task, data_dir=data_dir, train=train, dev=dev, text_column=text_column,
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)
-    with _processes(output):
-        g.run_finetune(data, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
-                       dropout=dropout)
+    with _processes(run.output):
+        g.run_finetune(data, run.model, run.output, run.cfg, max_seq_length=max_seq_length, lr_sweep=run.lr_sweep,
+                       resume=run.resume, dropout=run.dropout)
 
 
 @finetune_app.command("squad")
+@_training_options(epochs=typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."))
 def squad(
     train: Path = typer.Option(..., "--train", help="SQuAD training JSON."),
     dev: Path = typer.Option(..., "--dev", help="SQuAD dev JSON."),
@@ -147,82 +195,48 @@ def squad(
     n_best_size: int = typer.Option(20, "--n-best-size"),
     max_answer_length: int = typer.Option(30, "--max-answer-length"),
     write_nbest: bool = typer.Option(False, "--write-nbest", help="Also write nbest_predictions.json."),
-    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."), lr: float = LR, lr_sweep: bool = LR_SWEEP,
-    batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
-    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
-    warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
-    dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
-    precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
-    max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
-    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
-    tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
-    quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
-    log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
+    *, run: Run,
 ) -> None:
     """Fine-tune span question answering on SQuAD v1.1 or v2.0 (windows of 384 tokens, stride 128)."""
     from bertctl.tasks import squad as s
 
-    cfg = _train_config(locals())
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     train_data = s.read_squad(train, articles=train_articles, version_2=version_2, training=True)
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
-    with _processes(output):
-        s.run_finetune(train_data, dev_data, model, output, cfg, scfg, lr_sweep=lr_sweep, resume=resume, dropout=dropout,
-                       write_nbest=write_nbest)
+    with _processes(run.output):
+        s.run_finetune(train_data, dev_data, run.model, run.output, run.cfg, scfg, lr_sweep=run.lr_sweep,
+                       resume=run.resume, dropout=run.dropout, write_nbest=write_nbest)
 
 
 @finetune_app.command("ner")
+@_training_options()
 def ner(
     data_dir: Path = typer.Option(..., "--data-dir", help="Folder with train.txt, valid.txt, test.txt (CoNLL)."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
-    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
-    batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
-    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
-    warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
-    dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
-    precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
-    max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
-    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
-    tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
-    quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
-    log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
+    *, run: Run,
 ) -> None:
     """Fine-tune NER on CoNLL-format data; the epoch is chosen on valid, scores reported on test."""
     from bertctl.tasks import ner as n
 
-    cfg = _train_config(locals())
-    with _processes(output):
-        n.run_finetune(data_dir, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
-                       dropout=dropout)
+    with _processes(run.output):
+        n.run_finetune(data_dir, run.model, run.output, run.cfg, max_seq_length=max_seq_length, lr_sweep=run.lr_sweep,
+                       resume=run.resume, dropout=run.dropout)
 
 
 @finetune_app.command("swag")
+@_training_options()
 def swag(
     train: Path = typer.Option(..., "--train", help="SWAG training JSONL or CSV."),
     dev: Path = typer.Option(..., "--dev", help="SWAG dev JSONL or CSV."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
-    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS, lr: float = LR, lr_sweep: bool = LR_SWEEP,
-    batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
-    eval_batch_tokens: Optional[int] = EVAL_TOKENS,
-    warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
-    dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
-    precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
-    max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
-    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
-    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
-    tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION, no_bf16: bool = opt.OLD_NO_BF16,
-    quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
-    log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
+    *, run: Run,
 ) -> None:
     """Fine-tune multiple choice (four endings, softmax over [CLS] scores) on SWAG."""
     from bertctl.tasks import swag as w
 
-    cfg = _train_config(locals())
-    with _processes(output):
-        w.run_finetune(train, dev, model, output, cfg, max_seq_length=max_seq_length, lr_sweep=lr_sweep, resume=resume,
-                       dropout=dropout)
+    with _processes(run.output):
+        w.run_finetune(train, dev, run.model, run.output, run.cfg, max_seq_length=max_seq_length,
+                       lr_sweep=run.lr_sweep, resume=run.resume, dropout=run.dropout)
 
 
 def register(app: typer.Typer) -> None:
