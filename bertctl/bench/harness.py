@@ -43,9 +43,6 @@ class Timing:
     p90_ms: float
     runs: int
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {"median_ms": self.median_ms, "p10_ms": self.p10_ms, "p90_ms": self.p90_ms, "runs": self.runs}
-
 
 def synchronize(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
