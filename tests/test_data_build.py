@@ -502,6 +502,9 @@ def test_cli_build_data(tmp_path, minilm_vocab, shared_data):
     bad = runner.invoke(app, [*args[:-4], "--random-next-pool", "8", "--random-next-per-unit", "9", "-o",
                               str(tmp_path / "bad"), *inputs])
     assert bad.exit_code == 2 and "--random-next-per-unit: must be in [0, 8]" in bad.stderr
+    no_vocab = runner.invoke(app, ["build-data", "-o", str(tmp_path / "none"), *inputs])
+    assert no_vocab.exit_code == 2 and "bertctl tokenize train" in no_vocab.stderr
+    assert not (tmp_path / "none").exists()
     result = runner.invoke(app, args)  # non-empty output without --resume
     assert result.exit_code == 2 and "not empty" in result.stderr
     result = runner.invoke(app, args + ["--resume"])

@@ -79,7 +79,11 @@ def register(app: typer.Typer) -> None:
         from bertctl.errors import BertctlError
         from bertctl.tokenizer import load_tokenizer
 
-        if (vocab is None) == (spm_model is None):
+        if vocab is None and spm_model is None:
+            raise BertctlError("give --vocab VOCAB.txt|DIR or --spm-model FILE.model (train a vocabulary from the same "
+                               "text with `bertctl tokenize train --vocab-size 30522 -o vocab.txt INPUTS`, or take a "
+                               "model directory's: --vocab DIR)")
+        if vocab is not None and spm_model is not None:
             raise BertctlError("give exactly one of --vocab VOCAB.txt|DIR or --spm-model FILE.model")
         if spm_model is not None:
             if cased:
