@@ -59,6 +59,29 @@ def test_normalize_answer_official_rules():
     assert M.normalize_answer("A.B.C") == "abc"
 
 
+def test_normalize_answer_as_the_official_script_on_every_answer(shared_data):
+    """The official evaluate-v1.1.py normaliser, character by character, on every gold answer and
+    context of the dev set and on non-ASCII punctuation (which it keeps)."""
+    import json
+    import re
+    import string
+
+    def official(s):
+        s = s.lower()
+        s = "".join(ch for ch in s if ch not in set(string.punctuation))
+        s = re.sub(r"\b(a|an|the)\b", " ", s)
+        return " ".join(s.split())
+
+    data = json.loads((shared_data / "squad" / "dev-v1.1.json").read_text(encoding="utf-8"))["data"]
+    texts = ["“Quoted” — dash… ¿qué? l'été, «a» the_the A-an"]
+    for article in data:
+        for paragraph in article["paragraphs"]:
+            texts.append(paragraph["context"])
+            texts += [a["text"] for qa in paragraph["qas"] for a in qa["answers"]]
+    assert len(texts) > 35000
+    assert [M.normalize_answer(t) for t in texts] == [official(t) for t in texts]
+
+
 def test_em_f1_hand_computed():
     assert M.squad_exact("the Broncos", "Broncos.") == 1.0
     # pred tokens [denver, broncos, team], gold [broncos]: p=1/3, r=1, F1 = 0.5

@@ -47,6 +47,48 @@ def test_max_context_picks_the_most_centred_window():
     assert set(owners) == set(range(15))
 
 
+def _max_context_loop(spans):
+    """run_squad.py's _check_is_max_context, token by token: the reference for the vectorised mask."""
+    out = []
+    for w, (start, length) in enumerate(spans):
+        mask = []
+        for pos in range(start, start + length):
+            best_score, best_w = None, None
+            for v, (s, n) in enumerate(spans):
+                if s <= pos < s + n:
+                    score = min(pos - s, s + n - 1 - pos) + 0.01 * n
+                    if best_score is None or score > best_score:
+                        best_score, best_w = score, v
+            mask.append(best_w == w)
+        out.append(mask)
+    return out
+
+
+def test_max_context_mask_matches_the_token_by_token_rule():
+    rng = np.random.default_rng(0)
+    cases = [squad.window_starts(int(n), int(m), int(st)) for n, m, st in
+             zip(rng.integers(1, 900, 300), rng.integers(8, 400, 300), rng.integers(1, 200, 300))]
+    cases += [[(0, 10), (5, 10)], [(0, 7), (3, 4), (3, 9)], [(0, 0)]]
+    for spans in cases:
+        got = squad.max_context_mask(spans)
+        assert [m.tolist() for m in got] == _max_context_loop(spans), spans
+
+
+def test_char_to_token_span_matches_a_scan_of_the_offsets():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        lengths = rng.integers(1, 8, int(rng.integers(1, 60)))
+        gaps = rng.integers(0, 3, len(lengths))
+        ends = np.cumsum(lengths + gaps)
+        offsets = [(int(e - n), int(e)) for e, n in zip(ends, lengths)]
+        a = int(rng.integers(0, ends[-1] + 2))
+        b = a + int(rng.integers(0, 12))
+        hits = [i for i, (s, e) in enumerate(offsets) if e > a and s < b]
+        want = (hits[0], hits[-1]) if hits else None
+        assert squad.char_to_token_span(offsets, a, b) == want
+        assert squad.char_to_token_span(np.asarray(offsets), a, b) == want
+
+
 def test_split_file_structure_and_article_filter():
     split = data_path("squad", "split.json")
     titles = squad.read_article_titles(f"{split}:train")

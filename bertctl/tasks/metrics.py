@@ -114,13 +114,13 @@ def glue_metrics(task: str, preds: Sequence, labels: Sequence) -> dict[str, floa
 # SQuAD (official evaluate-v1.1.py and evaluate-v2.0.py rules)
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
-_PUNCT = set(string.punctuation)
+_DROP_PUNCT = str.maketrans("", "", string.punctuation)
 
 
 def normalize_answer(s: str) -> str:
     """Lower text and remove punctuation, articles and extra whitespace (the official rule, in that order)."""
     s = s.lower()
-    s = "".join(ch for ch in s if ch not in _PUNCT)
+    s = s.translate(_DROP_PUNCT)
     s = _ARTICLES.sub(" ", s)
     return " ".join(s.split())
 

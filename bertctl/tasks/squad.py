@@ -16,6 +16,7 @@ is predicted unanswerable when s_null − s_best > τ, with τ chosen on the dev
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -173,26 +174,35 @@ def window_starts(n_tokens: int, max_tokens: int, doc_stride: int) -> list[tuple
 
 def max_context_mask(spans: Sequence[tuple[int, int]]) -> list[np.ndarray]:
     """Per window, whether each of its tokens has its most context in this window: the score of a
-    token in a window is min(left, right context) + 0.01·length (run_squad.py's rule)."""
-    best: dict[int, tuple[float, int]] = {}
+    token in a window is min(left, right context) + 0.01·length (run_squad.py's rule; a tie goes to
+    the first window)."""
+    end = max(start + length for start, length in spans)
+    pos = np.arange(end)
+    score = np.full((len(spans), end), -np.inf)
     for w, (start, length) in enumerate(spans):
-        for pos in range(start, start + length):
-            score = min(pos - start, start + length - 1 - pos) + 0.01 * length
-            if pos not in best or score > best[pos][0]:
-                best[pos] = (score, w)
-    return [np.array([best[p][1] == w for p in range(start, start + length)], dtype=bool)
-            for w, (start, length) in enumerate(spans)]
+        p = pos[start : start + length]
+        score[w, start : start + length] = np.minimum(p - start, start + length - 1 - p) + 0.01 * length
+    owner = score.argmax(axis=0)  # the first of equal maxima
+    return [owner[start : start + length] == w for w, (start, length) in enumerate(spans)]
 
 
-def char_to_token_span(offsets: Sequence[tuple[int, int]], start_char: int, end_char: int) -> tuple[int, int] | None:
+@functools.lru_cache(maxsize=4096)
+def _windows(n_tokens: int, max_tokens: int, doc_stride: int) -> tuple[list[tuple[int, int]], list[np.ndarray]]:
+    """``window_starts`` and their ``max_context_mask``, shared (read-only) by every question whose
+    context and question lengths give the same windows."""
+    spans = window_starts(n_tokens, max_tokens, doc_stride)
+    masks = max_context_mask(spans)
+    for m in masks:
+        m.flags.writeable = False
+    return spans, masks
+
+
+def char_to_token_span(offsets: Sequence[tuple[int, int]] | np.ndarray, start_char: int,
+                       end_char: int) -> tuple[int, int] | None:
     """First and last context token overlapping the characters [start_char, end_char)."""
-    first = last = None
-    for i, (s, e) in enumerate(offsets):
-        if e > start_char and s < end_char:
-            if first is None:
-                first = i
-            last = i
-    return None if first is None else (first, last)
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    hit = np.flatnonzero((offsets[:, 1] > start_char) & (offsets[:, 0] < end_char))
+    return None if not len(hit) else (int(hit[0]), int(hit[-1]))
 
 
 @dataclass
@@ -229,8 +239,7 @@ def featurize(data: SquadData, tokenizer, cfg: SquadConfig, *, training: bool, p
             if max_tokens <= 0:
                 raise BertctlError(f"max_seq_length {cfg.max_seq_length} leaves no room for context after a "
                                    f"{len(q_ids)}-token question")
-            spans = window_starts(len(ctx.ids), max_tokens, cfg.doc_stride)
-            masks = max_context_mask(spans)
+            spans, masks = _windows(len(ctx.ids), max_tokens, cfg.doc_stride)
             answer_tokens = None
             if training and not ex.is_impossible:
                 text, start = ex.answers[0]
