@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -310,12 +311,19 @@ def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
               "--batch-size", "10", "--dropout", "0", "--device", "cpu", "--no-progress", "--no-tensorboard",
               "--output"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
     one = subprocess.run([sys.executable, "-m", "bertctl", *common, str(tmp_path / "one"), "--micro-batch-size", "5"],
                          env=env, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t0
     assert one.returncode == 0, one.stderr
     two = torchrun([*common, str(tmp_path / "two"), "--micro-batch-size", "2"], env)
     assert two.returncode == 0, two.stderr
     m1, m2 = json.loads(one.stdout), json.loads(two.stdout)  # rank 0 prints once
+    # The run's own account of its wall time, against this process's clock around it.
+    seconds = m1["seconds"]
+    assert 0 < seconds["training_steps"] and 0 < seconds["evaluations"]
+    assert seconds["training_steps"] + seconds["evaluations"] < seconds["since_process_start"] <= wall + 0.05
+    assert json.loads((tmp_path / "one" / "metrics.json").read_text())["seconds"] == seconds
     assert m2["device"]["world_size"] == 2 and m2["accuracy"] == m1["accuracy"]
     w1, w2 = (load_file(tmp_path / d / "model" / "model.safetensors") for d in ("one", "two"))
     for k in w1:

@@ -203,5 +203,26 @@ def emit_metrics(output: Path | None, metrics: dict) -> None:
     sys.stdout.flush()
 
 
+def run_seconds(outcome: SweepOutcome) -> dict:
+    """Where the run's wall time went, for ``metrics.json``: since this process started (None where
+    /proc is not there), in training steps (CUDA-graph captures included) and in the epoch-end
+    evaluations; with an lr sweep, the kept run's steps and evaluations."""
+    r = outcome.result
+    return {"since_process_start": _process_age(), "training_steps": round(r.train_seconds, 3),
+            "evaluations": round(r.eval_seconds, 3)}
+
+
+def _process_age() -> float | None:
+    """Wall seconds since this process started, from the kernel's clock (Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)
+
+
 def device_for(cfg: TrainConfig) -> torch.device:
     return resolve_device(cfg.device)

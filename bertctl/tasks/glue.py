@@ -457,7 +457,8 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
             write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
         result = {"task": data.task.name, **metrics, "lr": outcome.lr, "epochs": outcome.result.epochs,
                   "batch_size": cfg.batch_size, "seed": cfg.seed, "train_examples": len(train_features),
-                  "train_examples_per_second": outcome.result.examples_per_second, "device": device_info()}
+                  "train_examples_per_second": outcome.result.examples_per_second,
+                  "seconds": common.run_seconds(outcome), "device": device_info()}
         if len(outcome.sweep) > 1:
             result["lr_sweep"] = outcome.sweep
         if skipped:

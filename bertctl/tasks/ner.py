@@ -221,7 +221,8 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         result.update(lr=outcome.lr, epochs=outcome.result.epochs, best_epoch=(outcome.result.best or {}).get("epoch"),
                       batch_size=tcfg.batch_size, seed=tcfg.seed, train_sentences=len(train.sentences),
-                      train_examples_per_second=outcome.result.examples_per_second, device=device_info())
+                      train_examples_per_second=outcome.result.examples_per_second,
+                      seconds=common.run_seconds(outcome), device=device_info())
         if train_feats.truncated_words:
             result["train_truncated_words"] = train_feats.truncated_words
         if len(outcome.sweep) > 1:

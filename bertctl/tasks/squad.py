@@ -426,7 +426,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
                   "epochs": outcome.result.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
                   "train_questions": len(train.examples), "train_features": len(train_features),
                   "dev_questions": len(dev.examples), "train_examples_per_second": outcome.result.examples_per_second,
-                  **_report(train), "device": device_info()}
+                  **_report(train), "seconds": common.run_seconds(outcome), "device": device_info()}
         if len(outcome.sweep) > 1:
             result["lr_sweep"] = outcome.sweep
         log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})

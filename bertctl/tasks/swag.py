@@ -156,7 +156,8 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
         result = {"task": "swag", "accuracy": accuracy(logits.argmax(-1), gold), "lr": outcome.lr,
                   "epochs": outcome.result.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
                   "train_examples": len(train), "dev_examples": len(dev),
-                  "train_examples_per_second": outcome.result.examples_per_second, "device": device_info()}
+                  "train_examples_per_second": outcome.result.examples_per_second,
+                  "seconds": common.run_seconds(outcome), "device": device_info()}
         if len(outcome.sweep) > 1:
             result["lr_sweep"] = outcome.sweep
         log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})

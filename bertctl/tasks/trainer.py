@@ -80,6 +80,7 @@ class TrainResult:
     train_seconds: float = 0.0  # training steps only (no evaluation, no featurisation)
     steps: int = 0
     epochs: float = 0.0  # epochs actually trained (a --max-steps run stops early)
+    eval_seconds: float = 0.0  # the epoch-end evaluations (this process's wait for them under torchrun)
 
     @property
     def examples_per_second(self) -> float:
@@ -263,6 +264,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     history: list[dict] = []
     best: dict | None = None
     best_state: dict | None = None
+    eval_seconds = 0.0
     if resume:
         latest = state.latest_checkpoint(run_dir) if run_dir else None
         if latest is None:
@@ -282,13 +284,15 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
         engine.save(extra, {"epoch": engine.step / per_epoch}, reason, wait=reason == "interrupted")
 
     def after_step(step: int) -> None:
-        nonlocal best, best_state
+        nonlocal best, best_state, eval_seconds
         if step % per_epoch and step != steps:
             return
         metrics = None
         if evaluate is not None:
+            t0 = time.perf_counter()
             metrics = evaluate(model) if dist.is_main else None
             metrics = distributed.broadcast_from_main(metrics, dist)
+            eval_seconds += time.perf_counter() - t0
             record = {"epoch": round(step / per_epoch, 4), "step": step, **metrics}
             history.append(record)
             log.log(event="eval", **record)
@@ -327,7 +331,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     elif history:
         best = history[-1]
     return TrainResult(model, history, best, result.sequences, result.train_seconds, engine.step,
-                       round(engine.step / per_epoch, 4))
+                       round(engine.step / per_epoch, 4), eval_seconds)
 
 
 def lr_sweep_values(lr_sweep: bool, lr: float) -> list[float]:
