@@ -304,10 +304,10 @@ def decode(data: SquadData, features: Sequence[dict], logits: Sequence[tuple[np.
             scores = s_ctx[top_s][:, None] + e_ctx[top_e][None, :]
             flat = np.flatnonzero(ok)
             flat = flat[np.argsort(-scores.ravel()[flat], kind="stable")[:k]]  # only k can reach the n-best
-            for i, j in zip(*np.unravel_index(flat, ok.shape)):
-                a = f["_span_start"] + int(top_s[i])
-                b = f["_span_start"] + int(top_e[j])
-                candidates.append((float(scores[i, j]), int(ctx.offsets[a][0]), int(ctx.offsets[b][1])))
+            i, j = np.unravel_index(flat, ok.shape)
+            first = ctx.offsets[f["_span_start"] + top_s[i], 0]
+            last = ctx.offsets[f["_span_start"] + top_e[j], 1]
+            candidates += zip(scores[i, j].astype(np.float64).tolist(), first.tolist(), last.tolist())
         candidates.sort(key=lambda c: -c[0])
         nbest, seen = [], set()
         for score, a, b in candidates:
