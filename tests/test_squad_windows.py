@@ -89,6 +89,20 @@ def test_char_to_token_span_matches_a_scan_of_the_offsets():
         assert squad.char_to_token_span(np.asarray(offsets), a, b) == want
 
 
+def test_contexts_tokenised_in_workers_as_in_one_process(tokenizer, monkeypatch):
+    data = squad.read_squad(data_path("squad", "dev-v1.1.json"))
+    contexts = data.contexts[:300]
+    one = squad.tokenize_contexts(contexts, tokenizer, workers=1)
+    monkeypatch.setattr(squad, "PARALLEL_CHARS", 0)
+    two = squad.tokenize_contexts(contexts, tokenizer, workers=2)
+    assert len(two) == len(one) == 300
+    for a, b in zip(one, two):
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.offsets, b.offsets)
+    first = one[0]
+    assert tokenizer.convert_ids_to_tokens(first.ids[:3].tolist()) == tokenizer.tokenize(contexts[0])[:3]
+
+
 def test_split_file_structure_and_article_filter():
     split = data_path("squad", "split.json")
     titles = squad.read_article_titles(f"{split}:train")

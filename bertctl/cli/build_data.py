@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from bertctl.cli.options import WORKERS, usable_cpus
+from bertctl.cli.options import WORKERS
+from bertctl.workers import usable_cpus
 
 
 def register(app: typer.Typer) -> None:

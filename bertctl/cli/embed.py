@@ -6,6 +6,7 @@ from pathlib import Path
 import typer
 
 from bertctl.cli import options as opt
+from bertctl.workers import usable_cpus
 from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES
 
 
@@ -74,7 +75,7 @@ def register(app: typer.Typer) -> None:
             model, pooling=pooling, layers=layers, normalize=normalize, prompt=prompt, prompt_name=prompt_name,
             max_length=old_max_length if max_seq_length is None else max_seq_length, batch_size=batch_size,
             batch_tokens=batch_tokens, precision=old_dtype or precision, device=device, backend=backend,
-            workers=workers or opt.usable_cpus())
+            workers=workers or usable_cpus())
         if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
         check_writable(output)  # before the model runs, not after

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import typer
 
 from bertctl.errors import BertctlError
+from bertctl.workers import usable_cpus
 
 ATTN = typer.Option("auto", "--attn", help="Attention: sdpa (PyTorch's fused attention), explicit, unpadded (the "
                     "encoder runs on the real tokens only; on a GPU with FlashAttention's variable-length kernel), "
@@ -44,11 +45,6 @@ TENSORBOARD = typer.Option(None, "--tensorboard/--no-tensorboard", help="TensorB
                            "OUT/tensorboard/ beside metrics.jsonl.", show_default="on when tensorboard is installed")
 DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dropout.",
                        show_default="the checkpoint's, 0.1 for BERT")
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity, which containers narrow), not the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 WORKERS = typer.Option(None, "--workers", min=1, help="Worker processes (the output does not depend on it).",

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from bertctl.cli.options import NO_PROGRESS, WORKERS, usable_cpus
+from bertctl.cli.options import NO_PROGRESS, WORKERS
+from bertctl.workers import usable_cpus
 from bertctl.errors import BertctlError
 
 tokenize_app = typer.Typer(
