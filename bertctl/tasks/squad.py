@@ -29,7 +29,7 @@ from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import squad_v1_evaluate, squad_v2_evaluate
 from bertctl.tasks.trainer import TrainConfig, device_info, predict
-from bertctl.workers import usable_cpus, worker_pool
+from bertctl.workers import map_in_order, usable_cpus
 
 NULL_THRESHOLD_KEY = "squad_null_score_diff_threshold"
 
@@ -215,7 +215,6 @@ class ContextTokens:
 #: Characters of context below which tokenising stays in this process (starting workers costs more
 #: than it saves): the SQuAD v1.1 train set is about 14 M, the shared split's halves 0.7 M each.
 PARALLEL_CHARS = 2_000_000
-_worker_tokenizer = None
 
 
 def _context_tokens(tokenizer, context: str) -> ContextTokens:
@@ -224,38 +223,15 @@ def _context_tokens(tokenizer, context: str) -> ContextTokens:
                          np.asarray(offsets, dtype=np.int64).reshape(-1, 2))
 
 
-def _init_worker(tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-
-
-def _tokenize_chunk(contexts: list[str]) -> list[ContextTokens]:
-    return [_context_tokens(_worker_tokenizer, c) for c in contexts]
-
-
 def tokenize_contexts(contexts: Sequence[str], tokenizer, progress: bool = False,
                       workers: int | None = None) -> list[ContextTokens]:
     """Each context's token ids and character offsets, in ``workers`` processes (default: the usable
-    CPUs) once there is enough text; in order, so the result does not depend on their number."""
+    CPUs) once there is enough text to pay for starting them."""
     workers = usable_cpus() if workers is None else workers
-    out: list[ContextTokens] = []
-    if workers <= 1 or sum(map(len, contexts)) < PARALLEL_CHARS:
-        with track("tokenize contexts", len(contexts), disable=not progress) as advance:
-            for c in contexts:
-                out.append(_context_tokens(tokenizer, c))
-                advance(1)
-        return out
-    size = -(-len(contexts) // (8 * workers))  # 8 chunks a worker: an even finish
-    pool = worker_pool(workers, _init_worker, (tokenizer,))  # before the progress bar's thread
-    try:
-        with track("tokenize contexts", len(contexts), disable=not progress) as advance:
-            for part in pool.imap(_tokenize_chunk, [list(contexts[i:i + size]) for i in range(0, len(contexts), size)]):
-                out += part
-                advance(len(part))
-    finally:
-        pool.terminate()
-        pool.join()
-    return out
+    if sum(map(len, contexts)) < PARALLEL_CHARS:
+        workers = 1
+    return map_in_order(functools.partial(_context_tokens, tokenizer), contexts, workers=workers,
+                        label="tokenize contexts", progress=progress)
 
 
 def featurize(data: SquadData, tokenizer, cfg: SquadConfig, *, training: bool, progress: bool = False,
