@@ -309,7 +309,7 @@ def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
 
     common = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--max-steps", "4",
               "--batch-size", "10", "--dropout", "0", "--device", "cpu", "--no-progress", "--no-tensorboard",
-              "--output"]
+              "--eval-batch-tokens", "128", "--output"]  # the 40 dev rows in several batches, which the ranks share
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     one = subprocess.run([sys.executable, "-m", "bertctl", *common, str(tmp_path / "one"), "--micro-batch-size", "5"],
@@ -330,6 +330,12 @@ def test_two_gloo_processes_fine_tune_like_one(tiny, sst2, tmp_path):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
     evals = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["event"] == "final" for r in evals) == 1  # one writer
+    # The epoch-end evaluation, shared by the two processes, scores as one process's.
+    one_evals = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["accuracy"] for r in evals if r["event"] == "eval"] == [
+        r["accuracy"] for r in one_evals if r["event"] == "eval"] != []
+    preds = [(tmp_path / d / "predictions_sst2.tsv").read_text() for d in ("one", "two")]
+    assert preds[0] == preds[1]
 
 
 @pytest.mark.cuda

@@ -447,7 +447,7 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
     with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
-        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model
         metrics, preds = last.reuse(outcome) or evaluate_devs(model, data, tokenizer, cfg, label_names,

@@ -206,7 +206,7 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
         outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
                                           main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
                                           resume=resume, log=log)
-        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model
         result = {"task": "ner", "labels": labels}

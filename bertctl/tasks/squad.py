@@ -424,7 +424,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
     with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, tcfg, evaluate=evaluate, main_metric=main,
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
-        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model
         preds = last.reuse(outcome) or decode(dev, dev_features, _logits(model, dev_features, tcfg, tcfg.progress),

@@ -145,7 +145,7 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
     with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
-        if not outcome.is_main:  # under torchrun rank 0 evaluates and writes
+        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model
         logits = last.reuse(outcome)

@@ -10,12 +10,14 @@ A task is a model with a fresh head, featurised examples (dicts of numpy arrays,
 ``micro_batch_size``, bf16/fp16/fp32, compile, exact resume and the metrics log. Batches are
 random (Hugging Face Trainer's order) and padded to their own longest row; ``group_by_length``
 (Hugging Face's ``LengthGroupedSampler`` scheme) trades a little randomness for less padding.
-Evaluation runs at every epoch end on the main process; a checkpoint is written there too
+Evaluation runs at every epoch end, under torchrun shared by the processes (each predicts a share of
+the batches, all score the whole); a checkpoint is written there too
 (``OUT/checkpoints/step-N``), so ``resume=True`` continues exactly: batch order is a pure
 function of (seed, epoch), dropout of (seed, step, rank).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -80,7 +82,7 @@ class TrainResult:
     train_seconds: float = 0.0  # training steps only (no evaluation, no featurisation)
     steps: int = 0
     epochs: float = 0.0  # epochs actually trained (a --max-steps run stops early)
-    eval_seconds: float = 0.0  # the epoch-end evaluations (this process's wait for them under torchrun)
+    eval_seconds: float = 0.0  # the epoch-end evaluations
 
     @property
     def examples_per_second(self) -> float:
@@ -130,6 +132,23 @@ def _dist(cfg: TrainConfig) -> distributed.Dist:
 
 # ------------------------------------------------------------------------------------ prediction
 
+# The processes that share the evaluation in progress (fine-tuning's epoch ends under torchrun), or
+# None: ``predict`` then runs every batch here.
+_eval_shards: distributed.Dist | None = None
+
+
+@contextlib.contextmanager
+def sharded_predictions(dist: distributed.Dist):
+    """Inside, ``predict`` on each of ``dist``'s processes runs every ``world_size``-th of its batches
+    (longest first, so the shares are even) and all of them receive every result. Every process must
+    then make the same ``predict`` calls, as evaluating the same features does."""
+    global _eval_shards
+    previous, _eval_shards = _eval_shards, (dist if dist.enabled else None)
+    try:
+        yield
+    finally:
+        _eval_shards = previous
+
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequence[str] = ("logits",),
@@ -140,7 +159,8 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
     output fields; with ``per_token`` the arrays are cut back to the feature's own length (token
     classification, QA logits). Features go longest first, in batches of at most ``batch_size`` and
     ``batch_tokens`` padded tokens (``embed``'s budget: by default 1024 on the CPU, where long batches
-    run slower, 65536 on a GPU); a multiple-choice feature counts its choices' tokens."""
+    run slower, 65536 on a GPU); a multiple-choice feature counts its choices' tokens. Within
+    ``sharded_predictions`` the processes split the batches."""
     device = device or next(model.parameters()).device
     precision = resolve_precision(precision, device)
     was_training = model.training
@@ -161,8 +181,12 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
                 results[i] = row
         pending.clear()
 
+    shards = _eval_shards
+    batches = length_batches(cost, batch_size, budget)
+    if shards is not None:
+        batches = batches[shards.rank::shards.world_size]
     with track(description, len(features), disable=not progress) as advance, varied_shapes():
-        for idx in length_batches(cost, batch_size, budget):
+        for idx in batches:
             batch = collate([features[i] for i in idx])
             if device.type == "cuda":  # pinned: the copy queues behind the GPU's work instead of waiting for it
                 batch = {k: v.pin_memory() for k, v in batch.items()}
@@ -183,6 +207,11 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
                 flush()
             advance(len(idx))
         flush()
+    if shards is not None:
+        mine = [(int(i), results[i]) for idx in batches for i in idx]
+        for part in distributed.all_gather_objects(mine, shards):
+            for i, row in part:
+                results[i] = row
     model.train(was_training)
     return results  # type: ignore[return-value]
 
@@ -229,7 +258,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
               evaluate: Callable[[torch.nn.Module], dict] | None = None, main_metric: str | None = None,
               output_dir: str | Path | None = None, resume: bool = False,
               log: MetricsLog | None = None) -> TrainResult:
-    """Fine-tune ``model`` on ``train_features``; evaluate after every epoch (on the main process).
+    """Fine-tune ``model`` on ``train_features``; evaluate after every epoch (shared by the processes).
 
     ``evaluate(model)`` returns a metrics dict; ``main_metric`` names the key that picks the best
     epoch when ``cfg.select_best``. Checkpoints go to ``output_dir/checkpoints/`` (epoch ends,
@@ -290,8 +319,8 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
         metrics = None
         if evaluate is not None:
             t0 = time.perf_counter()
-            metrics = evaluate(model) if dist.is_main else None
-            metrics = distributed.broadcast_from_main(metrics, dist)
+            with sharded_predictions(dist):  # every process predicts a share and scores the whole
+                metrics = evaluate(model)
             eval_seconds += time.perf_counter() - t0
             record = {"epoch": round(step / per_epoch, 4), "step": step, **metrics}
             history.append(record)

@@ -80,12 +80,13 @@ def gather_to_main(obj, d: Dist) -> list | None:
     return out
 
 
-def broadcast_from_main(obj, d: Dist):
+def all_gather_objects(obj, d: Dist) -> list:
+    """Every rank's ``obj`` (pickled), in rank order, on every rank."""
     if not d.enabled:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_parameters(model: torch.nn.Module, d: Dist) -> None:
