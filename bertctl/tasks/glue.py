@@ -392,12 +392,14 @@ def _report_skips(reports: Sequence[ReadReport]) -> dict:
 
 
 def evaluate_devs(model, data: GlueData, tokenizer, cfg: TrainConfig, label_names, max_seq_length: int,
-                  progress: bool) -> tuple[dict, dict]:
-    """Metrics per dev file (MNLI: matched and mismatched) and the predictions for writing."""
+                  progress: bool, features: dict[str, list[dict]] | None = None) -> tuple[dict, dict]:
+    """Metrics per dev file (MNLI: matched and mismatched) and the predictions for writing;
+    ``features``: the dev files' features by name, made once for a run's every evaluation."""
     metrics, preds = {}, {}
     regression = data.task.labels is None
     for name, _, examples in data.devs:
-        feats = featurize(examples, tokenizer, data.task, max_seq_length, label_names=label_names)
+        feats = features[name] if features is not None else featurize(examples, tokenizer, data.task, max_seq_length,
+                                                                       label_names=label_names)
         p = _predictions(model, feats, cfg, regression, progress)
         preds[name] = p
         if any(e.label is None for e in examples):  # unlabelled (test) file: predictions only
@@ -441,8 +443,12 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
 
     last = common.LastEvaluation()
 
+    dev_features = {name: featurize(examples, tokenizer, data.task, max_seq_length, label_names=label_names)
+                    for name, _, examples in data.devs}
+
     def evaluate(model):
-        return last.keep(model, evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False))[0]
+        return last.keep(model, evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False,
+                                              dev_features))[0]
 
     with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
@@ -451,7 +457,7 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
             return {}
         model = outcome.result.model
         metrics, preds = last.reuse(outcome) or evaluate_devs(model, data, tokenizer, cfg, label_names,
-                                                              max_seq_length, cfg.progress)
+                                                              max_seq_length, cfg.progress, dev_features)
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         for name, path, examples in data.devs:
             write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
