@@ -181,30 +181,88 @@ def test_gradients_flow_through_both_backends():
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
 
 
-def test_split_heads_matches_autograds_permute():
-    """SplitHeads gives the views of view/permute/unbind, and the same gradient (float64, bit for bit), also when one
-    of q, k, v gets none, and under torch.compile(fullgraph=True)."""
-    from bertctl.model import SplitHeads
+@pytest.mark.parametrize("widths", [(8, 8, 8), (24,)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
+    """InputProjection gives F.linear's column blocks and x, and the gradients autograd gives for a linear layer
+    whose input is also used as a residual (float64, to rounding): with the residual's gradient accumulated in
+    place or (expanded, absent) out of place, a block without a gradient, the blocks' gradients in
+    (B, S, nh, hs) memory as the GPU attention kernels return them, an input of another dtype than the
+    weight, and under torch.compile(fullgraph=True). The caller's gradients are left as they were."""
+    from bertctl.model import InputProjection
 
     torch.manual_seed(0)
-    B, S, nh, hs = 3, 5, 4, 8
-    qkv = torch.randn(B, S, 3 * nh * hs, dtype=torch.float64, requires_grad=True)
-    plain = lambda t: t.view(B, S, 3, nh, hs).permute(2, 0, 3, 1, 4).unbind(0)  # noqa: E731
-    split = lambda t: SplitHeads.apply(t, nh)  # noqa: E731
-    for a, b in zip(split(qkv), plain(qkv)):
-        assert torch.equal(a, b) and a.shape == (B, nh, S, hs)
-    grads = [torch.randn(B, nh, S, hs, dtype=torch.float64) for _ in range(3)]
-    # as the GPU attention kernels return them: the same values in (B, S, nh, hs) memory (the concatenating path)
-    bshd = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grads]
-    for given in (grads, bshd):
-        for used in ((0, 1, 2), (0, 2)):
-            ours, theirs = split(qkv), plain(qkv)  # one call each: the three outputs of one node
-            want = torch.autograd.grad([theirs[i] for i in used], qkv, [given[i] for i in used])[0]
-            got = torch.autograd.grad([ours[i] for i in used], qkv, [given[i] for i in used])[0]
-            assert torch.equal(got, want)
-    f = torch.compile(lambda t: sum((x * g).sum() for x, g in zip(split(t), grads)), fullgraph=True)
-    want = torch.autograd.grad(sum((x * g).sum() for x, g in zip(plain(qkv), grads)), qkv)[0]
-    torch.testing.assert_close(torch.autograd.grad(f(qkv), qkv)[0], want, rtol=0, atol=0)
+    B, S, H = 3, 5, 16
+    N = sum(widths)
+    x0 = torch.randn(B, S, H, dtype=torch.float64)
+    w0, b0 = torch.randn(N, H, dtype=torch.float64), torch.randn(N, dtype=torch.float64)
+
+    def leaves(x_dtype=torch.float64):
+        return (x0.to(x_dtype).requires_grad_(), w0.clone().requires_grad_(),
+                b0.clone().requires_grad_() if with_bias else None)
+
+    def ours(x, w, b, owned=False):
+        return InputProjection.apply(x, w, b, widths, owned)
+
+    def plain(x, w, b):
+        y = torch.nn.functional.linear(x, w, b)
+        return (*y.split(widths, dim=-1), x)
+
+    def inputs(x, w, b):
+        return [t for t in (x, w, b) if t is not None]
+
+    for a, e in zip(ours(*leaves()), plain(*leaves())):
+        assert torch.equal(a, e)
+    block_grads = [torch.randn(B, S, n, dtype=torch.float64) for n in widths]
+    heads = [g.view(B, S, 2, n // 2).transpose(1, 2).contiguous().transpose(1, 2).reshape(B, S, n)
+             for g, n in zip(block_grads, widths)]  # the same values through (B, nh, S, hs) views
+    residual_grads = {"contiguous": torch.randn(B, S, H, dtype=torch.float64),
+                      "expanded": torch.randn(1, 1, H, dtype=torch.float64).expand(B, S, H), "absent": None}
+    for name, g_r in residual_grads.items():
+        for used in ([0, 1, 2][:len(widths)], [0, 2] if len(widths) == 3 else [0]):
+            given = [block_grads[i] for i in used] + ([] if g_r is None else [g_r])
+            kept = [g.clone() for g in given]
+            pick = lambda outs: [outs[i] for i in used] + ([] if g_r is None else [outs[-1]])  # noqa: E731
+            xs, xp = leaves(), leaves()
+            got = torch.autograd.grad(pick(ours(*xs)), inputs(*xs), given)
+            want = torch.autograd.grad(pick(plain(*xp)), inputs(*xp), given)
+            for a, e in zip(got, want):
+                torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+            assert all(torch.equal(g, k) for g, k in zip(given, kept)), name
+    xs, xp = leaves(), leaves()
+    got = torch.autograd.grad(ours(*xs)[:-1], inputs(*xs), heads)
+    want = torch.autograd.grad(plain(*xp)[:-1], inputs(*xp), block_grads)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    # The residual into a LayerNorm, as the model uses it: its gradient accumulated into in place.
+    ln = torch.nn.LayerNorm(H, dtype=torch.float64)
+    out_proj = torch.randn(widths[0], H, dtype=torch.float64)  # the sub-layer's output matmul, before its LayerNorm
+    for sub in ("the residual alone", "the sub-layer's output"):
+        xs, xp = leaves(), leaves()
+        outs = [ours(*xs, owned=True), plain(*xp)]
+        losses = [((ln(o[-1] + (o[0] @ out_proj if sub == "the sub-layer's output" else 0))
+                    * residual_grads["contiguous"]).sum()
+                   + sum((t * g).sum() for t, g in zip(o[:-1], block_grads))) for o in outs]
+        got, want = (torch.autograd.grad(loss, inputs(*v)) for loss, v in zip(losses, (xs, xp)))
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    # x in float32, the weight in float64: the residual and dx keep x's dtype
+    xs, xp = leaves(torch.float32), leaves(torch.float32)
+    outs = ours(*xs)
+    assert outs[-1].dtype == torch.float32 and outs[0].dtype == torch.float64
+    g_r = torch.randn(B, S, H)
+    dx = torch.autograd.grad([*outs[:1], outs[-1]], xs[0], [block_grads[0], g_r])[0]
+    want = g_r.double() + block_grads[0] @ w0[:widths[0]]
+    assert dx.dtype == torch.float32
+    torch.testing.assert_close(dx.double(), want, rtol=1e-6, atol=1e-6)
+    # compiled
+    xs, xp = leaves(), leaves()
+    f = torch.compile(lambda *t: sum((o * g).sum() for o, g in zip(ours(*t), [*block_grads, g_r.double()])),
+                      fullgraph=True)
+    want = torch.autograd.grad(sum((o * g).sum() for o, g in zip(plain(*xp), [*block_grads, g_r.double()])),
+                               inputs(*xp))
+    for a, e in zip(torch.autograd.grad(f(*xs), inputs(*xs)), want):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("V", [30522, 96, 13])
