@@ -255,6 +255,14 @@ def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
     want = g_r.double() + block_grads[0] @ w0[:widths[0]]
     assert dx.dtype == torch.float32
     torch.testing.assert_close(dx.double(), want, rtol=1e-6, atol=1e-6)
+    # first and second derivatives by finite differences (float64): the backward is differentiable, and with
+    # into_residual_grad it accumulates out of place while a graph is being built
+    small = (torch.randn(2, 3, H, dtype=torch.float64, requires_grad=True), w0.clone().requires_grad_(),
+             b0.clone().requires_grad_() if with_bias else None)
+    f = lambda x, w, b=None: InputProjection.apply(x, w, b, widths, False)  # noqa: E731
+    assert torch.autograd.gradcheck(f, inputs(*small)) and torch.autograd.gradgradcheck(f, inputs(*small))
+    f = lambda x, w, b=None: InputProjection.apply(x, w, b, widths, True)  # noqa: E731
+    assert torch.autograd.gradgradcheck(f, inputs(*small))
     # compiled
     xs, xp = leaves(), leaves()
     f = torch.compile(lambda *t: sum((o * g).sum() for o, g in zip(ours(*t), [*block_grads, g_r.double()])),
