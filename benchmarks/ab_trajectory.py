@@ -2,7 +2,8 @@
 (``--trees OLD,NEW``), one process at a time on the CPU, and their outputs are compared exactly:
 every logged training loss, every evaluation record, the final metrics (timings and dates left out)
 and the prediction files byte for byte. A change that should leave the maths alone (host work,
-logging, the CLI) must give identical runs; any difference is reported with the first step it shows.
+logging, the CLI) must give identical runs; any difference is reported with the first step it shows, the
+largest relative difference between the two runs' losses, and both runs' last evaluations.
 
 The jobs: fine-tuning all-MiniLM-L6-v2 on SST-2, CoNLL-2003 and the SQuAD split for a few dozen steps,
 and pretraining the built-in job's tiny model for a fixed number of steps.
@@ -63,6 +64,7 @@ def first_difference(a: list, b: list) -> str | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trees", required=True, help="two checkouts, OLD,NEW")
+    p.add_argument("--labels", help="OLD,NEW: the trees' commits, where a tree is not a git checkout of its own")
     p.add_argument("--work", type=Path, default=Path("/tmp/ab-trajectory"))
     p.add_argument("--jobs", default="sst2,conll,squad,pretrain")
     p.add_argument("-o", "--output", type=Path, required=True)
@@ -90,14 +92,19 @@ def main() -> None:
             runs.append((outputs(out), round(time.perf_counter() - t0, 1)))
         (old, t_old), (new, t_new) = runs
         losses = [r.get("loss") for r in new["log"] if r.get("event") == "train"]
+        old_losses = [r.get("loss") for r in old["log"] if r.get("event") == "train"]
         evals = [r for r in new["log"] if r.get("event") in ("eval", "final")]
+        old_evals = [r for r in old["log"] if r.get("event") in ("eval", "final")]
         report[name] = {
             "identical_log": old["log"] == new["log"],
             "first_difference": first_difference(old["log"], new["log"]),
+            "max_relative_loss_difference": max((abs(a - b) / max(abs(b), 1e-30) for a, b in zip(old_losses, losses)),
+                                                default=None),
             "prediction_files": sorted(new["files"]),
             "identical_prediction_files": old["files"] == new["files"],
             "train_records": len(losses), "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None, "evaluations": evals[-2:],
+            "last_loss": losses[-1] if losses else None,
+            "evaluations": {"old": old_evals[-2:], "new": evals[-2:]},
             "wall_seconds": {"old": t_old, "new": t_new},
         }
         print(name, {k: v for k, v in report[name].items() if k != "evaluations"}, file=sys.stderr)
@@ -105,8 +112,9 @@ def main() -> None:
     from bertctl.bench import harness
     from bertctl.io import write_json
 
-    commits = [subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() for t in trees]
+    commits = a.labels.split(",") if a.labels else [
+        subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
+                       text=True).stdout.strip() for t in trees]
     write_json(a.output, {"benchmark": "ab-trajectory", "device": harness.device_block("cpu"),
                           "trees": {"old": commits[0], "new": commits[1]}, "jobs": jobs(a.work), "results": report})
 
