@@ -10,10 +10,13 @@
 // The backward ops are differentiable once: under create_graph their outputs get
 // a node that raises if it is ever reached, instead of the silently missing
 // second-order terms of an op without an autograd kernel.
+#include <ATen/Dispatch.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -66,6 +69,13 @@ LayerNormOut layer_norm_backward_op(const Tensor& grad_y, const Tensor& x, const
   return handle.call(grad_y, x, residual, weight, mean, rstd);
 }
 
+LayerNormOut layer_norm_backward_from_output_op(const Tensor& grad_y, const Tensor& y, const Tensor& weight,
+                                                const Tensor& bias, const Tensor& rstd) {
+  static const auto handle = op<LayerNormOut(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                             const Tensor&)>("bertctl::layer_norm_backward_from_output");
+  return handle.call(grad_y, y, weight, bias, rstd);
+}
+
 Tensor bias_gelu_op(const Tensor& x, const Tensor& bias, std::string approximate) {
   static const auto handle = op<Tensor(const Tensor&, const Tensor&, std::string)>("bertctl::bias_gelu");
   return handle.call(x, bias, approximate);
@@ -103,6 +113,45 @@ BdalnGrads bias_dropout_add_layer_norm_backward_op(const Tensor& grad_y, const T
                                            const Tensor&, const Tensor&, double, const std::optional<Tensor>&)>(
       "bertctl::bias_dropout_add_layer_norm_backward");
   return handle.call(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
+}
+
+BdalnGrads bias_dropout_add_layer_norm_backward_from_output_op(const Tensor& grad_y, const Tensor& y,
+                                                               const Tensor& bias, const Tensor& weight,
+                                                               const Tensor& ln_bias, const Tensor& rstd, double p,
+                                                               const std::optional<Tensor>& seed) {
+  static const auto handle = op<BdalnGrads(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                           const Tensor&, double, const std::optional<Tensor>&)>(
+      "bertctl::bias_dropout_add_layer_norm_backward_from_output");
+  return handle.call(grad_y, y, bias, weight, ln_bias, rstd, p, seed);
+}
+
+// Whether a LayerNorm's backward works from its output y, xhat = (y - bias) / weight, instead of from
+// its input: then the input need not be kept for the backward (in BERT nothing else keeps the
+// sub-layer's matmul output; y is kept anyway, by the next matmul), and the backward reads one tensor
+// fewer (on the 2-core CPU, LayerNorm+residual forward and backward move 6 activation-sized tensors
+// instead of 7).  Only where that gives xhat as accurately as the input does:
+// - on the CPU (the only kernels), for fp32/fp64 y: a 16-bit y is too coarse to give xhat back;
+// - for ordinary tensors: under torch.compile's tracer or a dispatch mode the weights' values are not
+//   known, and the input is kept;
+// - for weights with every |w| >= 2^-110 and |bias| <= 64 |w|, all finite.  xhat's error is then
+//   that of y's last bit over w, about 2^-24 (|xhat| + 64) in fp32.  (A LayerNorm weight can die:
+//   the last LayerNorm of all-MiniLM-L6-v2 has one w of 5e-33, with its bias 58 times that.)
+bool backward_from_output(const Tensor& y, const Tensor& weight, const Tensor& bias) {
+  const auto dtype = y.scalar_type();
+  if (!y.device().is_cpu() || (dtype != at::kFloat && dtype != at::kDouble)) return false;
+  if (weight.scalar_type() != at::kFloat && weight.scalar_type() != at::kDouble) return false;
+  if (at::areAnyTensorSubclassLike({y, weight, bias})) return false;
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "bertctl_backward_from_output", [&] {
+    const Tensor w = weight.contiguous(), b = bias.to(weight.scalar_type()).contiguous();
+    const scalar_t* wp = w.const_data_ptr<scalar_t>();
+    const scalar_t* bp = b.const_data_ptr<scalar_t>();
+    for (int64_t j = 0; j < w.numel() && ok; ++j) {
+      const double aw = std::abs(static_cast<double>(wp[j])), ab = std::abs(static_cast<double>(bp[j]));
+      ok = std::isfinite(aw) && aw >= 0x1p-110 && ab <= 64 * aw;  // false for a NaN bias too
+    }
+  });
+  return ok;
 }
 
 using CrossEntropyOut = std::tuple<Tensor, Tensor, Tensor>;
@@ -160,9 +209,16 @@ class LayerNorm : public torch::autograd::Function<LayerNorm> {
                                const Tensor& weight, const Tensor& bias, double eps) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [y, mean, rstd] = layer_norm_op(x, residual, weight, bias, eps);
-    // x and residual are kept (not their sum): the backward re-adds them, which moves the same
-    // bytes as reading a saved sum and saves the forward a write.
-    ctx->save_for_backward({x, residual.value_or(Tensor()), weight, mean, rstd});
+    const bool from_output = backward_from_output(y, weight, bias);
+    ctx->saved_data["from_output"] = from_output;
+    ctx->saved_data["has_residual"] = residual.has_value() && residual->defined();
+    if (from_output) {
+      ctx->save_for_backward({y, weight, bias, rstd});
+    } else {
+      // x and residual are kept (not their sum): the backward re-adds them, which moves the same
+      // bytes as reading a saved sum and saves the forward a write.
+      ctx->save_for_backward({x, residual.value_or(Tensor()), weight, mean, rstd});
+    }
     ctx->saved_data["bias_dtype"] = bias.scalar_type();
     // mean and rstd are statistics, never differentiated; with grads left unmaterialised no
     // zero gradients are made for them (two fill kernels per backward otherwise).
@@ -176,12 +232,20 @@ class LayerNorm : public torch::autograd::Function<LayerNorm> {
       return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
     const variable_list saved = ctx->get_saved_variables();
-    const Tensor& residual = saved[1];
-    const std::optional<Tensor> residual_opt = residual.defined() ? std::optional<Tensor>(residual) : std::nullopt;
-    auto [dx, dweight, dbias] = layer_norm_backward_op(grads[0], saved[0], residual_opt, saved[2], saved[3], saved[4]);
+    Tensor dx, dweight, dbias;
+    if (ctx->saved_data["from_output"].toBool()) {
+      std::tie(dx, dweight, dbias) =
+          layer_norm_backward_from_output_op(grads[0], saved[0], saved[1], saved[2], saved[3]);
+    } else {
+      const Tensor& residual = saved[1];
+      const std::optional<Tensor> residual_opt =
+          residual.defined() ? std::optional<Tensor>(residual) : std::nullopt;
+      std::tie(dx, dweight, dbias) =
+          layer_norm_backward_op(grads[0], saved[0], residual_opt, saved[2], saved[3], saved[4]);
+    }
     // dx is also the residual's gradient: LayerNorm sees only their sum.
-    return {dx, residual.defined() ? dx : Tensor(), dweight, dbias.to(ctx->saved_data["bias_dtype"].toScalarType()),
-            Tensor()};
+    return {dx, ctx->saved_data["has_residual"].toBool() ? dx : Tensor(), dweight,
+            dbias.to(ctx->saved_data["bias_dtype"].toScalarType()), Tensor()};
   }
 };
 
@@ -203,7 +267,8 @@ class BiasGelu : public torch::autograd::Function<BiasGelu> {
 };
 
 // Saves x, bias, residual (not their dropped-out sum: the backward recomputes it, and the mask, from
-// (p, seed)), the LayerNorm weight and the statistics.
+// (p, seed)), the LayerNorm weight and the statistics; or, where backward_from_output says so, the
+// output y in place of x and residual (and the LayerNorm bias, to give xhat back).
 class BiasDropoutAddLayerNorm : public torch::autograd::Function<BiasDropoutAddLayerNorm> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& bias, const Tensor& residual,
@@ -211,7 +276,13 @@ class BiasDropoutAddLayerNorm : public torch::autograd::Function<BiasDropoutAddL
                                const std::optional<Tensor>& seed) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [y, mean, rstd] = bias_dropout_add_layer_norm_op(x, bias, residual, weight, ln_bias, eps, p, seed);
-    ctx->save_for_backward({x, bias, residual, weight, mean, rstd, seed.value_or(Tensor())});
+    const bool from_output = backward_from_output(y, weight, ln_bias);
+    ctx->saved_data["from_output"] = from_output;
+    if (from_output) {
+      ctx->save_for_backward({y, bias, ln_bias, weight, rstd, seed.value_or(Tensor())});
+    } else {
+      ctx->save_for_backward({x, bias, residual, weight, mean, rstd, seed.value_or(Tensor())});
+    }
     ctx->saved_data["p"] = p;
     ctx->saved_data["ln_bias_dtype"] = ln_bias.scalar_type();
     ctx->mark_non_differentiable({mean, rstd});
@@ -225,10 +296,16 @@ class BiasDropoutAddLayerNorm : public torch::autograd::Function<BiasDropoutAddL
     }
     const variable_list saved = ctx->get_saved_variables();
     const double p = ctx->saved_data["p"].toDouble();
-    const std::optional<Tensor> seed = saved[6].defined() ? std::optional<Tensor>(saved[6]) : std::nullopt;
-    auto [dx, dbias, dres, dweight, dln_bias] =
-        bias_dropout_add_layer_norm_backward_op(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
-                                                p, seed);
+    const Tensor& seed_saved = saved.back();
+    const std::optional<Tensor> seed = seed_saved.defined() ? std::optional<Tensor>(seed_saved) : std::nullopt;
+    Tensor dx, dbias, dres, dweight, dln_bias;
+    if (ctx->saved_data["from_output"].toBool()) {
+      std::tie(dx, dbias, dres, dweight, dln_bias) = bias_dropout_add_layer_norm_backward_from_output_op(
+          grads[0], saved[0], saved[1], saved[3], saved[2], saved[4], p, seed);
+    } else {
+      std::tie(dx, dbias, dres, dweight, dln_bias) = bias_dropout_add_layer_norm_backward_op(
+          grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], p, seed);
+    }
     // Without dropout x's gradient is the residual's (the op returns it empty).
     return {p > 0 ? dx : dres, dbias, dres, dweight,
             dln_bias.to(ctx->saved_data["ln_bias_dtype"].toScalarType()), Tensor(), Tensor(), Tensor()};
@@ -290,6 +367,19 @@ class LayerNormBackward : public torch::autograd::Function<LayerNormBackward> {
   }
 };
 
+class LayerNormBackwardFromOutput : public torch::autograd::Function<LayerNormBackwardFromOutput> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& y, const Tensor& weight,
+                               const Tensor& bias, const Tensor& rstd) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [dx, dweight, dbias] = layer_norm_backward_from_output_op(grad_y, y, weight, bias, rstd);
+    return {dx, dweight, dbias};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    no_double_backward("bertctl::layer_norm_backward_from_output");
+  }
+};
+
 class BiasGeluBackward : public torch::autograd::Function<BiasGeluBackward> {
  public:
   static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& x, const Tensor& bias,
@@ -313,6 +403,22 @@ class BiasDropoutAddLayerNormBackward : public torch::autograd::Function<BiasDro
   }
   static variable_list backward(AutogradContext*, variable_list) {
     no_double_backward("bertctl::bias_dropout_add_layer_norm_backward");
+  }
+};
+
+class BiasDropoutAddLayerNormBackwardFromOutput
+    : public torch::autograd::Function<BiasDropoutAddLayerNormBackwardFromOutput> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& y, const Tensor& bias,
+                               const Tensor& weight, const Tensor& ln_bias, const Tensor& rstd, double p,
+                               const std::optional<Tensor>& seed) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [dx, dbias, dres, dweight, dln_bias] =
+        bias_dropout_add_layer_norm_backward_from_output_op(grad_y, y, bias, weight, ln_bias, rstd, p, seed);
+    return {dx, dbias, dres, dweight, dln_bias};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    no_double_backward("bertctl::bias_dropout_add_layer_norm_backward_from_output");
   }
 };
 
@@ -346,6 +452,16 @@ LayerNormOut layer_norm_backward_autograd(const Tensor& grad_y, const Tensor& x,
   return {out[0], out[1], out[2]};
 }
 
+LayerNormOut layer_norm_backward_from_output_autograd(const Tensor& grad_y, const Tensor& y, const Tensor& weight,
+                                                      const Tensor& bias, const Tensor& rstd) {
+  if (!at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return layer_norm_backward_from_output_op(grad_y, y, weight, bias, rstd);
+  }
+  const variable_list out = LayerNormBackwardFromOutput::apply(grad_y, y, weight, bias, rstd);
+  return {out[0], out[1], out[2]};
+}
+
 std::tuple<Tensor, Tensor> bias_gelu_backward_autograd(const Tensor& grad_y, const Tensor& x, const Tensor& bias,
                                                        std::string approximate) {
   if (!at::GradMode::is_enabled()) {
@@ -366,6 +482,19 @@ BdalnGrads bias_dropout_add_layer_norm_backward_autograd(const Tensor& grad_y, c
   }
   const variable_list out =
       BiasDropoutAddLayerNormBackward::apply(grad_y, x, bias, residual, weight, mean, rstd, p, seed);
+  return {out[0], out[1], out[2], out[3], out[4]};
+}
+
+BdalnGrads bias_dropout_add_layer_norm_backward_from_output_autograd(const Tensor& grad_y, const Tensor& y,
+                                                                     const Tensor& bias, const Tensor& weight,
+                                                                     const Tensor& ln_bias, const Tensor& rstd,
+                                                                     double p, const std::optional<Tensor>& seed) {
+  if (!at::GradMode::is_enabled()) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return bias_dropout_add_layer_norm_backward_from_output_op(grad_y, y, bias, weight, ln_bias, rstd, p, seed);
+  }
+  const variable_list out =
+      BiasDropoutAddLayerNormBackwardFromOutput::apply(grad_y, y, bias, weight, ln_bias, rstd, p, seed);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 
@@ -428,10 +557,13 @@ TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
   m.impl("bias_gelu", &bias_gelu_autograd);
   m.impl("softmax_backward", &softmax_backward_autograd);
   m.impl("layer_norm_backward", &layer_norm_backward_autograd);
+  m.impl("layer_norm_backward_from_output", &layer_norm_backward_from_output_autograd);
   m.impl("bias_gelu_backward", &bias_gelu_backward_autograd);
   m.impl("dropout", &dropout_autograd);
   m.impl("bias_dropout_add_layer_norm", &bias_dropout_add_layer_norm_autograd);
   m.impl("bias_dropout_add_layer_norm_backward", &bias_dropout_add_layer_norm_backward_autograd);
+  m.impl("bias_dropout_add_layer_norm_backward_from_output",
+         &bias_dropout_add_layer_norm_backward_from_output_autograd);
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("cross_entropy_backward", &cross_entropy_backward_autograd);
 }

@@ -186,8 +186,10 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
     return (x, bias), [x, bias]
 
 
-def min_bytes(case: Case, mode: str, itemsize: int) -> int:
-    """Fewest bytes an implementation must move: each input read once, each output written once."""
+def min_bytes(case: Case, mode: str, itemsize: int, from_output: bool = False) -> int:
+    """Fewest bytes an implementation must move: each input read once, each output written once.
+    from_output: the LayerNorms' backward works from the output y, not x and residual (the CPU's, fp32
+    and fp64, with the weights make_inputs gives; csrc/autograd.cpp's backward_from_output)."""
     n = 1
     for d in case.shape:
         n *= d
@@ -204,14 +206,19 @@ def min_bytes(case: Case, mode: str, itemsize: int) -> int:
     if case.op == "bias_dropout_add_layer_norm":
         # fwd: x, residual -> y (+ bias, weight, ln_bias; the mask is a hash, no bytes); fwd+bwd: the
         # forward also writes mean/rstd, the backward reads dy, x, residual, them (+ bias, weight) ->
-        # dresidual, dx (+ dbias, dweight, dln_bias)
+        # dresidual, dx (+ dbias, dweight, dln_bias); from the output it reads dy, y and rstd (+ ln_bias)
         stats = case.shape[0] * 4 * 2
-        return 3 * big + 3 * params if mode == "fwd" else 8 * big + 8 * params + 2 * stats
+        if mode == "fwd":
+            return 3 * big + 3 * params
+        return 7 * big + 9 * params + 3 * stats // 2 if from_output else 8 * big + 8 * params + 2 * stats
     if case.op == "layer_norm":
         # fwd (no grad, so no statistics kept): x, residual -> y (+ weight, bias); fwd+bwd: the forward
-        # also writes the fp32 mean/rstd rows, the backward reads dy, x, residual, them -> dx, dweight, dbias
+        # also writes the fp32 mean/rstd rows, the backward reads dy, x, residual, them -> dx, dweight, dbias;
+        # from the output it reads dy, y and rstd (+ bias)
         stats = case.shape[0] * 4 * 2
-        return 3 * big + 2 * params if mode == "fwd" else 7 * big + 6 * params + 2 * stats
+        if mode == "fwd":
+            return 3 * big + 2 * params
+        return 6 * big + 6 * params + 3 * stats // 2 if from_output else 7 * big + 6 * params + 2 * stats
     # bias_gelu fwd: x -> y; bwd: dy, x -> dx, dbias
     return 2 * big + params if mode == "fwd" else 5 * big + 3 * params
 
@@ -277,7 +284,8 @@ def run_ops_bench(cfg: OpsBenchConfig, log: Callable[[str], None] = lambda s: pr
             providers = [p for p in cfg.providers if p in fns]
             for mode in cfg.modes:
                 grad = mode == "fwdbwd"
-                nbytes = min_bytes(case, mode, itemsize)
+                nbytes = min_bytes(case, mode, itemsize,
+                                   from_output=device.type == "cpu" and dtype in (torch.float32, torch.float64))
                 sets = []
                 for _ in range(harness.rotation_count(nbytes, limit=4 if device.type == "cuda" else 2)):
                     args, wrt = make_inputs(case, dtype, device, gen, grad)

@@ -10,7 +10,10 @@ Public entry points (stable; the model calls only these):
 - ``layer_norm(x, weight, bias, eps, residual=None)``: LayerNorm(x + residual) over the
   last dim; mean and rstd are kept in float32 for the backward.  Where no gradient is
   recorded (grad mode off, or no input requiring grad) it runs ``layer_norm_inference``,
-  which stores no statistics.
+  which stores no statistics.  On the CPU in fp32/fp64, with weights away from 0 (every
+  |bias| <= 64 |weight|), the backward works from the output y, (y - bias) / weight giving
+  the normalised input back, and keeps y instead of x and residual (this op's and
+  ``bias_dropout_add_layer_norm``'s; ``backward_from_output`` in csrc/autograd.cpp).
 - ``bias_gelu(x, bias, approximate="none")``: GELU(x + bias), "none" = exact erf (BERT's),
   "tanh" = the tanh approximation.
 - ``dropout(x, p, training)``: x * mask / (1 - p) in training, x otherwise. On the CPU the
@@ -281,6 +284,10 @@ def _register() -> None:
     def _layer_norm_backward_fake(grad_y, x, residual, weight, mean, rstd):
         return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
+    @torch.library.register_fake(lib + "layer_norm_backward_from_output")
+    def _layer_norm_backward_from_output_fake(grad_y, y, weight, bias, rstd):
+        return y.new_empty(y.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
     @torch.library.register_fake(lib + "bias_gelu")
     def _bias_gelu_fake(x, bias, approximate):
         return x.new_empty(x.shape)
@@ -302,6 +309,12 @@ def _register() -> None:
     def _bias_dropout_add_layer_norm_backward_fake(grad_y, x, bias, residual, weight, mean, rstd, p, seed):
         dx = x.new_empty(x.shape if p > 0 else (0,))  # p = 0: dx is dresidual, returned empty
         return (dx, bias.new_empty(bias.shape), x.new_empty(x.shape), weight.new_empty(weight.shape),
+                weight.new_empty(weight.shape))
+
+    @torch.library.register_fake(lib + "bias_dropout_add_layer_norm_backward_from_output")
+    def _bias_dropout_add_layer_norm_backward_from_output_fake(grad_y, y, bias, weight, ln_bias, rstd, p, seed):
+        dx = y.new_empty(y.shape if p > 0 else (0,))  # p = 0: dx is dresidual, returned empty
+        return (dx, bias.new_empty(bias.shape), y.new_empty(y.shape), weight.new_empty(weight.shape),
                 weight.new_empty(weight.shape))
 
     @torch.library.register_fake(lib + "cross_entropy")

@@ -4,6 +4,10 @@
 // y = (h - mean) * rstd * w + b.  Backward: one chunk of rows per thread; per row pass 1 forms
 // g*w (into an L1 scratch row), its row sums and the chunk's dweight/dbias partials, pass 2 writes
 // dx once; the chunks' partials are added in chunk order (deterministic for a thread count).
+// The backward also runs from the output y instead of x (and residual): xhat = (y - b) / w, for fp32
+// and fp64 with weights the autograd node judged well conditioned (backward_from_output in
+// ../autograd.cpp).  It reads dy and y instead of dy, x and residual, and nothing but y (which the next
+// layer keeps anyway) need be kept for it.
 // Memory traffic, not arithmetic, bounds both (fp32, 2 threads, 2-core Zen 4), so:
 // - Large tensors (see kStreamTraffic*) get their output through streaming stores: a store that
 //   misses first reads the line from memory (read-for-ownership), which the backward's dx, and
@@ -174,36 +178,26 @@ void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Ten
   });
 }
 
-// Backward of one row, in acc_t: x, res (HasRes) and g (grad_y) are the tensors' own rows for
-// fp32/fp64 and converted copies for 16-bit inputs; dx receives the row's dx.
-// Pass 1: xhat = (x + res - mean) * rstd in registers; g*w goes to gw (a scratch row in L1) and
-// feeds the row sums of g*w and g*w*xhat; the chunk's dweight/dbias partials (dwp, dbp) are
-// updated; with Large, the rows kAheadRows ahead (ahead_x/ahead_res/ahead_g, or null) are
-// prefetched into L2.
-// Pass 2 re-reads x, res (now in cache) and g*w and writes dx = rstd (g*w - mean(g*w) - xhat
-// mean(g*w*xhat)), streamed with Large.  dx is touched once: before, g*w was kept in the dx row
-// between the passes, which read every dx line from memory first.
-template <bool HasRes, bool Large, typename acc_t, typename scalar_t>
-inline void layer_norm_backward_row(const acc_t* x, const acc_t* res, const acc_t* g, acc_t* gw, acc_t* dx,
-                                    acc_t mean, acc_t rstd, const acc_t* w, acc_t* dwp, acc_t* dbp, int64_t n,
-                                    const scalar_t* ahead_x, const scalar_t* ahead_res, const scalar_t* ahead_g) {
+// Backward of one row, in acc_t: xhat(j, load) gives the row's normalised input at the vector of
+// columns j (from x + res and the row's statistics, or from the output y), g is grad_y's row (the
+// tensor's own for fp32/fp64, a converted copy for 16-bit) and dx receives the row's dx.
+// Pass 1: xhat in registers; g*w goes to gw (a scratch row in L1) and feeds the row sums of g*w and
+// g*w*xhat; the chunk's dweight/dbias partials (dwp, dbp) are updated; with Large, prefetch_ahead(j)
+// fetches the rows kAheadRows ahead into L2.
+// Pass 2 recomputes xhat from its rows (now in cache), re-reads g*w and writes dx = rstd (g*w -
+// mean(g*w) - xhat mean(g*w*xhat)), streamed with Large.  dx is touched once: before, g*w was kept in
+// the dx row between the passes, which read every dx line from memory first.
+template <bool Large, typename acc_t, typename XHat, typename Prefetch>
+inline void layer_norm_backward_row(XHat&& xhat, Prefetch&& prefetch_ahead, const acc_t* g, acc_t* gw, acc_t* dx,
+                                    acc_t rstd, const acc_t* w, acc_t* dwp, acc_t* dbp, int64_t n) {
   using Vec = at::vec::Vectorized<acc_t>;
   // g*w is stored between the passes, so the sums and dx see identically rounded values (held
   // in registers the compiler may contract g*w into the sum's FMA): with a constant row
   // (rstd = 1/sqrt(eps)) g*w - mean(g*w) must cancel exactly.  The last partial vector goes
   // through the same code with zero-padded loads (a zero g adds nothing to the sums).
-  auto xhat = [&](int64_t j, auto load) {
-    Vec h = load(x, j);
-    if constexpr (HasRes) h = h + load(res, j);
-    return (h - Vec(mean)) * Vec(rstd);
-  };
   Vec s1(0), s2(0);
   for_each_vector<false>(gw, n, [&](int64_t j, auto load, auto store) {
-    if constexpr (Large) {
-      prefetch_l2(ahead_x, j);
-      if constexpr (HasRes) prefetch_l2(ahead_res, j);
-      prefetch_l2(ahead_g, j);
-    }
+    if constexpr (Large) prefetch_ahead(j);
     const Vec xh = xhat(j, load);
     const Vec gv = load(g, j);
     const Vec gwv = gv * load(w, j);
@@ -219,20 +213,34 @@ inline void layer_norm_backward_row(const acc_t* x, const acc_t* res, const acc_
   });
 }
 
+// The per-thread parameter rows of a backward that works from the output y: the LayerNorm's bias b
+// and 1/w, so that xhat = (y - b) * (1/w).  The autograd nodes take this path only for fp32/fp64
+// outputs and weights that keep it accurate (well_conditioned in csrc/autograd.cpp): every |w| far
+// from 0 and |b| <= 64 |w|, so that y's rounding moves xhat by at most about 2^-24 (|xhat| + 64).
+template <typename acc_t>
+inline void output_params(const acc_t* w, const acc_t* b_in, acc_t* b, acc_t* iw, int64_t cols) {
+  std::copy(b_in, b_in + cols, b);
+  for (int64_t j = 0; j < cols; ++j) iw[j] = acc_t(1) / w[j];
+}
+
 // One thread's rows [r_begin, r_end): their dx, and their column sums of g*xhat and g into dw, db.
+// FromOutput: x is the output y, b_in the LayerNorm's bias, and res and mean are not used.
 // The thread works in its own buffer (allocated here, by the thread): its copy of w, the
-// dweight/dbias partials it updates every row, the g*w row and, for 16-bit inputs, the converted
-// rows (see the top of the file for why).
-template <bool Large, typename scalar_t, typename acc_t>
+// dweight/dbias partials it updates every row, the g*w row, b and 1/w from the output, and, for
+// 16-bit inputs, the converted rows (see the top of the file for why).
+template <bool Large, bool FromOutput, typename scalar_t, typename acc_t>
 void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scalar_t* res, const acc_t* w_in,
-                               const acc_t* mean, const acc_t* rstd, scalar_t* dx, acc_t* dw, acc_t* db,
-                               int64_t cols, int64_t r_begin, int64_t r_end) {
+                               const acc_t* b_in, const acc_t* mean, const acc_t* rstd, scalar_t* dx, acc_t* dw,
+                               acc_t* db, int64_t cols, int64_t r_begin, int64_t r_end) {
+  using Vec = at::vec::Vectorized<acc_t>;
   constexpr bool kDirect = std::is_same_v<acc_t, scalar_t>;
   const int64_t ld = (cols + 15) / 16 * 16;  // row stride in the buffer: whole lines
-  RowBuffer<acc_t> buf((kDirect ? 4 : 8) * ld);
+  RowBuffer<acc_t> buf((kDirect ? 6 : 10) * ld);
   acc_t *w = buf.get(0), *dwp = buf.get(ld), *dbp = buf.get(2 * ld), *gw = buf.get(3 * ld);
-  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((4 + k) * ld); };
+  acc_t *b = buf.get(4 * ld), *iw = buf.get(5 * ld);
+  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((6 + k) * ld); };
   std::copy(w_in, w_in + cols, w);
+  if constexpr (FromOutput) output_params(w, b_in, b, iw, cols);
   std::fill(dwp, dwp + cols, acc_t(0));
   std::fill(dbp, dbp + cols, acc_t(0));
   for (int64_t r = r_begin; r < r_end; ++r) {
@@ -245,10 +253,24 @@ void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scal
     const scalar_t* ax = more ? x + ahead : nullptr;
     const scalar_t* ar = more && res ? res + ahead : nullptr;
     const scalar_t* ag = more ? dy + ahead : nullptr;
-    if (res)
-      layer_norm_backward_row<true, Large>(xr, rr, gr, gw, o, mean[r], rstd[r], w, dwp, dbp, cols, ax, ar, ag);
-    else
-      layer_norm_backward_row<false, Large>(xr, rr, gr, gw, o, mean[r], rstd[r], w, dwp, dbp, cols, ax, ar, ag);
+    auto prefetch_ahead = [&](int64_t j) {
+      prefetch_l2(ax, j);
+      prefetch_l2(ar, j);
+      prefetch_l2(ag, j);
+    };
+    if constexpr (FromOutput) {
+      auto xhat = [&](int64_t j, auto load) { return (load(xr, j) - load(b, j)) * load(iw, j); };
+      layer_norm_backward_row<Large>(xhat, prefetch_ahead, gr, gw, o, rstd[r], w, dwp, dbp, cols);
+    } else {
+      const Vec vmean(mean[r]), vrstd(rstd[r]);
+      if (rr) {
+        auto xhat = [&](int64_t j, auto load) { return (load(xr, j) + load(rr, j) - vmean) * vrstd; };
+        layer_norm_backward_row<Large>(xhat, prefetch_ahead, gr, gw, o, rstd[r], w, dwp, dbp, cols);
+      } else {
+        auto xhat = [&](int64_t j, auto load) { return (load(xr, j) - vmean) * vrstd; };
+        layer_norm_backward_row<Large>(xhat, prefetch_ahead, gr, gw, o, rstd[r], w, dwp, dbp, cols);
+      }
+    }
     store_row<acc_t>(o, dx + off, cols);
   }
   if constexpr (Large) stream_fence();
@@ -256,17 +278,21 @@ void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scal
   std::copy(dbp, dbp + cols, db);
 }
 
+// From the input: x (and res) with the statistics mean, rstd; from the output (b_ defined): x_ is y,
+// b_ the LayerNorm's bias, and mean_ and res_ are undefined.
 template <typename scalar_t>
 void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& res_,
-                              const at::Tensor& w_, const at::Tensor& mean_, const at::Tensor& rstd_, at::Tensor& dx_,
-                              at::Tensor& dw, at::Tensor& db) {
+                              const at::Tensor& w_, const at::Tensor& b_, const at::Tensor& mean_,
+                              const at::Tensor& rstd_, at::Tensor& dx_, at::Tensor& dw, at::Tensor& db) {
   using acc_t = acc_type<scalar_t>;
   const int64_t cols = last_dim(x_), rows = rows_of(x_);
+  const bool from_output = b_.defined();
   const auto w = param_acc<acc_t>(w_);
+  const auto b = from_output ? param_acc<acc_t>(b_) : std::vector<acc_t>();
   const scalar_t* dy = dy_.data_ptr<scalar_t>();
   const scalar_t* x = x_.data_ptr<scalar_t>();
   const scalar_t* res = res_.defined() ? res_.data_ptr<scalar_t>() : nullptr;
-  const acc_t* mean = mean_.data_ptr<acc_t>();
+  const acc_t* mean = mean_.defined() ? mean_.data_ptr<acc_t>() : nullptr;
   const acc_t* rstd = rstd_.data_ptr<acc_t>();
   scalar_t* dx = dx_.data_ptr<scalar_t>();
   const int64_t chunks = num_chunks(rows, cols);
@@ -278,10 +304,10 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
     for (int64_t c = cb; c < ce; ++c) {
       acc_t *dwp = part.data() + 2 * c * cols, *dbp = dwp + cols;
       const int64_t r0 = c * rows / chunks, r1 = (c + 1) * rows / chunks;
-      if (large)
-        layer_norm_backward_chunk<true>(dy, x, res, w.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
-      else
-        layer_norm_backward_chunk<false>(dy, x, res, w.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
+      with_bools(large, from_output, [&](auto streamed, auto output) {
+        layer_norm_backward_chunk<decltype(streamed)::value, decltype(output)::value>(
+            dy, x, res, w.data(), b.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
+      });
     }
   });
   sum_partials(part.data(), chunks, 2 * cols, dw);
@@ -323,21 +349,19 @@ at::Tensor layer_norm_inference_cpu(const at::Tensor& x, const c10::optional<at:
   return std::get<0>(layer_norm_forward(x, residual, weight, bias, eps, false, "bertctl::layer_norm_inference"));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
-    const at::Tensor& grad_y, const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-    const at::Tensor& mean, const at::Tensor& rstd) {
-  const char* op = "bertctl::layer_norm_backward";
+// (dx, dweight, dbias), from the input (x, res, mean) or, with ln_bias defined, from the output (x is y).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                        const at::Tensor& res, const at::Tensor& weight,
+                                                                        const at::Tensor& ln_bias,
+                                                                        const at::Tensor& mean, const at::Tensor& rstd,
+                                                                        const char* op) {
   check_same(x, grad_y, op, "grad_y");
   check_param(x, weight, op, "weight");
-  TORCH_CHECK(mean.numel() == rows_of(x) && rstd.numel() == rows_of(x), op, ": mean/rstd must have ", rows_of(x),
-              " elements");
-  at::Tensor res;
-  if (residual.has_value() && residual->defined()) {
-    check_same(x, *residual, op, "residual");
-    res = residual->contiguous();
-  }
+  TORCH_CHECK(rstd.numel() == rows_of(x) && (!mean.defined() || mean.numel() == rows_of(x)), op,
+              ": the statistics must have ", rows_of(x), " elements");
   auto xc = x.contiguous(), dyc = grad_y.contiguous();
-  auto mc = mean.contiguous().to(stats_dtype(x)), rc = rstd.contiguous().to(stats_dtype(x));
+  auto rc = rstd.contiguous().to(stats_dtype(x));
+  auto mc = mean.defined() ? mean.contiguous().to(stats_dtype(x)) : at::Tensor();
   auto dx = at::empty_like(xc);
   const int64_t cols = last_dim(x);
   // Both in the weight's dtype (the autograd node casts dbias to the bias's).
@@ -347,10 +371,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
     db.zero_();
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_layer_norm_backward_cpu", [&] {
-      layer_norm_backward_rows<scalar_t>(dyc, xc, res, weight, mc, rc, dx, dw, db);
+      layer_norm_backward_rows<scalar_t>(dyc, xc, res, weight, ln_bias, mc, rc, dx, dw, db);
     });
   }
   return {dx, dw, db};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
+    const at::Tensor& grad_y, const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+    const at::Tensor& mean, const at::Tensor& rstd) {
+  const char* op = "bertctl::layer_norm_backward";
+  at::Tensor res;
+  if (residual.has_value() && residual->defined()) {
+    check_same(x, *residual, op, "residual");
+    res = residual->contiguous();
+  }
+  return layer_norm_backward_impl(grad_y, x, res, weight, at::Tensor(), mean, rstd, op);
+}
+
+// The output is fp32 or fp64: 16-bit outputs are too coarse to give xhat back (see output_params).
+void check_output(const at::Tensor& y, const char* op) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble, op,
+              ": y must be float32 or float64, got ", y.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_from_output_cpu(const at::Tensor& grad_y,
+                                                                                   const at::Tensor& y,
+                                                                                   const at::Tensor& weight,
+                                                                                   const at::Tensor& bias,
+                                                                                   const at::Tensor& rstd) {
+  const char* op = "bertctl::layer_norm_backward_from_output";
+  check_output(y, op);
+  check_param(y, bias, op, "bias");
+  return layer_norm_backward_impl(grad_y, y, at::Tensor(), weight, bias, at::Tensor(), rstd, op);
 }
 
 // --- bias + dropout + residual + LayerNorm ---------------------------------------------------
@@ -419,44 +472,67 @@ void bias_dropout_add_layer_norm_chunk(const scalar_t* x, const acc_t* bias_in, 
   if constexpr (Large) stream_fence();
 }
 
+// The factors k of a row's mask (1 / (1 - p) where element index0 + j is kept, else 0) into ks.
+template <typename acc_t>
+inline void dropout_factor_row(acc_t* ks, int64_t n, int64_t index0, const DropoutMask& mask, acc_t scale) {
+  const DropoutMask m = mask;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) ks[j] = m.keep(index0 + j) ? scale : acc_t(0);
+}
+
 // One thread's rows [r_begin, r_end) of the backward: their dresidual (= dh) and dx, and their
 // column sums of g*xhat, g (dweight, dln_bias) and dx (dbias) into dwp, dbp, dxbp.  Per row: the
 // pre-pass recomputes h (and the mask's factors k) into L1 rows, pass 1 is layer_norm's (g*w into
 // a scratch row, its row sums, the partials), pass 2 writes dh and dx = dh * k together (both
 // streamed with Large) and adds dx to the dbias partial.  Without dropout dx is dh, and only dh
-// is written.
-template <bool Drop, bool Large, typename scalar_t, typename acc_t>
+// is written.  FromOutput: x is the output y, xhat comes from it, ln_b_in and 1/w (see
+// output_params), and the pre-pass makes only the mask's factors; res and mean are not used.
+template <bool Drop, bool Large, bool FromOutput, typename scalar_t, typename acc_t>
 void bias_dropout_add_layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const acc_t* bias_in,
-                                                const scalar_t* res, const acc_t* w_in, const acc_t* mean,
-                                                const acc_t* rstd, const DropoutMask& mask, acc_t scale,
-                                                scalar_t* dres, scalar_t* dx, acc_t* dw, acc_t* db, acc_t* dbias,
-                                                int64_t cols, int64_t r_begin, int64_t r_end) {
+                                                const scalar_t* res, const acc_t* w_in, const acc_t* ln_b_in,
+                                                const acc_t* mean, const acc_t* rstd, const DropoutMask& mask,
+                                                acc_t scale, scalar_t* dres, scalar_t* dx, acc_t* dw, acc_t* db,
+                                                acc_t* dbias, int64_t cols, int64_t r_begin, int64_t r_end) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
   constexpr bool kDirect = std::is_same_v<acc_t, scalar_t>;
   const int64_t ld = (cols + 15) / 16 * 16;
-  RowBuffer<acc_t> buf((kDirect ? 8 : 13) * ld);
+  RowBuffer<acc_t> buf((kDirect ? 10 : 15) * ld);
   acc_t *bias = buf.get(0), *w = buf.get(ld), *dwp = buf.get(2 * ld), *dbp = buf.get(3 * ld);
   acc_t *dxbp = buf.get(4 * ld), *gw = buf.get(5 * ld), *h = buf.get(6 * ld), *ks = buf.get(7 * ld);
-  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((8 + k) * ld); };
+  acc_t *ln_b = buf.get(8 * ld), *iw = buf.get(9 * ld);
+  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((10 + k) * ld); };
   std::copy(bias_in, bias_in + cols, bias);
   std::copy(w_in, w_in + cols, w);
+  if constexpr (FromOutput) output_params(w, ln_b_in, ln_b, iw, cols);
   std::fill(dwp, dwp + cols, acc_t(0));
   std::fill(dbp, dbp + cols, acc_t(0));
   std::fill(dxbp, dxbp + cols, acc_t(0));
   for (int64_t r = r_begin; r < r_end; ++r) {
     const int64_t off = r * cols, ahead = off + kAheadRows * cols;
     const acc_t* xr = load_row<acc_t>(x + off, conv(0), cols);
-    const acc_t* rr = load_row<acc_t>(res + off, conv(1), cols);
+    const acc_t* rr = FromOutput ? nullptr : load_row<acc_t>(res + off, conv(1), cols);
     const acc_t* g = load_row<acc_t>(dy + off, conv(2), cols);
     acc_t* dh_out = out_row<acc_t>(dres + off, conv(3));
     acc_t* dx_out = Drop ? out_row<acc_t>(dx + off, conv(4)) : nullptr;
     const bool more = Large && r + kAheadRows < r_end;
     const scalar_t* ax = more ? x + ahead : nullptr;
-    const scalar_t* ar = more ? res + ahead : nullptr;
+    const scalar_t* ar = more && !FromOutput ? res + ahead : nullptr;
     const scalar_t* ag = more ? dy + ahead : nullptr;
-    bias_dropout_add_row<Drop>(xr, bias, rr, h, ks, cols, off, mask, scale);
-    const Vec vmean(mean[r]), vrstd(rstd[r]);
+    const Vec vmean(FromOutput ? acc_t(0) : mean[r]), vrstd(rstd[r]);
+    // xhat at column j, the loads given (full or partial vectors).
+    auto xhat = [&](int64_t j, auto load) {
+      if constexpr (FromOutput) {
+        return (load(xr, j) - load(ln_b, j)) * load(iw, j);
+      } else {
+        return (load(h, j) - vmean) * vrstd;
+      }
+    };
+    if constexpr (FromOutput) {
+      if constexpr (Drop) dropout_factor_row(ks, cols, off, mask, scale);
+    } else {
+      bias_dropout_add_row<Drop>(xr, bias, rr, h, ks, cols, off, mask, scale);
+    }
     Vec s1(0), s2(0);
     for_each_vector<false>(gw, cols, [&](int64_t j, auto load, auto store) {
       if constexpr (Large) {
@@ -464,7 +540,7 @@ void bias_dropout_add_layer_norm_backward_chunk(const scalar_t* dy, const scalar
         prefetch_l2(ar, j);
         prefetch_l2(ag, j);
       }
-      const Vec xh = (load(h, j) - vmean) * vrstd;
+      const Vec xh = xhat(j, load);
       const Vec gv = load(g, j);
       const Vec gwv = gv * load(w, j);
       store(gwv, gw, j);  // rounded once, as in layer_norm_backward_row
@@ -478,10 +554,10 @@ void bias_dropout_add_layer_norm_backward_chunk(const scalar_t* dy, const scalar
     // dh_out's first boundary with Large, full vectors, a partial tail), but by hand: its stores to the dbias
     // partial row are never streamed.
     auto pass2 = [&](int64_t j, int64_t count) {
-      auto load = [&](const acc_t* q) { return count == W ? Vec::loadu(q + j) : Vec::loadu(q + j, count); };
-      const Vec dh = vrstd * (load(gw) - m1 - (load(h) - vmean) * vrstd * m2);
-      const Vec d = Drop ? dh * load(ks) : dh;
-      const Vec part = load(dxbp) + d;
+      auto load = [&](const acc_t* q, int64_t k) { return count == W ? Vec::loadu(q + k) : Vec::loadu(q + k, count); };
+      const Vec dh = vrstd * (load(gw, j) - m1 - xhat(j, load) * m2);
+      const Vec d = Drop ? dh * load(ks, j) : dh;
+      const Vec part = load(dxbp, j) + d;
       if (count < W) {
         part.store(dxbp + j, count);
         dh.store(dh_out + j, count);
@@ -552,18 +628,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_dropout_add_layer_norm_cpu(
 
 // (dx, dbias, dresidual, dweight, dln_bias); dx has 0 elements when p = 0 (it is dresidual: the
 // autograd node passes that on), dbias has the bias's dtype, dweight and dln_bias the weight's.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_dropout_add_layer_norm_backward_cpu(
+// From the input (x, residual, mean) or, with ln_bias defined, from the output (x is y).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bdaln_backward_impl(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
-    const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double p,
-    const c10::optional<at::Tensor>& seed) {
-  const char* op = "bertctl::bias_dropout_add_layer_norm_backward";
-  check_bias_dropout_add_layer_norm(x, bias, residual, weight, p, seed, op);
+    const at::Tensor& weight, const at::Tensor& ln_bias, const at::Tensor& mean, const at::Tensor& rstd, double p,
+    const c10::optional<at::Tensor>& seed, const char* op) {
   check_same(x, grad_y, op, "grad_y");
-  TORCH_CHECK(mean.numel() == rows_of(x) && rstd.numel() == rows_of(x), op, ": mean/rstd must have ", rows_of(x),
-              " elements");
+  TORCH_CHECK(rstd.numel() == rows_of(x) && (!mean.defined() || mean.numel() == rows_of(x)), op,
+              ": the statistics must have ", rows_of(x), " elements");
+  const bool from_output = ln_bias.defined();
   const DropoutMask mask = mask_of(p, seed, op);
-  auto xc = x.contiguous(), rc = residual.contiguous(), dyc = grad_y.contiguous();
-  auto mc = mean.contiguous().to(stats_dtype(x)), sc = rstd.contiguous().to(stats_dtype(x));
+  auto xc = x.contiguous(), dyc = grad_y.contiguous();
+  auto rc = from_output ? at::Tensor() : residual.contiguous();
+  auto mc = from_output ? at::Tensor() : mean.contiguous().to(stats_dtype(x));
+  auto sc = rstd.contiguous().to(stats_dtype(x));
   auto dres = at::empty_like(xc);
   auto dx = p > 0 ? at::empty_like(xc) : at::empty({0}, x.options());
   const int64_t cols = last_dim(x), rows = rows_of(x);
@@ -578,18 +656,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_drop
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_bdaln_backward_cpu", [&] {
     using acc_t = acc_type<scalar_t>;
     const auto bv = param_acc<acc_t>(bias), wv = param_acc<acc_t>(weight);
+    const auto lbv = from_output ? param_acc<acc_t>(ln_bias) : std::vector<acc_t>();
     const scalar_t* dyp = dyc.data_ptr<scalar_t>();
     const scalar_t* xp = xc.data_ptr<scalar_t>();
-    const scalar_t* rp = rc.data_ptr<scalar_t>();
-    const acc_t* mp = mc.data_ptr<acc_t>();
+    const scalar_t* rp = from_output ? nullptr : rc.data_ptr<scalar_t>();
+    const acc_t* mp = from_output ? nullptr : mc.data_ptr<acc_t>();
     const acc_t* sp = sc.data_ptr<acc_t>();
     scalar_t* dresp = dres.data_ptr<scalar_t>();
     scalar_t* dxp = p > 0 ? dx.data_ptr<scalar_t>() : nullptr;
     const acc_t scale = static_cast<acc_t>(1.0 / (1.0 - p));
     const int64_t chunks = num_chunks(rows, cols);
-    // Streaming as layer_norm's backward (reads dy, x, residual; writes dresidual and, with dropout,
-    // dx); both outputs' vectors are laid on dresidual's boundaries, so dx must share its alignment.
-    const int64_t traffic = static_cast<int64_t>(dres.nbytes()) * (p > 0 ? 5 : 4);
+    // Streaming as layer_norm's backward (reads dy and x, residual or y; writes dresidual and, with
+    // dropout, dx); both outputs' vectors are laid on dresidual's boundaries, so dx must share its
+    // alignment.
+    const int64_t traffic = static_cast<int64_t>(dres.nbytes()) * ((p > 0 ? 5 : 4) - (from_output ? 1 : 0));
     const bool large = std::is_same_v<acc_t, scalar_t> && traffic >= kStreamTrafficBackward &&
                        (dxp == nullptr || to_vector_boundary(dxp) == to_vector_boundary(dresp));
     // Per-chunk column sums in acc_t, added in chunk order (chunk c: dweight, dln_bias, dbias at 3c..3c+2).
@@ -599,9 +679,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_drop
         acc_t* dwp = part.data() + 3 * c * cols;
         const int64_t r0 = c * rows / chunks, r1 = (c + 1) * rows / chunks;
         with_bools(p > 0, large, [&](auto drop, auto streamed) {
-          bias_dropout_add_layer_norm_backward_chunk<decltype(drop)::value, decltype(streamed)::value>(
-              dyp, xp, bv.data(), rp, wv.data(), mp, sp, mask, scale, dresp, dxp, dwp, dwp + cols, dwp + 2 * cols,
-              cols, r0, r1);
+          constexpr bool kDrop = decltype(drop)::value, kLarge = decltype(streamed)::value;
+          if (from_output)
+            bias_dropout_add_layer_norm_backward_chunk<kDrop, kLarge, true>(
+                dyp, xp, bv.data(), rp, wv.data(), lbv.data(), mp, sp, mask, scale, dresp, dxp, dwp, dwp + cols,
+                dwp + 2 * cols, cols, r0, r1);
+          else
+            bias_dropout_add_layer_norm_backward_chunk<kDrop, kLarge, false>(
+                dyp, xp, bv.data(), rp, wv.data(), lbv.data(), mp, sp, mask, scale, dresp, dxp, dwp, dwp + cols,
+                dwp + 2 * cols, cols, r0, r1);
         });
       }
     });
@@ -610,6 +696,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_drop
     sum_partials(part.data() + 2 * cols, chunks, 3 * cols, dbias);
   });
   return {dx, dbias, dres, dw, db};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_dropout_add_layer_norm_backward_cpu(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+    const at::Tensor& weight, const at::Tensor& mean, const at::Tensor& rstd, double p,
+    const c10::optional<at::Tensor>& seed) {
+  const char* op = "bertctl::bias_dropout_add_layer_norm_backward";
+  check_bias_dropout_add_layer_norm(x, bias, residual, weight, p, seed, op);
+  return bdaln_backward_impl(grad_y, x, bias, residual, weight, at::Tensor(), mean, rstd, p, seed, op);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+bias_dropout_add_layer_norm_backward_from_output_cpu(const at::Tensor& grad_y, const at::Tensor& y,
+                                                     const at::Tensor& bias, const at::Tensor& weight,
+                                                     const at::Tensor& ln_bias, const at::Tensor& rstd, double p,
+                                                     const c10::optional<at::Tensor>& seed) {
+  const char* op = "bertctl::bias_dropout_add_layer_norm_backward_from_output";
+  check_output(y, op);
+  check_bias_dropout_add_layer_norm(y, bias, y, weight, p, seed, op);
+  check_param(y, ln_bias, op, "ln_bias");
+  return bdaln_backward_impl(grad_y, y, bias, at::Tensor(), weight, ln_bias, at::Tensor(), rstd, p, seed, op);
 }
 
 }  // namespace
@@ -621,4 +728,7 @@ TORCH_LIBRARY_IMPL(bertctl, CPU, m) {
   m.impl("layer_norm_backward", &bertctl::cpu::layer_norm_backward_cpu);
   m.impl("bias_dropout_add_layer_norm", &bertctl::cpu::bias_dropout_add_layer_norm_cpu);
   m.impl("bias_dropout_add_layer_norm_backward", &bertctl::cpu::bias_dropout_add_layer_norm_backward_cpu);
+  m.impl("layer_norm_backward_from_output", &bertctl::cpu::layer_norm_backward_from_output_cpu);
+  m.impl("bias_dropout_add_layer_norm_backward_from_output",
+         &bertctl::cpu::bias_dropout_add_layer_norm_backward_from_output_cpu);
 }
