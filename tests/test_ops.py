@@ -353,6 +353,21 @@ def test_layer_norm_backward_from_the_input_where_the_output_cannot_give_it():
     assert run.names.count(LN_BACKWARD_FROM[False]) == 1
 
 
+@pytest.mark.cuda
+def test_layer_norm_backward_from_the_input_on_cuda():
+    """On CUDA both LayerNorm nodes keep their input (the check of the weights would cost a device sync), in every
+    dtype, and still match the float64 reference."""
+    gen = torch.Generator().manual_seed(45)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rand(19, 768, dtype=dtype, device="cuda", gen=gen).requires_grad_()
+        res = rand(19, 768, dtype=dtype, device="cuda", gen=gen).requires_grad_()
+        w, b = (t.detach().cuda().requires_grad_() for t in bert_like_weights(768, torch.float32, gen))
+        assert layer_norm_backward_ops(x, res, w, b)[1] == [LN_BACKWARD_FROM[False]]
+        check_layer_norm(x, res, w, b, 1e-12, gen, dtype)
+        args = bdaln_inputs(19, 768, dtype, gen, device="cuda")
+        assert bdaln_backward_op(*args, 0.1) == BDALN_BACKWARD_FROM[False]
+
+
 def test_layer_norm_output_changed_in_place_is_an_error():
     """With the output saved, changing it in place before the backward is refused by autograd (as for
     torch.tanh's), never a wrong gradient."""
