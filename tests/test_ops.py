@@ -273,7 +273,7 @@ def layer_norm_backward_ops(x, res, w, b, eps=1e-12):
     """The gradients of ops.layer_norm with respect to (x, [res,] w, b) for a random dy, and the bertctl ops its
     backward ran (recorded during the backward only: under a dispatch mode the forward keeps the input)."""
     y = ops.layer_norm(x, w, b, eps, residual=res)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(y.device, y.dtype)
     inputs = (x, w, b) + ((res,) if res is not None else ())
     with OpsRun() as run:
         grads = torch.autograd.grad(y, inputs, dy)
