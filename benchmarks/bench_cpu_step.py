@@ -45,6 +45,16 @@ def separate_output(dense, drop, ln, h, residual, fused):
     return M.layer_norm(ln, M.dropout(drop, dense(h), fused), residual, fused)
 
 
+def random_batch(vocab: int, batch: int, g: torch.Generator, seq: int = 128, masked: int = 20) -> dict:
+    """A pretraining batch of random tokens: sequences of ``seq``, ``masked`` masked positions each."""
+    return {"input_ids": torch.randint(5, vocab, (batch, seq), generator=g),
+            "token_type_ids": torch.zeros(batch, seq, dtype=torch.long),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+            "masked_positions": torch.randint(1, seq, (batch, masked), generator=g),
+            "masked_lm_labels": torch.randint(5, vocab, (batch, masked), generator=g),
+            "next_sentence_label": torch.randint(0, 2, (batch,), generator=g)}
+
+
 def step_ms(size: str, batch: int, steps: int, ours: bool, fused: bool, fused_output: bool) -> float:
     M.dropout = BERTCTL_DROPOUT if ours else (lambda module, x, fused_kernels: module(x))
     M.dense_dropout_add_norm = FUSED_OUTPUT if fused_output else separate_output
@@ -54,13 +64,7 @@ def step_ms(size: str, batch: int, steps: int, ours: bool, fused: bool, fused_ou
         torch.manual_seed(0)
         model = M.BertForPreTraining(cfg)
         opt = build_optimizer(model, "adamw", lr=1e-4, fused=fused)
-        S, P, v = 128, 20, cfg.vocab_size
-        mb = {"input_ids": torch.randint(5, v, (batch, S), generator=g),
-              "token_type_ids": torch.zeros(batch, S, dtype=torch.long),
-              "attention_mask": torch.ones(batch, S, dtype=torch.long),
-              "masked_positions": torch.randint(1, S, (batch, P), generator=g),
-              "masked_lm_labels": torch.randint(5, v, (batch, P), generator=g),
-              "next_sentence_label": torch.randint(0, 2, (batch,), generator=g)}
+        mb = random_batch(cfg.vocab_size, batch, g)
 
         def step():
             s = pretraining_sums(model, mb)

@@ -1,13 +1,12 @@
-"""The CPU LayerNorms' backward from the output y against from the input (x and the residual), in one process.
+"""The CPU sub-layer output's backward from the output y against from the input (x and the residual), in one process.
 
     python benchmarks/bench_layer_norm_backward.py --output benchmarks/results/ln-backward-cpu.json
 
-On the CPU in fp32 the LayerNorm+residual and bias+dropout+residual+LayerNorm nodes keep y and give xhat back as
-(y - bias) / weight when the weights allow it (``backward_from_output`` in csrc/autograd.cpp), else x and the
-residual. Both paths run here in the same process, on the same data, alternating in rounds: the input path is
-forced by making one LayerNorm unit ill-conditioned (its bias 100 times its weight), which changes nothing else.
-Two levels:
-- the ops, forward then backward, hidden 768, 1024 and 4096 tokens, with eager PyTorch beside them;
+On the CPU in fp32 the bias+dropout+residual+LayerNorm node keeps y and gives xhat back as (y - ln_bias) /
+weight when the weights allow it (``backward_from_output`` in csrc/autograd.cpp), else x and the residual. Both
+paths run here in the same process, on the same data, alternating in rounds: the input path is forced by making
+one LayerNorm unit ill-conditioned (its bias 100 times its weight), which changes nothing else. Two levels:
+- the op, forward then backward, hidden 768, 1024 and 4096 tokens;
 - BERT's pretraining step (``--sizes`` preset:batch, sequences of 128, 20 masked positions), its time and the
   bytes autograd keeps for the backward (unique storages).
 """
@@ -24,16 +23,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bertctl.model as M  # noqa: E402
 from bertctl import ops  # noqa: E402
 from bertctl.config import BertConfig  # noqa: E402
 from bertctl.train.optim import build_optimizer  # noqa: E402
 from bertctl.train.pretrain import pretraining_sums  # noqa: E402
+from bench_cpu_step import random_batch  # noqa: E402  (the same random batch as the step benchmark)
 
 PATHS = ("from_output", "from_input")
 
@@ -67,26 +67,15 @@ def op_rows(tokens: int, rounds: int, reps: int) -> dict:
     w = (1 + 0.1 * torch.randn(H, generator=g)).requires_grad_()
     b = (0.1 * torch.randn(H, generator=g)).requires_grad_()
     c = (0.1 * torch.randn(H, generator=g)).requires_grad_()
-    b_bad = ill_conditioned(w, b)
 
-    def layer_norm(bias):
+    def bdaln(ln_bias):
         def run(x, r, dy):
-            return torch.autograd.grad(ops.layer_norm(x, w, bias, 1e-12, residual=r), (x, r, w, bias), dy)
+            y = ops.bias_dropout_add_layer_norm(x, c, r, w, ln_bias, 1e-12, 0.1, True)
+            return torch.autograd.grad(y, (x, c, r, w, ln_bias), dy)
         return run
 
-    def bdaln(bias):
-        def run(x, r, dy):
-            y = ops.bias_dropout_add_layer_norm(x, c, r, w, bias, 1e-12, 0.1, True)
-            return torch.autograd.grad(y, (x, c, r, w, bias), dy)
-        return run
-
-    def eager(x, r, dy):
-        return torch.autograd.grad(F.layer_norm(x + r, (H,), w, b, 1e-12), (x, r, w, b), dy)
-
-    ms = interleaved({"layer_norm from_output": layer_norm(b), "layer_norm from_input": layer_norm(b_bad),
-                      "layer_norm eager": eager, "bias_dropout_add_layer_norm from_output": bdaln(b),
-                      "bias_dropout_add_layer_norm from_input": bdaln(b_bad)}, args, rounds, reps)
-    return {"tokens": tokens, "hidden": H, "fwd_bwd_ms": ms}
+    ms = interleaved({"from_output": bdaln(b), "from_input": bdaln(ill_conditioned(w, b))}, args, rounds, reps)
+    return {"tokens": tokens, "hidden": H, "p": 0.1, "fwd_bwd_ms": ms}
 
 
 def step_row(size: str, batch: int, rounds: int, steps: int) -> dict:
@@ -95,13 +84,7 @@ def step_row(size: str, batch: int, rounds: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = M.BertForPreTraining(cfg)
     opt = build_optimizer(model, "adamw", lr=0.0, fused=True)  # lr 0: the LayerNorm biases stay as set
-    S, P, v = 128, 20, cfg.vocab_size
-    mb = {"input_ids": torch.randint(5, v, (batch, S), generator=g),
-          "token_type_ids": torch.zeros(batch, S, dtype=torch.long),
-          "attention_mask": torch.ones(batch, S, dtype=torch.long),
-          "masked_positions": torch.randint(1, S, (batch, P), generator=g),
-          "masked_lm_labels": torch.randint(5, v, (batch, P), generator=g),
-          "next_sentence_label": torch.randint(0, 2, (batch,), generator=g)}
+    mb = random_batch(cfg.vocab_size, batch, g)
     norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
     biases = {"from_output": [m.bias.detach().clone() for m in norms],
               "from_input": [ill_conditioned(m.weight, m.bias).detach() for m in norms]}
@@ -142,7 +125,7 @@ def step_row(size: str, batch: int, rounds: int, steps: int) -> dict:
             for _ in range(steps):
                 step()
             times[path].append(round((time.perf_counter() - t) / steps * 1e3, 2))
-    return {"size": size, "batch": batch, "seq": S, "steps_per_round": steps, "ms_per_step": times,
+    return {"size": size, "batch": batch, "seq": 128, "steps_per_round": steps, "ms_per_step": times,
             "median_ms": {p: statistics.median(t) for p, t in times.items()}, "kept_for_backward_mib": kept}
 
 

@@ -8,8 +8,7 @@ import warnings
 from bertctl.errors import BertctlError
 
 # The ops of csrc/bertctl.cpp: each forward, its backward, and LayerNorm's forward without statistics.
-OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_backward_from_output",
-            "layer_norm_inference", "bias_gelu", "bias_gelu_backward", "dropout", "bias_dropout_add_layer_norm",
+OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference", "bias_gelu", "bias_gelu_backward", "dropout", "bias_dropout_add_layer_norm",
             "bias_dropout_add_layer_norm_backward", "bias_dropout_add_layer_norm_backward_from_output",
             "cross_entropy", "cross_entropy_backward")
 

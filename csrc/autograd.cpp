@@ -69,13 +69,6 @@ LayerNormOut layer_norm_backward_op(const Tensor& grad_y, const Tensor& x, const
   return handle.call(grad_y, x, residual, weight, mean, rstd);
 }
 
-LayerNormOut layer_norm_backward_from_output_op(const Tensor& grad_y, const Tensor& y, const Tensor& weight,
-                                                const Tensor& bias, const Tensor& rstd) {
-  static const auto handle = op<LayerNormOut(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                             const Tensor&)>("bertctl::layer_norm_backward_from_output");
-  return handle.call(grad_y, y, weight, bias, rstd);
-}
-
 Tensor bias_gelu_op(const Tensor& x, const Tensor& bias, std::string approximate) {
   static const auto handle = op<Tensor(const Tensor&, const Tensor&, std::string)>("bertctl::bias_gelu");
   return handle.call(x, bias, approximate);
@@ -125,11 +118,11 @@ BdalnGrads bias_dropout_add_layer_norm_backward_from_output_op(const Tensor& gra
   return handle.call(grad_y, y, bias, weight, ln_bias, rstd, p, seed);
 }
 
-// Whether a LayerNorm's backward works from its output y, xhat = (y - bias) / weight, instead of from
-// its input: then the input need not be kept for the backward (in BERT nothing else keeps the
-// sub-layer's matmul output; y is kept anyway, by the next matmul), and the backward reads one tensor
-// fewer (on the 2-core CPU, LayerNorm+residual forward and backward move 6 activation-sized tensors
-// instead of 7).  Only where that gives xhat as accurately as the input does:
+// Whether bias+dropout+residual+LayerNorm's backward works from its output y, xhat = (y - bias) / weight,
+// instead of from its input: then neither the matmul output x nor the residual need be kept for the
+// backward (in BERT nothing else keeps x; y is kept anyway, by the next matmul), and the backward reads
+// one tensor fewer (4 activation-sized tensors with dropout instead of 5).  Only where that gives xhat
+// as accurately as the input does:
 // - on the CPU (the only kernels), for fp32/fp64 y: a 16-bit y is too coarse to give xhat back;
 // - for ordinary tensors: under torch.compile's tracer or a dispatch mode the weights' values are not
 //   known, and the input is kept;
@@ -209,16 +202,10 @@ class LayerNorm : public torch::autograd::Function<LayerNorm> {
                                const Tensor& weight, const Tensor& bias, double eps) {
     at::AutoDispatchBelowADInplaceOrView below;
     auto [y, mean, rstd] = layer_norm_op(x, residual, weight, bias, eps);
-    const bool from_output = backward_from_output(y, weight, bias);
-    ctx->saved_data["from_output"] = from_output;
-    ctx->saved_data["has_residual"] = residual.has_value() && residual->defined();
-    if (from_output) {
-      ctx->save_for_backward({y, weight, bias, rstd});
-    } else {
-      // x and residual are kept (not their sum): the backward re-adds them, which moves the same
-      // bytes as reading a saved sum and saves the forward a write.
-      ctx->save_for_backward({x, residual.value_or(Tensor()), weight, mean, rstd});
-    }
+    // x and residual are kept (not their sum): the backward re-adds them, which moves the same
+    // bytes as reading a saved sum and saves the forward a write.  (Working from y instead, as
+    // BiasDropoutAddLayerNorm does on the CPU, measured no faster here: 15% slower at 1024 tokens.)
+    ctx->save_for_backward({x, residual.value_or(Tensor()), weight, mean, rstd});
     ctx->saved_data["bias_dtype"] = bias.scalar_type();
     // mean and rstd are statistics, never differentiated; with grads left unmaterialised no
     // zero gradients are made for them (two fill kernels per backward otherwise).
@@ -232,20 +219,12 @@ class LayerNorm : public torch::autograd::Function<LayerNorm> {
       return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
     const variable_list saved = ctx->get_saved_variables();
-    Tensor dx, dweight, dbias;
-    if (ctx->saved_data["from_output"].toBool()) {
-      std::tie(dx, dweight, dbias) =
-          layer_norm_backward_from_output_op(grads[0], saved[0], saved[1], saved[2], saved[3]);
-    } else {
-      const Tensor& residual = saved[1];
-      const std::optional<Tensor> residual_opt =
-          residual.defined() ? std::optional<Tensor>(residual) : std::nullopt;
-      std::tie(dx, dweight, dbias) =
-          layer_norm_backward_op(grads[0], saved[0], residual_opt, saved[2], saved[3], saved[4]);
-    }
+    const Tensor& residual = saved[1];
+    const std::optional<Tensor> residual_opt = residual.defined() ? std::optional<Tensor>(residual) : std::nullopt;
+    auto [dx, dweight, dbias] = layer_norm_backward_op(grads[0], saved[0], residual_opt, saved[2], saved[3], saved[4]);
     // dx is also the residual's gradient: LayerNorm sees only their sum.
-    return {dx, ctx->saved_data["has_residual"].toBool() ? dx : Tensor(), dweight,
-            dbias.to(ctx->saved_data["bias_dtype"].toScalarType()), Tensor()};
+    return {dx, residual.defined() ? dx : Tensor(), dweight, dbias.to(ctx->saved_data["bias_dtype"].toScalarType()),
+            Tensor()};
   }
 };
 
@@ -367,19 +346,6 @@ class LayerNormBackward : public torch::autograd::Function<LayerNormBackward> {
   }
 };
 
-class LayerNormBackwardFromOutput : public torch::autograd::Function<LayerNormBackwardFromOutput> {
- public:
-  static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& y, const Tensor& weight,
-                               const Tensor& bias, const Tensor& rstd) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [dx, dweight, dbias] = layer_norm_backward_from_output_op(grad_y, y, weight, bias, rstd);
-    return {dx, dweight, dbias};
-  }
-  static variable_list backward(AutogradContext*, variable_list) {
-    no_double_backward("bertctl::layer_norm_backward_from_output");
-  }
-};
-
 class BiasGeluBackward : public torch::autograd::Function<BiasGeluBackward> {
  public:
   static variable_list forward(AutogradContext*, const Tensor& grad_y, const Tensor& x, const Tensor& bias,
@@ -449,16 +415,6 @@ LayerNormOut layer_norm_backward_autograd(const Tensor& grad_y, const Tensor& x,
     return layer_norm_backward_op(grad_y, x, residual, weight, mean, rstd);
   }
   const variable_list out = LayerNormBackward::apply(grad_y, x, residual, weight, mean, rstd);
-  return {out[0], out[1], out[2]};
-}
-
-LayerNormOut layer_norm_backward_from_output_autograd(const Tensor& grad_y, const Tensor& y, const Tensor& weight,
-                                                      const Tensor& bias, const Tensor& rstd) {
-  if (!at::GradMode::is_enabled()) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    return layer_norm_backward_from_output_op(grad_y, y, weight, bias, rstd);
-  }
-  const variable_list out = LayerNormBackwardFromOutput::apply(grad_y, y, weight, bias, rstd);
   return {out[0], out[1], out[2]};
 }
 
@@ -557,7 +513,6 @@ TORCH_LIBRARY_IMPL(bertctl, Autograd, m) {
   m.impl("bias_gelu", &bias_gelu_autograd);
   m.impl("softmax_backward", &softmax_backward_autograd);
   m.impl("layer_norm_backward", &layer_norm_backward_autograd);
-  m.impl("layer_norm_backward_from_output", &layer_norm_backward_from_output_autograd);
   m.impl("bias_gelu_backward", &bias_gelu_backward_autograd);
   m.impl("dropout", &dropout_autograd);
   m.impl("bias_dropout_add_layer_norm", &bias_dropout_add_layer_norm_autograd);

@@ -51,9 +51,6 @@ TORCH_LIBRARY(bertctl, m) {
   m.def("layer_norm_inference(Tensor x, Tensor? residual, Tensor weight, Tensor bias, float eps) -> Tensor");
   // (dx, dweight, dbias); dx is also the gradient of the residual.
   m.def("layer_norm_backward(Tensor grad_y, Tensor x, Tensor? residual, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor, Tensor, Tensor)");
-  // The same from the output y (float32/float64, CPU only): xhat = (y - bias) / weight, so the input
-  // need not be kept.  Exact only for weights far from 0 (the autograd node checks them).
-  m.def("layer_norm_backward_from_output(Tensor grad_y, Tensor y, Tensor weight, Tensor bias, Tensor rstd) -> (Tensor, Tensor, Tensor)");
   // y = GELU(x + bias); approximate is "none" (erf, BERT's) or "tanh".
   m.def("bias_gelu(Tensor x, Tensor bias, str approximate) -> Tensor");
   // (dx, dbias).
@@ -70,7 +67,9 @@ TORCH_LIBRARY(bertctl, m) {
   // (dx, dbias, dresidual, dweight, dln_bias); with p = 0, dx is dresidual and comes back empty.
   m.def("bias_dropout_add_layer_norm_backward(Tensor grad_y, Tensor x, Tensor bias, Tensor residual, "
         "Tensor weight, Tensor mean, Tensor rstd, float p, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // The same from the output y, as layer_norm_backward_from_output (CPU only); bias gives dbias its dtype.
+  // The same from the output y (float32/float64, CPU only): xhat = (y - ln_bias) / weight, so neither x nor
+  // the residual need be kept.  As exact as the above only for weights far from 0 (the autograd node checks
+  // them); bias gives dbias its dtype.
   m.def("bias_dropout_add_layer_norm_backward_from_output(Tensor grad_y, Tensor y, Tensor bias, Tensor weight, "
         "Tensor ln_bias, Tensor rstd, float p, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // (loss, lse, argmax) of the softmax cross-entropy of each row of logits (N, V) against labels (N,)

@@ -188,8 +188,9 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, gen: torch
 
 def min_bytes(case: Case, mode: str, itemsize: int, from_output: bool = False) -> int:
     """Fewest bytes an implementation must move: each input read once, each output written once.
-    from_output: the LayerNorms' backward works from the output y, not x and residual (the CPU's, fp32
-    and fp64, with the weights make_inputs gives; csrc/autograd.cpp's backward_from_output)."""
+    from_output: bias+dropout+residual+LayerNorm's backward works from the output y, not x and residual
+    (the CPU's, fp32 and fp64, with the weights make_inputs gives; backward_from_output in
+    csrc/autograd.cpp)."""
     n = 1
     for d in case.shape:
         n *= d
@@ -213,12 +214,9 @@ def min_bytes(case: Case, mode: str, itemsize: int, from_output: bool = False) -
         return 7 * big + 9 * params + 3 * stats // 2 if from_output else 8 * big + 8 * params + 2 * stats
     if case.op == "layer_norm":
         # fwd (no grad, so no statistics kept): x, residual -> y (+ weight, bias); fwd+bwd: the forward
-        # also writes the fp32 mean/rstd rows, the backward reads dy, x, residual, them -> dx, dweight, dbias;
-        # from the output it reads dy, y and rstd (+ bias)
+        # also writes the fp32 mean/rstd rows, the backward reads dy, x, residual, them -> dx, dweight, dbias
         stats = case.shape[0] * 4 * 2
-        if mode == "fwd":
-            return 3 * big + 2 * params
-        return 6 * big + 6 * params + 3 * stats // 2 if from_output else 7 * big + 6 * params + 2 * stats
+        return 3 * big + 2 * params if mode == "fwd" else 7 * big + 6 * params + 2 * stats
     # bias_gelu fwd: x -> y; bwd: dy, x -> dx, dbias
     return 2 * big + params if mode == "fwd" else 5 * big + 3 * params
 

@@ -10,10 +10,7 @@ Public entry points (stable; the model calls only these):
 - ``layer_norm(x, weight, bias, eps, residual=None)``: LayerNorm(x + residual) over the
   last dim; mean and rstd are kept in float32 for the backward.  Where no gradient is
   recorded (grad mode off, or no input requiring grad) it runs ``layer_norm_inference``,
-  which stores no statistics.  On the CPU in fp32/fp64, with weights away from 0 (every
-  |bias| <= 64 |weight|), the backward works from the output y, (y - bias) / weight giving
-  the normalised input back, and keeps y instead of x and residual (this op's and
-  ``bias_dropout_add_layer_norm``'s; ``backward_from_output`` in csrc/autograd.cpp).
+  which stores no statistics.
 - ``bias_gelu(x, bias, approximate="none")``: GELU(x + bias), "none" = exact erf (BERT's),
   "tanh" = the tanh approximation.
 - ``dropout(x, p, training)``: x * mask / (1 - p) in training, x otherwise. On the CPU the
@@ -24,7 +21,10 @@ Public entry points (stable; the model calls only these):
   LayerNorm(dropout(x + bias) + residual), BERT's sub-layer output after a matmul without its
   bias, one compiled op on the CPU and on CUDA: the mask is a hash of (seed, element index),
   ``dropout``'s on the CPU for the same seed, recomputed in the backward (nothing of it stored), and
-  dropout(x + bias) + residual is never stored; mean and rstd are kept in float32.  The seed comes
+  dropout(x + bias) + residual is never stored; mean and rstd are kept in float32.  On the CPU in
+  fp32/fp64, with LayerNorm weights away from 0 (every |ln_bias| <= 64 |weight|), the backward works
+  from the output y, (y - ln_bias) / weight giving the normalised input back, and keeps y (which the
+  next layer keeps anyway) instead of x and residual (``backward_from_output`` in csrc/autograd.cpp).  The seed comes
   from the input's device generator: on the CPU as ``dropout`` draws it (so the ops apart give the
   same mask), on CUDA as a one-element device tensor the kernel reads at run time (so a CUDA graph
   replays with a new seed each time, and ``torch.manual_seed`` repeats it).  One seed value drops
@@ -283,10 +283,6 @@ def _register() -> None:
     @torch.library.register_fake(lib + "layer_norm_backward")
     def _layer_norm_backward_fake(grad_y, x, residual, weight, mean, rstd):
         return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
-
-    @torch.library.register_fake(lib + "layer_norm_backward_from_output")
-    def _layer_norm_backward_from_output_fake(grad_y, y, weight, bias, rstd):
-        return y.new_empty(y.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
     @torch.library.register_fake(lib + "bias_gelu")
     def _bias_gelu_fake(x, bias, approximate):

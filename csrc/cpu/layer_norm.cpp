@@ -4,10 +4,6 @@
 // y = (h - mean) * rstd * w + b.  Backward: one chunk of rows per thread; per row pass 1 forms
 // g*w (into an L1 scratch row), its row sums and the chunk's dweight/dbias partials, pass 2 writes
 // dx once; the chunks' partials are added in chunk order (deterministic for a thread count).
-// The backward also runs from the output y instead of x (and residual): xhat = (y - b) / w, for fp32
-// and fp64 with weights the autograd node judged well conditioned (backward_from_output in
-// ../autograd.cpp).  It reads dy and y instead of dy, x and residual, and nothing but y (which the next
-// layer keeps anyway) need be kept for it.
 // Memory traffic, not arithmetic, bounds both (fp32, 2 threads, 2-core Zen 4), so:
 // - Large tensors (see kStreamTraffic*) get their output through streaming stores: a store that
 //   misses first reads the line from memory (read-for-ownership), which the backward's dx, and
@@ -21,7 +17,8 @@
 //   time at 2 threads when a line near the boundary between two threads' partials bounced
 //   between the cores (it depended on where the allocation fell).
 // 16-bit tensors go through converted acc_t rows and ordinary stores.
-// Below the LayerNorm: bias + dropout + residual + LayerNorm in one op (see its section).
+// Below the LayerNorm: bias + dropout + residual + LayerNorm in one op (see its section), whose backward
+// also runs from the output y instead of x and residual.
 #include <cmath>
 #include <type_traits>
 
@@ -178,26 +175,36 @@ void layer_norm_rows(const at::Tensor& x_, const at::Tensor& res_, const at::Ten
   });
 }
 
-// Backward of one row, in acc_t: xhat(j, load) gives the row's normalised input at the vector of
-// columns j (from x + res and the row's statistics, or from the output y), g is grad_y's row (the
-// tensor's own for fp32/fp64, a converted copy for 16-bit) and dx receives the row's dx.
-// Pass 1: xhat in registers; g*w goes to gw (a scratch row in L1) and feeds the row sums of g*w and
-// g*w*xhat; the chunk's dweight/dbias partials (dwp, dbp) are updated; with Large, prefetch_ahead(j)
-// fetches the rows kAheadRows ahead into L2.
-// Pass 2 recomputes xhat from its rows (now in cache), re-reads g*w and writes dx = rstd (g*w -
-// mean(g*w) - xhat mean(g*w*xhat)), streamed with Large.  dx is touched once: before, g*w was kept in
-// the dx row between the passes, which read every dx line from memory first.
-template <bool Large, typename acc_t, typename XHat, typename Prefetch>
-inline void layer_norm_backward_row(XHat&& xhat, Prefetch&& prefetch_ahead, const acc_t* g, acc_t* gw, acc_t* dx,
-                                    acc_t rstd, const acc_t* w, acc_t* dwp, acc_t* dbp, int64_t n) {
+// Backward of one row, in acc_t: x, res (HasRes) and g (grad_y) are the tensors' own rows for
+// fp32/fp64 and converted copies for 16-bit inputs; dx receives the row's dx.
+// Pass 1: xhat = (x + res - mean) * rstd in registers; g*w goes to gw (a scratch row in L1) and
+// feeds the row sums of g*w and g*w*xhat; the chunk's dweight/dbias partials (dwp, dbp) are
+// updated; with Large, the rows kAheadRows ahead (ahead_x/ahead_res/ahead_g, or null) are
+// prefetched into L2.
+// Pass 2 re-reads x, res (now in cache) and g*w and writes dx = rstd (g*w - mean(g*w) - xhat
+// mean(g*w*xhat)), streamed with Large.  dx is touched once: before, g*w was kept in the dx row
+// between the passes, which read every dx line from memory first.
+template <bool HasRes, bool Large, typename acc_t, typename scalar_t>
+inline void layer_norm_backward_row(const acc_t* x, const acc_t* res, const acc_t* g, acc_t* gw, acc_t* dx,
+                                    acc_t mean, acc_t rstd, const acc_t* w, acc_t* dwp, acc_t* dbp, int64_t n,
+                                    const scalar_t* ahead_x, const scalar_t* ahead_res, const scalar_t* ahead_g) {
   using Vec = at::vec::Vectorized<acc_t>;
   // g*w is stored between the passes, so the sums and dx see identically rounded values (held
   // in registers the compiler may contract g*w into the sum's FMA): with a constant row
   // (rstd = 1/sqrt(eps)) g*w - mean(g*w) must cancel exactly.  The last partial vector goes
   // through the same code with zero-padded loads (a zero g adds nothing to the sums).
+  auto xhat = [&](int64_t j, auto load) {
+    Vec h = load(x, j);
+    if constexpr (HasRes) h = h + load(res, j);
+    return (h - Vec(mean)) * Vec(rstd);
+  };
   Vec s1(0), s2(0);
   for_each_vector<false>(gw, n, [&](int64_t j, auto load, auto store) {
-    if constexpr (Large) prefetch_ahead(j);
+    if constexpr (Large) {
+      prefetch_l2(ahead_x, j);
+      if constexpr (HasRes) prefetch_l2(ahead_res, j);
+      prefetch_l2(ahead_g, j);
+    }
     const Vec xh = xhat(j, load);
     const Vec gv = load(g, j);
     const Vec gwv = gv * load(w, j);
@@ -213,34 +220,20 @@ inline void layer_norm_backward_row(XHat&& xhat, Prefetch&& prefetch_ahead, cons
   });
 }
 
-// The per-thread parameter rows of a backward that works from the output y: the LayerNorm's bias b
-// and 1/w, so that xhat = (y - b) * (1/w).  The autograd nodes take this path only for fp32/fp64
-// outputs and weights that keep it accurate (well_conditioned in csrc/autograd.cpp): every |w| far
-// from 0 and |b| <= 64 |w|, so that y's rounding moves xhat by at most about 2^-24 (|xhat| + 64).
-template <typename acc_t>
-inline void output_params(const acc_t* w, const acc_t* b_in, acc_t* b, acc_t* iw, int64_t cols) {
-  std::copy(b_in, b_in + cols, b);
-  for (int64_t j = 0; j < cols; ++j) iw[j] = acc_t(1) / w[j];
-}
-
 // One thread's rows [r_begin, r_end): their dx, and their column sums of g*xhat and g into dw, db.
-// FromOutput: x is the output y, b_in the LayerNorm's bias, and res and mean are not used.
 // The thread works in its own buffer (allocated here, by the thread): its copy of w, the
-// dweight/dbias partials it updates every row, the g*w row, b and 1/w from the output, and, for
-// 16-bit inputs, the converted rows (see the top of the file for why).
-template <bool Large, bool FromOutput, typename scalar_t, typename acc_t>
+// dweight/dbias partials it updates every row, the g*w row and, for 16-bit inputs, the converted
+// rows (see the top of the file for why).
+template <bool Large, typename scalar_t, typename acc_t>
 void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scalar_t* res, const acc_t* w_in,
-                               const acc_t* b_in, const acc_t* mean, const acc_t* rstd, scalar_t* dx, acc_t* dw,
-                               acc_t* db, int64_t cols, int64_t r_begin, int64_t r_end) {
-  using Vec = at::vec::Vectorized<acc_t>;
+                               const acc_t* mean, const acc_t* rstd, scalar_t* dx, acc_t* dw, acc_t* db,
+                               int64_t cols, int64_t r_begin, int64_t r_end) {
   constexpr bool kDirect = std::is_same_v<acc_t, scalar_t>;
   const int64_t ld = (cols + 15) / 16 * 16;  // row stride in the buffer: whole lines
-  RowBuffer<acc_t> buf((kDirect ? 6 : 10) * ld);
+  RowBuffer<acc_t> buf((kDirect ? 4 : 8) * ld);
   acc_t *w = buf.get(0), *dwp = buf.get(ld), *dbp = buf.get(2 * ld), *gw = buf.get(3 * ld);
-  acc_t *b = buf.get(4 * ld), *iw = buf.get(5 * ld);
-  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((6 + k) * ld); };
+  auto conv = [&](int k) { return kDirect ? nullptr : buf.get((4 + k) * ld); };
   std::copy(w_in, w_in + cols, w);
-  if constexpr (FromOutput) output_params(w, b_in, b, iw, cols);
   std::fill(dwp, dwp + cols, acc_t(0));
   std::fill(dbp, dbp + cols, acc_t(0));
   for (int64_t r = r_begin; r < r_end; ++r) {
@@ -253,24 +246,10 @@ void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scal
     const scalar_t* ax = more ? x + ahead : nullptr;
     const scalar_t* ar = more && res ? res + ahead : nullptr;
     const scalar_t* ag = more ? dy + ahead : nullptr;
-    auto prefetch_ahead = [&](int64_t j) {
-      prefetch_l2(ax, j);
-      prefetch_l2(ar, j);
-      prefetch_l2(ag, j);
-    };
-    if constexpr (FromOutput) {
-      auto xhat = [&](int64_t j, auto load) { return (load(xr, j) - load(b, j)) * load(iw, j); };
-      layer_norm_backward_row<Large>(xhat, prefetch_ahead, gr, gw, o, rstd[r], w, dwp, dbp, cols);
-    } else {
-      const Vec vmean(mean[r]), vrstd(rstd[r]);
-      if (rr) {
-        auto xhat = [&](int64_t j, auto load) { return (load(xr, j) + load(rr, j) - vmean) * vrstd; };
-        layer_norm_backward_row<Large>(xhat, prefetch_ahead, gr, gw, o, rstd[r], w, dwp, dbp, cols);
-      } else {
-        auto xhat = [&](int64_t j, auto load) { return (load(xr, j) - vmean) * vrstd; };
-        layer_norm_backward_row<Large>(xhat, prefetch_ahead, gr, gw, o, rstd[r], w, dwp, dbp, cols);
-      }
-    }
+    if (res)
+      layer_norm_backward_row<true, Large>(xr, rr, gr, gw, o, mean[r], rstd[r], w, dwp, dbp, cols, ax, ar, ag);
+    else
+      layer_norm_backward_row<false, Large>(xr, rr, gr, gw, o, mean[r], rstd[r], w, dwp, dbp, cols, ax, ar, ag);
     store_row<acc_t>(o, dx + off, cols);
   }
   if constexpr (Large) stream_fence();
@@ -278,21 +257,17 @@ void layer_norm_backward_chunk(const scalar_t* dy, const scalar_t* x, const scal
   std::copy(dbp, dbp + cols, db);
 }
 
-// From the input: x (and res) with the statistics mean, rstd; from the output (b_ defined): x_ is y,
-// b_ the LayerNorm's bias, and mean_ and res_ are undefined.
 template <typename scalar_t>
 void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const at::Tensor& res_,
-                              const at::Tensor& w_, const at::Tensor& b_, const at::Tensor& mean_,
-                              const at::Tensor& rstd_, at::Tensor& dx_, at::Tensor& dw, at::Tensor& db) {
+                              const at::Tensor& w_, const at::Tensor& mean_, const at::Tensor& rstd_, at::Tensor& dx_,
+                              at::Tensor& dw, at::Tensor& db) {
   using acc_t = acc_type<scalar_t>;
   const int64_t cols = last_dim(x_), rows = rows_of(x_);
-  const bool from_output = b_.defined();
   const auto w = param_acc<acc_t>(w_);
-  const auto b = from_output ? param_acc<acc_t>(b_) : std::vector<acc_t>();
   const scalar_t* dy = dy_.data_ptr<scalar_t>();
   const scalar_t* x = x_.data_ptr<scalar_t>();
   const scalar_t* res = res_.defined() ? res_.data_ptr<scalar_t>() : nullptr;
-  const acc_t* mean = mean_.defined() ? mean_.data_ptr<acc_t>() : nullptr;
+  const acc_t* mean = mean_.data_ptr<acc_t>();
   const acc_t* rstd = rstd_.data_ptr<acc_t>();
   scalar_t* dx = dx_.data_ptr<scalar_t>();
   const int64_t chunks = num_chunks(rows, cols);
@@ -304,10 +279,10 @@ void layer_norm_backward_rows(const at::Tensor& dy_, const at::Tensor& x_, const
     for (int64_t c = cb; c < ce; ++c) {
       acc_t *dwp = part.data() + 2 * c * cols, *dbp = dwp + cols;
       const int64_t r0 = c * rows / chunks, r1 = (c + 1) * rows / chunks;
-      with_bools(large, from_output, [&](auto streamed, auto output) {
-        layer_norm_backward_chunk<decltype(streamed)::value, decltype(output)::value>(
-            dy, x, res, w.data(), b.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
-      });
+      if (large)
+        layer_norm_backward_chunk<true>(dy, x, res, w.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
+      else
+        layer_norm_backward_chunk<false>(dy, x, res, w.data(), mean, rstd, dx, dwp, dbp, cols, r0, r1);
     }
   });
   sum_partials(part.data(), chunks, 2 * cols, dw);
@@ -349,19 +324,21 @@ at::Tensor layer_norm_inference_cpu(const at::Tensor& x, const c10::optional<at:
   return std::get<0>(layer_norm_forward(x, residual, weight, bias, eps, false, "bertctl::layer_norm_inference"));
 }
 
-// (dx, dweight, dbias), from the input (x, res, mean) or, with ln_bias defined, from the output (x is y).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                        const at::Tensor& res, const at::Tensor& weight,
-                                                                        const at::Tensor& ln_bias,
-                                                                        const at::Tensor& mean, const at::Tensor& rstd,
-                                                                        const char* op) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
+    const at::Tensor& grad_y, const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+    const at::Tensor& mean, const at::Tensor& rstd) {
+  const char* op = "bertctl::layer_norm_backward";
   check_same(x, grad_y, op, "grad_y");
   check_param(x, weight, op, "weight");
-  TORCH_CHECK(rstd.numel() == rows_of(x) && (!mean.defined() || mean.numel() == rows_of(x)), op,
-              ": the statistics must have ", rows_of(x), " elements");
+  TORCH_CHECK(mean.numel() == rows_of(x) && rstd.numel() == rows_of(x), op, ": mean/rstd must have ", rows_of(x),
+              " elements");
+  at::Tensor res;
+  if (residual.has_value() && residual->defined()) {
+    check_same(x, *residual, op, "residual");
+    res = residual->contiguous();
+  }
   auto xc = x.contiguous(), dyc = grad_y.contiguous();
-  auto rc = rstd.contiguous().to(stats_dtype(x));
-  auto mc = mean.defined() ? mean.contiguous().to(stats_dtype(x)) : at::Tensor();
+  auto mc = mean.contiguous().to(stats_dtype(x)), rc = rstd.contiguous().to(stats_dtype(x));
   auto dx = at::empty_like(xc);
   const int64_t cols = last_dim(x);
   // Both in the weight's dtype (the autograd node casts dbias to the bias's).
@@ -371,39 +348,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(const at
     db.zero_();
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bertctl_layer_norm_backward_cpu", [&] {
-      layer_norm_backward_rows<scalar_t>(dyc, xc, res, weight, ln_bias, mc, rc, dx, dw, db);
+      layer_norm_backward_rows<scalar_t>(dyc, xc, res, weight, mc, rc, dx, dw, db);
     });
   }
   return {dx, dw, db};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cpu(
-    const at::Tensor& grad_y, const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
-    const at::Tensor& mean, const at::Tensor& rstd) {
-  const char* op = "bertctl::layer_norm_backward";
-  at::Tensor res;
-  if (residual.has_value() && residual->defined()) {
-    check_same(x, *residual, op, "residual");
-    res = residual->contiguous();
-  }
-  return layer_norm_backward_impl(grad_y, x, res, weight, at::Tensor(), mean, rstd, op);
-}
-
-// The output is fp32 or fp64: 16-bit outputs are too coarse to give xhat back (see output_params).
-void check_output(const at::Tensor& y, const char* op) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble, op,
-              ": y must be float32 or float64, got ", y.scalar_type());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_from_output_cpu(const at::Tensor& grad_y,
-                                                                                   const at::Tensor& y,
-                                                                                   const at::Tensor& weight,
-                                                                                   const at::Tensor& bias,
-                                                                                   const at::Tensor& rstd) {
-  const char* op = "bertctl::layer_norm_backward_from_output";
-  check_output(y, op);
-  check_param(y, bias, op, "bias");
-  return layer_norm_backward_impl(grad_y, y, at::Tensor(), weight, bias, at::Tensor(), rstd, op);
 }
 
 // --- bias + dropout + residual + LayerNorm ---------------------------------------------------
@@ -416,6 +364,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_from_output_c
 // activation-sized tensors against the separate ops' 7 (LayerNorm's 4, dropout's 2, the matmul's
 // bias gradient reading dx).  The mask is dropout_mask.h's, the same as bertctl::dropout's for one
 // (p, seed).  With p = 0 (eval) it is bias + add + LayerNorm, and dx is dresidual, not written.
+// The backward also runs from the output y (fp32/fp64, weights the autograd node judged well
+// conditioned): xhat = (y - ln_bias) / w, with only the mask recomputed; it reads dy and y, 4 tensors
+// in all with dropout, and nothing but y, which the next layer keeps anyway, need be kept for it.
 
 // Pre-pass of a row: h = (x + bias) * k + res, k = 1 / (1 - p) where the mask keeps element
 // index0 + j, else 0 (kept in ks when ks is not null, for the backward's dx); h = x + bias + res
@@ -470,6 +421,22 @@ void bias_dropout_add_layer_norm_chunk(const scalar_t* x, const acc_t* bias_in, 
                          r + 1 < end ? x + (r + 1) * cols : nullptr, r + 1 < end ? res + (r + 1) * cols : nullptr);
   }
   if constexpr (Large) stream_fence();
+}
+
+// The per-thread parameter rows of the backward from the output y: the LayerNorm's bias b and 1/w, so
+// that xhat = (y - b) * (1/w).  The autograd node takes this path only for fp32/fp64 outputs and
+// weights that keep it accurate (backward_from_output in ../autograd.cpp): every |w| far from 0 and
+// |b| <= 64 |w|, so that y's rounding moves xhat by at most about 2^-24 (|xhat| + 64).
+template <typename acc_t>
+inline void output_params(const acc_t* w, const acc_t* b_in, acc_t* b, acc_t* iw, int64_t cols) {
+  std::copy(b_in, b_in + cols, b);
+  for (int64_t j = 0; j < cols; ++j) iw[j] = acc_t(1) / w[j];
+}
+
+// The output is fp32 or fp64: a 16-bit y is too coarse to give xhat back (see output_params).
+void check_output(const at::Tensor& y, const char* op) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat || y.scalar_type() == at::kDouble, op,
+              ": y must be float32 or float64, got ", y.scalar_type());
 }
 
 // The factors k of a row's mask (1 / (1 - p) where element index0 + j is kept, else 0) into ks.
@@ -728,7 +695,6 @@ TORCH_LIBRARY_IMPL(bertctl, CPU, m) {
   m.impl("layer_norm_backward", &bertctl::cpu::layer_norm_backward_cpu);
   m.impl("bias_dropout_add_layer_norm", &bertctl::cpu::bias_dropout_add_layer_norm_cpu);
   m.impl("bias_dropout_add_layer_norm_backward", &bertctl::cpu::bias_dropout_add_layer_norm_backward_cpu);
-  m.impl("layer_norm_backward_from_output", &bertctl::cpu::layer_norm_backward_from_output_cpu);
   m.impl("bias_dropout_add_layer_norm_backward_from_output",
          &bertctl::cpu::bias_dropout_add_layer_norm_backward_from_output_cpu);
 }
