@@ -321,7 +321,7 @@ def _data(step: int, rank: int) -> list[torch.Tensor]:
     return [torch.randint(1, 20, (r, 5), generator=g) for r in rows]
 
 
-def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool) -> None:
+def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool, wire: str) -> None:
     import torch.distributed as tdist
 
     from bertctl.train import distributed
@@ -330,7 +330,8 @@ def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool
     torch.manual_seed(0)
     model = _Tiny(tied)
     flat = distributed.flat_gradients(model)
-    reducer = distributed.GradientReducer(model, flat, distributed.Dist(rank=rank, world_size=2), bucket_mb=bucket_mb)
+    reducer = distributed.GradientReducer(model, flat, distributed.Dist(rank=rank, world_size=2), bucket_mb=bucket_mb,
+                                          reduce_dtype=distributed.REDUCE_DTYPES[wire])
     grads, launched = [], []
     for step in range(3):  # the first step learns which parameters get no gradient; later ones rely on it
         micro = _data(step, rank)
@@ -349,11 +350,16 @@ def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool
     tdist.destroy_process_group()
 
 
-@pytest.mark.parametrize("bucket_mb,tied", [(25.0, False), (1e-4, False), (0.0, False), (1e-4, True)],
-                         ids=["one-bucket", "bucket-per-parameter", "no-overlap", "tied-embeddings"])
-def test_the_reducer_averages_gradients_over_ranks(bucket_mb, tied):
+@pytest.mark.parametrize("bucket_mb,tied,wire", [(25.0, False, "fp32"), (1e-4, False, "fp32"), (0.0, False, "fp32"),
+                                                 (1e-4, True, "fp32"), (25.0, False, "bf16"), (0.0, False, "bf16"),
+                                                 (1e-4, True, "bf16")],
+                         ids=["one-bucket", "bucket-per-parameter", "no-overlap", "tied-embeddings", "one-bucket-bf16",
+                              "no-overlap-bf16", "tied-embeddings-bf16"])
+def test_the_reducer_averages_gradients_over_ranks(bucket_mb, tied, wire):
     """Buckets started by backward hooks, the embedding's touched rows alone, accumulation, a parameter
-    without gradient: every rank ends with the mean of the ranks' gradients (2 gloo processes)."""
+    without gradient: every rank ends with the mean of the ranks' gradients (2 gloo processes). Sent
+    in bf16, each rank's gradient is rounded to bf16 once and their sum once: the mean of the rounded
+    gradients, rounded."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -361,7 +367,7 @@ def test_the_reducer_averages_gradients_over_ranks(bucket_mb, tied):
     from bertctl.train import distributed
 
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_reducer_worker, args=(f"file://{d}/init", d, bucket_mb, tied), nprocs=2)
+        mp.spawn(_reducer_worker, args=(f"file://{d}/init", d, bucket_mb, tied, wire), nprocs=2)
         got = [torch.load(f"{d}/rank{r}.pt") for r in (0, 1)]
     torch.manual_seed(0)
     model = _Tiny(tied)
@@ -373,7 +379,11 @@ def test_the_reducer_averages_gradients_over_ranks(bucket_mb, tied):
                 model.loss(ids).backward()
             local.append(flat.clone())
             flat.zero_()
-        expected = (local[0] + local[1]) / 2
+        if wire == "bf16":
+            expected = ((local[0] / 2).bfloat16() + (local[1] / 2).bfloat16()).float()
+            assert not torch.equal(expected, (local[0] + local[1]) / 2)  # the rounding is there to see
+        else:
+            expected = (local[0] + local[1]) / 2
         for rank in (0, 1):
             torch.testing.assert_close(got[rank]["grads"][step], expected, rtol=1e-5, atol=1e-7)
     emb = model.word_embeddings.weight.numel()

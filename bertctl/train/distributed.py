@@ -112,17 +112,25 @@ def flat_gradients(model: torch.nn.Module) -> torch.Tensor:
     return flat
 
 
-def ddp_bucket_mb() -> float | None:
-    """``BERTCTL_DDP=bucket_mb=N``: the all-reduce bucket size in MB (None: the default)."""
+def ddp_options() -> dict:
+    """``BERTCTL_DDP``, comma-separated: ``bucket_mb=N``, the all-reduce bucket size in MB (absent:
+    the default), and ``reduce=fp32|bf16``, the dtype the gradients travel in (absent: the default)."""
     from bertctl.errors import BertctlError
 
-    out = None
+    out: dict = {}
     for opt in filter(None, (s.strip() for s in os.environ.get("BERTCTL_DDP", "").split(","))):
-        if opt.startswith("bucket_mb="):
-            out = float(opt.split("=", 1)[1])
+        key, _, value = opt.partition("=")
+        if key == "bucket_mb":
+            out["bucket_mb"] = float(value)
+        elif key == "reduce" and value in REDUCE_DTYPES:
+            out["reduce"] = value
         else:
-            raise BertctlError(f"BERTCTL_DDP: unknown option {opt!r} (known: bucket_mb=N)")
+            raise BertctlError(f"BERTCTL_DDP: unknown option {opt!r} (known: bucket_mb=N, reduce=fp32|bf16)")
     return out
+
+
+#: The dtypes gradients may travel in between ranks.
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 #: One tensor gathered from every rank into one (torch 2.13's name; ``all_gather_into_tensor`` before).
@@ -146,14 +154,19 @@ class GradientReducer:
       last gradient backward produces, which no bucket could overlap.
 
     ``bucket_mb=0`` is one all-reduce of the whole buffer after backward (no overlap, no rows).
+    ``reduce_dtype`` (bf16 for an fp32 buffer) sends each bucket and the rows as a copy in that dtype,
+    averaged there and copied back: half the bytes on the wire. Under bf16 autocast the weights'
+    gradients are bf16 products already; what rounds is the sum over ranks and micro-batches.
     ``gather_ids()`` at the start of the step (the ids' all-gather then overlaps the forward pass),
     ``arm()`` before the last micro-batch's backward (earlier ones only accumulate); ``finish()``
     after it. The result is that of dividing the whole buffer by the world size and summing it over
     ranks, which the tests compare with.
     """
 
-    def __init__(self, model: torch.nn.Module, flat: torch.Tensor, d: Dist, *, bucket_mb: float = 25.0):
+    def __init__(self, model: torch.nn.Module, flat: torch.Tensor, d: Dist, *, bucket_mb: float = 25.0,
+                 reduce_dtype: torch.dtype | None = None):
         self.d, self.flat = d, flat
+        self.wire = None if reduce_dtype in (None, flat.dtype) else torch.empty_like(flat, dtype=reduce_dtype)
         self.armed = False
         self.rows: torch.nn.Parameter | None = None
         self.buckets: list[tuple[int, int]] = []
@@ -223,34 +236,46 @@ class GradientReducer:
 
     def _launch(self, b: int) -> None:
         lo, hi = self.buckets[b]
-        view = self.flat[lo:hi].div_(self.d.world_size)
-        self._works.append(dist.all_reduce(view, op=dist.ReduceOp.SUM, async_op=True))
+        self._works.append(self._all_reduce_mean(self.flat[lo:hi], None if self.wire is None else self.wire[lo:hi]))
+
+    def _all_reduce_mean(self, t: torch.Tensor, wire: torch.Tensor | None):
+        """Start averaging ``t`` over ranks, in place, or through ``wire`` (the reduce dtype; ``finish``
+        copies it back once waited for); returns the asynchronous work."""
+        if wire is None:
+            return dist.all_reduce(t.div_(self.d.world_size), op=dist.ReduceOp.SUM, async_op=True)
+        torch.div(t, self.d.world_size, out=wire)
+        return dist.all_reduce(wire, op=dist.ReduceOp.SUM, async_op=True)
 
     def finish(self, input_ids: list[torch.Tensor] | None = None, id_count: int = 0) -> None:
         """Complete the average: the buckets backward did not start, then the embedding rows that
         ``input_ids`` (this rank's micro-batches) touch, ``id_count`` being the most ids any rank has."""
-        W = self.d.world_size
         if not self.buckets and self.rows is None:
-            dist.all_reduce(self.flat.div_(W), op=dist.ReduceOp.SUM)
+            self._all_reduce_mean(self.flat, self.wire).wait()
+            if self.wire is not None:
+                self.flat.copy_(self.wire)
             return
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
-        for w in self._works:
+        for (lo, hi), w in zip(self.buckets, self._works):
             w.wait()
+            if self.wire is not None:
+                self.flat[lo:hi].copy_(self.wire[lo:hi])
         if self.rows is not None:
-            grad = self.rows.grad
-            if input_ids is None:
-                dist.all_reduce(grad.div_(W), op=dist.ReduceOp.SUM)
-            else:
+            grad, every = self.rows.grad, None
+            if input_ids is not None:
                 if self._gathered is None:
                     self.gather_ids(input_ids, id_count)
                 every, _, work = self._gathered
                 self._gathered = None
                 work.wait()
-                touched = grad.index_select(0, every).div_(W)
-                dist.all_reduce(touched, op=dist.ReduceOp.SUM)
-                grad.index_copy_(0, every, touched)
+            touched = grad if every is None else grad.index_select(0, every)
+            wire = None if self.wire is None else torch.empty_like(touched, dtype=self.wire.dtype)
+            self._all_reduce_mean(touched, wire).wait()
+            if every is not None:
+                grad.index_copy_(0, every, touched if wire is None else wire.to(grad.dtype))
+            elif wire is not None:
+                grad.copy_(wire)
         if self._fired is not None and self.armed:  # unused from now on: their buckets need not wait
             self._unused = {p for p in self._bucket_of if p not in self._fired}
             for p in self._unused:
@@ -267,8 +292,9 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``model`` in DistributedDataParallel, gradients written straight into the all-reduce buckets.
+def wrap_ddp(model: torch.nn.Module, device: torch.device, reduce_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """``model`` in DistributedDataParallel, gradients written straight into the all-reduce buckets,
+    sent in ``reduce_dtype`` when it is bf16 (PyTorch's bf16 compression hook).
 
     ``BERTCTL_DDP=bucket_mb=N`` sets the all-reduce bucket size (PyTorch's default: 25 MB).
     (``static_graph=True`` is not offered: with gradient accumulation it changed the loss of a
@@ -277,7 +303,12 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     kwargs: dict = {"gradient_as_bucket_view": True}
-    bucket_mb = ddp_bucket_mb()
+    bucket_mb = ddp_options().get("bucket_mb")
     if bucket_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_mb
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **kwargs)
+    if reduce_dtype == torch.bfloat16:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    return ddp

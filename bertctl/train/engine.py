@@ -246,6 +246,7 @@ class Engine:
         self.device = dist.device
         self.run_dir = Path(run_dir) if run_dir is not None else None  # where checkpoints go
         self.precision = resolve_precision(cfg.precision, self.device)
+        self.reduce_dtype = distributed.REDUCE_DTYPES[distributed.ddp_options().get("reduce", "fp32")]
         self.log = log or MetricsLog(None)
         self.flops = flops  # counts -> training FLOPs of a step (for TFLOP/s and MFU), optional
         self.model = model.to(self.device)
@@ -270,9 +271,9 @@ class Engine:
             if dist.enabled:
                 self._graph_counts = torch.zeros(len(objective.loss_terms), device=self.device)
                 self._flat_grad = distributed.flat_gradients(self.model)
-                bucket_mb = distributed.ddp_bucket_mb()
-                self._reducer = distributed.GradientReducer(self.model, self._flat_grad, dist,
-                                                            bucket_mb=25.0 if bucket_mb is None else bucket_mb)
+                self._reducer = distributed.GradientReducer(
+                    self.model, self._flat_grad, dist, bucket_mb=distributed.ddp_options().get("bucket_mb", 25.0),
+                    reduce_dtype=self.reduce_dtype)
                 self._id_count = 0  # the most input ids a rank has this step (the reducer's rows)
                 distributed.broadcast_parameters(self.model, dist)  # what DDP does when it wraps
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -280,7 +281,7 @@ class Engine:
         step_model = self.model
         self.ddp = None
         if dist.enabled and self._flat_grad is None:
-            step_model = self.ddp = distributed.wrap_ddp(self.model, self.device)
+            step_model = self.ddp = distributed.wrap_ddp(self.model, self.device, self.reduce_dtype)
         if cfg.compile:
             step_model = torch.compile(step_model, dynamic=cfg.compile_dynamic)
         self.step_model = step_model
