@@ -345,3 +345,96 @@ def test_evaluation_out_of_device_memory_names_the_token_budget(tmp_path):
     with pytest.raises(BertctlError, match=r"^out of CPU memory evaluating \d+ examples of \d+ tokens in one forward "
                                            r"pass: pass a smaller --batch-tokens \(bertctl eval\) or --eval-batch-tokens"):
         T.predict(model, feats, device=torch.device("cpu"))
+
+
+def test_rare_padded_lengths_join_the_next_common_one():
+    """``common_lengths``: shortest first, groups of at least ``min_steps`` steps, each padded to its
+    longest; a short last group joins the one before."""
+    counts = {16: 40, 24: 3, 32: 5, 40: 9, 48: 30, 56: 2, 64: 1}
+    assert L.common_lengths(counts, 16) == {24: 40, 32: 40, 56: 64, 48: 64}
+    assert L.common_lengths(counts, 1) == {}
+    assert L.common_lengths({8: 2, 16: 3}, 16) == {8: 16}
+
+
+@pytest.mark.parametrize("world,micro", [(1, None), (1, 8), (2, None)])
+def test_with_graphs_rare_lengths_pad_up_and_a_resumed_run_pads_alike(world, micro):
+    """``task_batches(min_shape_steps=...)``: a batch is padded to at least its own longest (rounded),
+    to a length the run has anyway; far fewer steps are left with a shape too rare to capture, and a
+    run resumed mid-way gets the same tensors as the whole run from that step on."""
+    rng = np.random.default_rng(4)
+    feats = [{"input_ids": np.arange(n), "token_type_ids": np.zeros(n, dtype=np.int8), "labels": 1}
+             for n in np.minimum(rng.geometric(0.02, 700) + 4, 200)]
+    spe = L.steps_per_epoch(len(feats), 32, world)
+
+    def run(min_steps, start=0, rank=0):
+        it = L.task_batches(feats, 32, seed=1, start_step=start, steps_per_epoch=spe, group_by_length=False, rank=rank,
+                            world_size=world, micro_batch_size=micro, max_steps=3 * spe, min_shape_steps=min_steps)
+        return [next(it) for _ in range(3 * spe - start)]
+
+    plain, padded = run(None), run(16)
+    natural = {m["input_ids"].shape[-1] for sb in plain for m in sb.micro}
+    for a, b in zip(plain, padded):
+        for ma, mb in zip(a.micro, b.micro):
+            assert mb["input_ids"].shape[-1] >= ma["input_ids"].shape[-1]
+            assert mb["input_ids"].shape[-1] in natural
+            n = ma["input_ids"].shape[-1]
+            for k in ma:  # the same rows, padded further
+                assert torch.equal(mb[k][..., :n], ma[k]) if mb[k].dim() > 1 else torch.equal(mb[k], ma[k])
+            assert not mb["attention_mask"][..., n:].any()
+        assert a.counts["tokens"] == b.counts["tokens"] and a.counts["loss"] == b.counts["loss"]
+    rare = [sum(sb.shape_steps < 16 for sb in steps) for steps in (plain, padded)]
+    if micro:  # one process's micro-batches keep their own lengths
+        assert all(a.micro[i]["input_ids"].shape == b.micro[i]["input_ids"].shape
+                   for a, b in zip(plain, padded) for i in range(len(a.micro)))
+    else:
+        assert rare[1] <= 3 < rare[0] // 3  # at most each epoch's short last batch
+    resumed = run(16, start=spe + 5)
+    for a, b in zip(padded[spe + 5:], resumed):
+        assert all(torch.equal(a.micro[i][k], b.micro[i][k]) for i in range(len(a.micro)) for k in a.micro[i])
+    if world > 1:
+        other = run(16, rank=1)
+        assert [sb.signature for sb in other] == [sb.signature for sb in padded]
+
+
+def test_padding_further_changes_no_loss_or_gradient():
+    """What ``common_lengths`` relies on: a batch padded beyond its longest gives every head the same
+    loss and gradients (float64, the padded sdpa model): attention, the span softmax and the token
+    labels mask the padding."""
+    from bertctl.config import BertConfig
+    from bertctl.model import (BertForMultipleChoice, BertForQuestionAnswering, BertForSequenceClassification,
+                               BertForTokenClassification)
+
+    rng = np.random.default_rng(2)
+    conf = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                attn_implementation="sdpa", kernels="torch")
+    lens = [5, 11, 3, 17]
+
+    def seq(n):
+        return {"input_ids": rng.integers(1, 50, n), "token_type_ids": (np.arange(n) > n // 2).astype(np.int8)}
+
+    cases = [
+        (BertForSequenceClassification, dict(num_labels=3), [{**seq(n), "labels": i % 3} for i, n in enumerate(lens)]),
+        (BertForTokenClassification, dict(num_labels=4),
+         [{**seq(n), "labels": np.where(rng.random(n) < 0.3, -100, rng.integers(0, 4, n))} for n in lens]),
+        (BertForQuestionAnswering, {}, [{**seq(n), "start_positions": n // 3, "end_positions": n // 2} for n in lens]),
+        (BertForMultipleChoice, {}, [{"input_ids": np.stack([rng.integers(1, 50, 24)] * 2),
+                                      "token_type_ids": np.zeros((2, 24), dtype=np.int8), "lengths": [n, n + 2],
+                                      "labels": i % 2} for i, n in enumerate(lens)]),
+    ]
+    for cls, kw, features in cases:
+        torch.manual_seed(0)
+        model = cls(BertConfig(**conf, **kw)).double()
+        results = []
+        for extra in (0, 16):
+            natural = L.collate(features)
+            batch = L.collate(features, length=natural["input_ids"].shape[-1] + extra)
+            model.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        (a, ga), (b, gb) = results
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=cls.__name__)
+        assert len(ga) == len(gb)
+        for x, y in zip(ga, gb):
+            torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-12, msg=cls.__name__)

@@ -50,9 +50,10 @@ MAX_STEPS = typer.Option(None, "--max-steps", help="Stop after this many optimiz
 SAVE_EVERY = typer.Option(0, "--save-every", help="Also checkpoint every N steps (0: at epoch ends only).")
 FROM_SCRATCH = typer.Option(False, "--from-scratch", help="Take only the architecture from --model and start from "
                              "random weights (the no-pretraining baseline).")
-GRAPH_MIN_STEPS = typer.Option(16, "--graph-min-steps", help="With CUDA graphs: capture a batch shape only when the "
-                               "run has at least this many steps of it; rarer shapes train eagerly, with the same "
-                               "maths (a capture costs 0.1-0.3 s). 1: every shape.")
+GRAPH_MIN_STEPS = typer.Option(16, "--graph-min-steps", help="With CUDA graphs: pad a batch whose padded length "
+                               "fewer steps of the run share up to a longer common one, and capture a batch shape only "
+                               "when the run has at least this many steps of it; rarer shapes train eagerly, with the "
+                               "same maths (a capture costs 0.1-0.3 s). 1: every shape, as padded.")
 LOG_EVERY = typer.Option(50, "--log-every", help="Steps between logged mean training losses (metrics.jsonl).")
 
 

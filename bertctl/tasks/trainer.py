@@ -339,7 +339,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     batches = Prefetcher(task_batches(train_features, cfg.batch_size, seed=cfg.seed, start_step=engine.step,
                                       steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
                                       rank=dist.rank, world_size=W, micro_batch_size=cfg.micro_batch_size,
-                                      max_steps=steps),
+                                      max_steps=steps, min_shape_steps=ecfg.graph_min_steps if ecfg.cuda_graphs else None),
                          lambda sb: sb, pin=pin)
     try:
         with varied_shapes():

@@ -11,16 +11,20 @@ work is longer (medium at batch 128 x 256 on an H200) the two are level.
 How, and what stays exact:
 
 - One graph per batch *shape* (every micro-batch's tensor shapes): fine-tuning batches are padded to
-  their own longest row, so a task has a few dozen shapes. Shapes are not rounded up: each replay
-  computes what the eager step computes on the same tensors, with the same dropout masks. A run that
-  meets more than ``max_graphs`` shapes runs the rest eagerly, and so does a shape too rare to repay
-  its capture: fine-tuning knows its whole run's batches in advance, so each step comes with the
-  number of steps that share its shapes, and a shape with fewer than ``MIN_SHAPE_STEPS`` runs eagerly.
+  their own longest row, so a task has a few dozen shapes. Each replay computes what the eager step
+  computes on the same tensors, with the same dropout masks. A run that meets more than
+  ``max_graphs`` shapes runs the rest eagerly, and so does a shape too rare to repay its capture:
+  fine-tuning knows its whole run's batches in advance, so each step comes with the number of steps
+  that share its shapes, and a shape with fewer than ``MIN_SHAPE_STEPS`` runs eagerly. Before that,
+  the loader pads a batch whose length is that rare up to the next common length
+  (``loader.common_lengths``), which attention and the losses mask: eager steps are bound by the
+  host, and do not get faster with more GPUs.
   A capture (an eager warm-up, the recording, the instantiation) took 0.12 s a shape for MiniLM and
   0.2-0.3 s for BERT-Base and -Large on an H200; a replay saves at most the host time an eager step
   spends issuing kernels, about 5-7 ms for MiniLM at batch 32 and little where the GPU work is long,
   so a shape seen a few times costs more captured than eager. SQuAD's windows at batch 32 make 18
-  shapes in 3 epochs, 7 of them 3 steps or fewer.
+  shapes in 3 epochs, 7 of them 3 steps or fewer; padded to common lengths, 8 shapes, and 3 eager steps
+  (each epoch's smaller last batch) instead of 82.
 - Inputs are copied into static buffers; the learning rate is a device tensor the scheduler fills
   in place; gradients, AdamW's moments and step counts live at fixed addresses, allocated before the
   first capture; everything the graph allocates comes from one shared memory pool and is dead when a

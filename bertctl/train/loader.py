@@ -226,7 +226,7 @@ def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, g
 
 
 def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_size: int, micro_batch_size: int | None,
-              pad_id: int = 0) -> StepBatch:
+              pad_id: int = 0, pad_to: dict[int, int] | None = None) -> StepBatch:
     """One global batch ``idx`` of task features -> this rank's micro-batches and counts.
 
     Rank r takes the r-th of ``world_size`` near-equal contiguous slices. The loss term ``loss`` is
@@ -235,20 +235,22 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     share one sequence length per step; the step's ``signature`` (that length and every rank's rows)
     is then the same on every rank, which the CUDA graphs of all ranks must agree on, and a task has
     as many signatures as one process has shapes. Every rank also knows the global batch's loss
-    normaliser (``global_counts``), so the step needs no collective to learn it.
+    normaliser (``global_counts``), so the step needs no collective to learn it. ``pad_to`` (from
+    ``common_lengths``) pads a padded length further, to a longer one that more steps share.
     """
     parts = np.array_split(idx, world_size)
     mine = parts[rank]
     micro_size = micro_batch_size or len(mine)
     length, signature = None, ()
     if world_size > 1:
-        length = round_up(max(feature_length(features[i]) for i in idx))
+        length = _padded(lengths_of(features, idx), pad_to)
         signature = (length, tuple(len(part) for part in parts), micro_batch_size)
     micro, counts = [], {"loss": float(sum(loss_count(features[i]) for i in mine)), "sequences": float(len(mine)),
                          "tokens": 0.0, "attn_pairs": 0.0, "padded_tokens": 0.0}
     totals = {"loss": float(sum(loss_count(features[i]) for i in idx))} if world_size > 1 else None
     for start in range(0, len(mine), micro_size):
-        mb = collate([features[i] for i in mine[start:start + micro_size]], pad_id, length=length)
+        part = mine[start:start + micro_size]
+        mb = collate([features[i] for i in part], pad_id, length=length or _padded(lengths_of(features, part), pad_to))
         lengths = mb["attention_mask"].sum(dim=-1).double()
         counts["tokens"] += float(lengths.sum())
         counts["attn_pairs"] += float((lengths * lengths).sum())
@@ -257,19 +259,54 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     return StepBatch(micro, counts, signature, global_counts=totals)
 
 
-def shape_class(lengths: np.ndarray, idx: np.ndarray, world_size: int, micro_batch_size: int | None) -> tuple:
+def lengths_of(features: Sequence[dict], idx: np.ndarray) -> np.ndarray:
+    return np.asarray([feature_length(features[i]) for i in idx])
+
+
+def _padded(lengths: np.ndarray, pad_to: dict[int, int] | None) -> int:
+    """The length a batch of ``lengths`` is padded to: its longest, rounded up, then ``pad_to``'s."""
+    n = round_up(int(lengths.max()))
+    return pad_to.get(n, n) if pad_to else n
+
+
+def shape_class(lengths: np.ndarray, idx: np.ndarray, world_size: int, micro_batch_size: int | None,
+                pad_to: dict[int, int] | None = None) -> tuple:
     """What fixes the tensor shapes of the step ``task_step`` cuts from global batch ``idx``: several
     processes, the signature (the global longest, every rank's rows, the micro-batch size); one, each
     micro-batch's rows and its own padded length. The same on every rank."""
     if world_size > 1:
-        return (round_up(int(lengths[idx].max())), tuple(len(p) for p in np.array_split(idx, world_size)),
-                micro_batch_size)
+        return (_padded(lengths[idx], pad_to), tuple(len(p) for p in np.array_split(idx, world_size)), micro_batch_size)
     size = micro_batch_size or len(idx)
-    return tuple((len(idx[s:s + size]), round_up(int(lengths[idx[s:s + size]].max())))
-                 for s in range(0, len(idx), size))
+    return tuple((len(idx[s:s + size]), _padded(lengths[idx[s:s + size]], pad_to)) for s in range(0, len(idx), size))
 
 
-def _global_batches(lengths: np.ndarray, batch_size: int, seed: int, start_step: int, steps_per_epoch: int,
+def common_lengths(counts: collections.Counter, min_steps: int) -> dict[int, int]:
+    """Padded length -> a longer one to pad to, so that as few steps as possible have a length that
+    fewer than ``min_steps`` steps share (``counts``: steps per padded length, over the whole run).
+
+    The lengths, shortest first, are gathered into groups of at least ``min_steps`` steps, each padded
+    to its longest; a last group short of it joins the one before. CUDA graphs capture only lengths a
+    run has enough steps of, and run the rest eagerly, which bounds a step by the host: on SQuAD's
+    windows at batch 32 for 3 epochs, 82 of 483 steps, which now pad to a captured length with 0.4%
+    more padded tokens. Padding changes no result: attention, the losses and the counts mask it.
+    """
+    groups: list[list[int]] = []
+    group, steps = [], 0
+    for n in sorted(counts):
+        group.append(n)
+        steps += counts[n]
+        if steps >= min_steps:
+            groups.append(group)
+            group, steps = [], 0
+    if group:
+        if groups:
+            groups[-1] += group
+        else:
+            groups.append(group)
+    return {n: max(g) for g in groups for n in g if n != max(g)}
+
+
+def _global_batches(start_step: int, lengths: np.ndarray, batch_size: int, seed: int, steps_per_epoch: int,
                     group_by_length: bool, world_size: int) -> Iterator[np.ndarray]:
     """The global batches from step ``start_step`` on, epoch after epoch (seeking, never replaying)."""
     epoch, k = divmod(start_step, steps_per_epoch)
@@ -279,21 +316,30 @@ def _global_batches(lengths: np.ndarray, batch_size: int, seed: int, start_step:
 
 
 def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_step: int, steps_per_epoch: int,
-                 group_by_length: bool, rank: int = 0, world_size: int = 1,
-                 micro_batch_size: int | None = None, max_steps: int | None = None) -> Iterator[StepBatch]:
+                 group_by_length: bool, rank: int = 0, world_size: int = 1, micro_batch_size: int | None = None,
+                 max_steps: int | None = None, min_shape_steps: int | None = None) -> Iterator[StepBatch]:
     """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying). With ``max_steps``
     each step's ``shape_steps`` counts the steps from ``start_step`` to ``max_steps`` that share its
-    shapes (``shape_class``), which tells the CUDA graphs which shapes are worth a capture."""
+    shapes (``shape_class``), which tells the CUDA graphs which shapes are worth a capture; with
+    ``min_shape_steps`` too, a padded length that fewer steps of the whole run share is padded further,
+    to the next common one (``common_lengths``; decided from step 0, so a resumed run pads alike). Not
+    with one process's micro-batches: each is padded to its own longest, and the step's shape is then
+    a combination of lengths that few steps share however the lengths are merged."""
     lengths = np.asarray([feature_length(f) for f in features])
-    args = (lengths, batch_size, seed, start_step, steps_per_epoch, group_by_length, world_size)
-    plan = None
+    args = (lengths, batch_size, seed, steps_per_epoch, group_by_length, world_size)
+    plan = pad_to = None
     if max_steps is not None:
-        plan = collections.Counter(shape_class(lengths, idx, world_size, micro_batch_size)
-                                   for idx in itertools.islice(_global_batches(*args), max(0, max_steps - start_step)))
-    for idx in _global_batches(*args):
-        sb = task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size)
+        if min_shape_steps and min_shape_steps > 1 and (world_size > 1 or not micro_batch_size):
+            pad_to = common_lengths(collections.Counter(  # one padded length a step: the global batch's
+                _padded(lengths[idx], None) for idx in itertools.islice(_global_batches(0, *args), max_steps)),
+                min_shape_steps)
+        plan = collections.Counter(shape_class(lengths, idx, world_size, micro_batch_size, pad_to)
+                                   for idx in itertools.islice(_global_batches(start_step, *args),
+                                                               max(0, max_steps - start_step)))
+    for idx in _global_batches(start_step, *args):
+        sb = task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size, pad_to=pad_to)
         if plan is not None:
-            sb.shape_steps = plan[shape_class(lengths, idx, world_size, micro_batch_size)]
+            sb.shape_steps = plan[shape_class(lengths, idx, world_size, micro_batch_size, pad_to)]
         yield sb
 
 
