@@ -45,9 +45,10 @@ def test_a_last_batch_smaller_than_the_world_joins_the_one_before():
 
 
 @pytest.mark.parametrize("tokens", [False, True], ids=["sequence", "token"])
-def test_every_rank_knows_the_global_batchs_loss_normaliser(tokens):
+def test_every_rank_knows_the_global_batchs_loss_normaliser_and_ids(tokens):
     """Several processes: each rank's step carries the loss normaliser of the whole global batch (the
-    sum of every rank's own), so the step needs no collective to learn it; one process carries none."""
+    sum of every rank's own) and every rank's input ids (the embedding rows the gradients' sum
+    touches), so the step needs no collective to learn them; one process carries neither."""
     rng = np.random.default_rng(1)
     feats = []
     for n in rng.integers(3, 30, 23):
@@ -59,7 +60,10 @@ def test_every_rank_knows_the_global_batchs_loss_normaliser(tokens):
         total = sum(sb.counts["loss"] for sb in steps)
         assert total == (sum(int((f["labels"] != -100).sum()) for f in feats) if tokens else 23)
         assert all(sb.global_counts == {"loss": total} for sb in steps)
-    assert L.task_step(feats, idx, rank=0, world_size=1, micro_batch_size=None).global_counts is None
+        every = torch.cat([m["input_ids"].reshape(-1) for sb in steps for m in sb.micro])
+        assert all(torch.equal(sb.every_ids, every) for sb in steps)
+    one = L.task_step(feats, idx, rank=0, world_size=1, micro_batch_size=None)
+    assert one.global_counts is None and one.every_ids is None
 
 
 def _setup(tmp_path, dropout: float | None = None, tokens: bool = False):

@@ -133,13 +133,10 @@ def ddp_options() -> dict:
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-#: One tensor gathered from every rank into one (torch 2.13's name; ``all_gather_into_tensor`` before).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class GradientReducer:
-    """Averages the flat gradient buffer (``flat_gradients``) over ranks in a form a CUDA graph can
-    hold, overlapped with backward as DDP's buckets are.
+    """Sums the flat gradient buffer (``flat_gradients``) over ranks in a form a CUDA graph can hold,
+    overlapped with backward as DDP's buckets are. The engine's loss scales carry the 1 / world size
+    that makes the sum a mean, so no division runs here.
 
     - Dense buckets of about ``bucket_mb`` MB, contiguous in the buffer and taken from its end (the
       last layers' gradients are ready first): each bucket's all-reduce starts, asynchronously, once
@@ -147,20 +144,18 @@ class GradientReducer:
       issues the same collectives in the same order. Parameters that got no gradient in the first
       step (a pooler the task does not use) are not waited for after it; a bucket backward has not
       started by the end is started then.
-    - The word embeddings, when untied (fine-tuning), are averaged on the rows the step's input ids
-      touch and nowhere else: their gradient is zero on every other row of every rank. The ids are
-      gathered from all ranks (each padded to ``id_count``, the most any rank has) and the touched
+    - The word embeddings, when untied (fine-tuning), are summed on the rows the step's input ids
+      touch and nowhere else: their gradient is zero on every other row of every rank. Every rank
+      knows every rank's ids from the global batch (``StepBatch.every_ids``), so only the touched
       rows are all-reduced, not the whole vocabulary: for MiniLM half the gradient bytes, and the
       last gradient backward produces, which no bucket could overlap.
 
     ``bucket_mb=0`` is one all-reduce of the whole buffer after backward (no overlap, no rows).
     ``reduce_dtype`` (bf16 for an fp32 buffer) sends each bucket and the rows as a copy in that dtype,
-    averaged there and copied back: half the bytes on the wire. Under bf16 autocast the weights'
+    summed there and copied back: half the bytes on the wire. Under bf16 autocast the weights'
     gradients are bf16 products already; what rounds is the sum over ranks and micro-batches.
-    ``gather_ids()`` at the start of the step (the ids' all-gather then overlaps the forward pass),
     ``arm()`` before the last micro-batch's backward (earlier ones only accumulate); ``finish()``
-    after it. The result is that of dividing the whole buffer by the world size and summing it over
-    ranks, which the tests compare with.
+    after it. The result is that of summing the whole buffer over ranks, which the tests compare with.
     """
 
     def __init__(self, model: torch.nn.Module, flat: torch.Tensor, d: Dist, *, bucket_mb: float = 25.0,
@@ -204,18 +199,6 @@ class GradientReducer:
         self._works: list = []
         self._fired: set | None = set()  # the first step's: which parameters get gradients at all
         self._unused: set = set()
-        self._gathered: tuple | None = None  # every rank's ids and their all-gather, once started
-
-    def gather_ids(self, input_ids: list[torch.Tensor], id_count: int) -> None:
-        """Start gathering every rank's input ids (this rank's micro-batches, padded to ``id_count``,
-        the most any rank has) for the embedding rows ``finish`` averages; asynchronous."""
-        if self.rows is None or not self.buckets:
-            return
-        ids = torch.cat([t.reshape(-1) for t in input_ids])
-        if ids.numel() < id_count:
-            ids = torch.cat([ids, ids.new_zeros(id_count - ids.numel())])
-        every = ids.new_empty(self.d.world_size * ids.numel())
-        self._gathered = (every, ids, _all_gather_single(every, ids, async_op=True))
 
     def arm(self) -> None:
         self.armed = True
@@ -236,21 +219,20 @@ class GradientReducer:
 
     def _launch(self, b: int) -> None:
         lo, hi = self.buckets[b]
-        self._works.append(self._all_reduce_mean(self.flat[lo:hi], None if self.wire is None else self.wire[lo:hi]))
+        self._works.append(self._all_reduce(self.flat[lo:hi], None if self.wire is None else self.wire[lo:hi]))
 
-    def _all_reduce_mean(self, t: torch.Tensor, wire: torch.Tensor | None):
-        """Start averaging ``t`` over ranks, in place, or through ``wire`` (the reduce dtype; ``finish``
+    @staticmethod
+    def _all_reduce(t: torch.Tensor, wire: torch.Tensor | None):
+        """Start summing ``t`` over ranks, in place, or through ``wire`` (the reduce dtype; ``finish``
         copies it back once waited for); returns the asynchronous work."""
-        if wire is None:
-            return dist.all_reduce(t.div_(self.d.world_size), op=dist.ReduceOp.SUM, async_op=True)
-        torch.div(t, self.d.world_size, out=wire)
-        return dist.all_reduce(wire, op=dist.ReduceOp.SUM, async_op=True)
+        return dist.all_reduce(t if wire is None else wire.copy_(t), op=dist.ReduceOp.SUM, async_op=True)
 
-    def finish(self, input_ids: list[torch.Tensor] | None = None, id_count: int = 0) -> None:
-        """Complete the average: the buckets backward did not start, then the embedding rows that
-        ``input_ids`` (this rank's micro-batches) touch, ``id_count`` being the most ids any rank has."""
+    def finish(self, every_ids: torch.Tensor | None = None) -> None:
+        """Complete the sum: the buckets backward did not start, then the embedding rows that
+        ``every_ids`` (every rank's input ids of the step, the same tensor on every rank) touch, or,
+        without it, the whole embedding."""
         if not self.buckets and self.rows is None:
-            self._all_reduce_mean(self.flat, self.wire).wait()
+            self._all_reduce(self.flat, self.wire).wait()
             if self.wire is not None:
                 self.flat.copy_(self.wire)
             return
@@ -262,18 +244,12 @@ class GradientReducer:
             if self.wire is not None:
                 self.flat[lo:hi].copy_(self.wire[lo:hi])
         if self.rows is not None:
-            grad, every = self.rows.grad, None
-            if input_ids is not None:
-                if self._gathered is None:
-                    self.gather_ids(input_ids, id_count)
-                every, _, work = self._gathered
-                self._gathered = None
-                work.wait()
-            touched = grad if every is None else grad.index_select(0, every)
+            grad = self.rows.grad
+            touched = grad if every_ids is None else grad.index_select(0, every_ids)
             wire = None if self.wire is None else torch.empty_like(touched, dtype=self.wire.dtype)
-            self._all_reduce_mean(touched, wire).wait()
-            if every is not None:
-                grad.index_copy_(0, every, touched if wire is None else wire.to(grad.dtype))
+            self._all_reduce(touched, wire).wait()
+            if every_ids is not None:
+                grad.index_copy_(0, every_ids, touched if wire is None else wire.to(grad.dtype))
             elif wire is not None:
                 grad.copy_(wire)
         if self._fired is not None and self.armed:  # unused from now on: their buckets need not wait

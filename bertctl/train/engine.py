@@ -101,6 +101,8 @@ class StepBatch:
     shape_steps: int | None = None  # steps of the run with this step's shapes (None: not known), for the graphs
     global_counts: dict[str, float] | None = None  # several processes: each loss term's count over all ranks,
     # where the rank knows it (fine-tuning sees the global batch): the step then needs no collective for it
+    every_ids: torch.Tensor | None = None  # several processes: every rank's input ids of the step, flat, where
+    # the rank knows them: the word-embedding rows the gradients' sum touches (``GradientReducer``)
 
     @property
     def sequences(self) -> int:
@@ -274,7 +276,6 @@ class Engine:
                 self._reducer = distributed.GradientReducer(
                     self.model, self._flat_grad, dist, bucket_mb=distributed.ddp_options().get("bucket_mb", 25.0),
                     reduce_dtype=self.reduce_dtype)
-                self._id_count = 0  # the most input ids a rank has this step (the reducer's rows)
                 distributed.broadcast_parameters(self.model, dist)  # what DDP does when it wraps
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.step = 0
@@ -308,19 +309,24 @@ class Engine:
         out += [self._graph_stats, self._graph_loss]
         return out
 
-    def _graph_body(self, micro: list[dict[str, torch.Tensor]]) -> None:
+    def _graph_body(self, inputs: list[dict[str, torch.Tensor]]) -> None:
         """The step that the graphs capture: ``_step`` on static tensors, its results in tensors
-        allocated outside the graph. The loss scales come from the host (``_host_scales``: one process,
-        or several that know the global counts); else each loss term's normaliser is summed over ranks
-        here, as the eager step does (a copy: the input buffer must hold this rank's counts at every
-        replay)."""
+        allocated outside the graph. ``inputs``: the micro-batches, then, where several processes know
+        them, ``{"every_ids": ...}`` for the reducer. The loss scales come from the host
+        (``_host_scales``: one process, or several that know the global counts); else each loss term's
+        normaliser is summed over ranks here, as the eager step does (a copy: the input buffer must
+        hold this rank's counts at every replay). The reducer sums gradients: the scales are
+        1 / (global count), no world size."""
         self._graph_loss.zero_()
+        every_ids = None
+        if inputs and "every_ids" in inputs[-1]:
+            every_ids, inputs = inputs[-1]["every_ids"], inputs[:-1]
         if self._host_scales:
             scales = self._graph_scales.unbind()
         else:
             counts = distributed.all_reduce_sum(self._graph_counts.clone(), self.dist)
-            scales = (self.dist.world_size / counts.clamp(min=1.0)).unbind()
-        self._step(micro, scales, self._graph_stats, self._graph_loss)
+            scales = (1.0 / counts.clamp(min=1.0)).unbind()
+        self._step(inputs, scales, self._graph_stats, self._graph_loss, every_ids)
 
     # ----------------------------------------------------------------- one step
 
@@ -345,21 +351,20 @@ class Engine:
             self._host_scales = self._flat_grad is None or sb.global_counts is not None
             if self._host_scales:
                 counts = sb.counts if self._flat_grad is None else sb.global_counts
-                scales = [W / max(counts[t], 1.0) for t in terms]
+                scales = [1.0 / max(counts[t], 1.0) for t in terms]
                 self._graph_scales.copy_(torch.tensor(scales, dtype=torch.float32, pin_memory=True), non_blocking=True)
             else:
                 counts = [sb.counts[t] for t in terms]
                 self._graph_counts.copy_(torch.tensor(counts, dtype=torch.float32, pin_memory=True), non_blocking=True)
-            if self._flat_grad is not None:
-                ids = sb.micro[0].get("input_ids")
-                self._id_count = max(sb.signature[1]) * ids[0].numel() if sb.signature and ids is not None else 0
+            inputs = sb.micro
+            if self._flat_grad is not None and sb.every_ids is not None:
+                inputs = [*sb.micro, {"every_ids": sb.every_ids}]
             capture = sb.shape_steps is None or sb.shape_steps >= self.cfg.graph_min_steps
-            if self.graphs.step(sb.micro, (sb.signature, self._host_scales), capture=capture):
+            if self.graphs.step(inputs, (sb.signature, self._host_scales), capture=capture):
                 self.scheduler.step()
                 return self._graph_loss
             # a shape too rare to be worth a capture, or past the graph budget: the same step, eagerly
-            micro = [to_device(m, self.device) for m in sb.micro]
-            self._graph_body(micro)
+            self._graph_body([to_device(m, self.device) for m in inputs])
             self.scheduler.step()
             return self._graph_loss
         micro = [to_device(m, self.device) for m in sb.micro]
@@ -380,21 +385,18 @@ class Engine:
         return step_loss
 
     def _step(self, micro: list[dict[str, torch.Tensor]], scales, stats: torch.Tensor,
-              step_loss: torch.Tensor) -> None:
+              step_loss: torch.Tensor, every_ids: torch.Tensor | None = None) -> None:
         """Forward and backward over the micro-batches, clipping, the optimizer step, gradients zeroed.
 
-        ``scales`` holds each loss term's 1 / (its global count) (floats, or device scalars under
-        graphs); the step's loss is added to ``step_loss`` and the terms and stats to ``stats``.
-        Under graphs nothing here may wait for the host: the scaler is off (no fp16) and DDP absent
-        (several processes average the flat gradient buffer through ``distributed.GradientReducer``
-        instead: buckets that backward starts, as DDP's).
+        ``scales`` holds each loss term's world size / (its global count) where DDP averages the
+        gradients over ranks, else 1 / (its global count) (floats, or device scalars under graphs);
+        the step's loss is added to ``step_loss`` and the terms and stats to ``stats``. Under graphs
+        nothing here may wait for the host: the scaler is off (no fp16) and DDP absent (several
+        processes sum the flat gradient buffer through ``distributed.GradientReducer`` instead:
+        buckets that backward starts, as DDP's; ``every_ids`` gives it the embedding rows).
         """
         terms = self.objective.loss_terms
-        W = self.dist.world_size
-        ids = None
-        if self._flat_grad is not None and self._id_count and all("input_ids" in mb for mb in micro):
-            ids = [mb["input_ids"] for mb in micro]
-            self._reducer.gather_ids(ids, self._id_count)  # overlaps the forward pass
+        W = self.dist.world_size if self.ddp is not None else 1  # what the scales multiply the loss by
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             if last and self._flat_grad is not None:
@@ -410,7 +412,7 @@ class Engine:
                 step_loss += loss.detach() / W
                 stats += torch.stack([s[k].detach().float() for k in (*terms, *self.objective.stat_names)])
         if self._flat_grad is not None:
-            self._reducer.finish(ids, self._id_count)
+            self._reducer.finish(every_ids)
         if self.cfg.max_grad_norm and self.cfg.optimizer != "lamb":  # LAMB normalises by the global norm itself
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)

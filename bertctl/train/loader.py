@@ -71,6 +71,8 @@ class Prefetcher:
                 sb = make_step(batch)
                 if pin:
                     sb.micro = [{k: v.pin_memory() for k, v in m.items()} for m in sb.micro]
+                    if sb.every_ids is not None:
+                        sb.every_ids = sb.every_ids.pin_memory()
                 while not self._stop.is_set():
                     try:
                         self._q.put(sb, timeout=0.1)
@@ -170,14 +172,11 @@ def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTI
     """
     first = features[0]
     length = length or round_up(max(feature_length(f) for f in features), multiple)
-    lead = first["input_ids"].shape[:-1]  # () or (C,)
+    ids = padded_ids(features, length, pad_id)
+    types, mask = np.zeros_like(ids), np.zeros_like(ids)
     B = len(features)
-    ids = np.full((B, *lead, length), pad_id, dtype=np.int64)
-    types = np.zeros((B, *lead, length), dtype=np.int64)
-    mask = np.zeros((B, *lead, length), dtype=np.int64)
     for i, f in enumerate(features):
         n = f["input_ids"].shape[-1]
-        ids[i, ..., :n] = f["input_ids"]
         types[i, ..., :n] = f["token_type_ids"]
         if "lengths" in f:  # multiple choice: each choice has its own length
             for c, m in enumerate(f["lengths"]):
@@ -198,6 +197,14 @@ def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTI
             dtype = np.float32 if isinstance(value, (float, np.floating)) else np.int64
             batch[key] = np.asarray([f[key] for f in features], dtype=dtype)
     return {k: torch.from_numpy(v) for k, v in batch.items()}
+
+
+def padded_ids(features: Sequence[dict], length: int, pad_id: int = 0) -> np.ndarray:
+    """The features' ``input_ids`` in one int64 array, each padded with ``pad_id`` to ``length``."""
+    ids = np.full((len(features), *features[0]["input_ids"].shape[:-1], length), pad_id, dtype=np.int64)
+    for i, f in enumerate(features):
+        ids[i, ..., :f["input_ids"].shape[-1]] = f["input_ids"]
+    return ids
 
 
 def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, group_by_length: bool = False,
@@ -235,7 +242,8 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     share one sequence length per step; the step's ``signature`` (that length and every rank's rows)
     is then the same on every rank, which the CUDA graphs of all ranks must agree on, and a task has
     as many signatures as one process has shapes. Every rank also knows the global batch's loss
-    normaliser (``global_counts``), so the step needs no collective to learn it. ``pad_to`` (from
+    normaliser (``global_counts``) and input ids (``every_ids``), so the step needs no collective to
+    learn them. ``pad_to`` (from
     ``common_lengths``) pads a padded length further, to a longer one that more steps share.
     """
     parts = np.array_split(idx, world_size)
@@ -256,7 +264,8 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
         counts["attn_pairs"] += float((lengths * lengths).sum())
         counts["padded_tokens"] += float(mb["input_ids"].numel())
         micro.append(mb)
-    return StepBatch(micro, counts, signature, global_counts=totals)
+    every = torch.from_numpy(padded_ids([features[i] for i in idx], length, pad_id)).reshape(-1) if world_size > 1 else None
+    return StepBatch(micro, counts, signature, global_counts=totals, every_ids=every)
 
 
 def lengths_of(features: Sequence[dict], idx: np.ndarray) -> np.ndarray:
