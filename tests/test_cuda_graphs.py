@@ -120,8 +120,9 @@ def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
 def test_rare_shapes_train_eagerly_as_the_captured_ones_would(tmp_path):
     """A rare padded length pads up to a common one (``loader.common_lengths``); shapes the run still
     has fewer than ``graph_min_steps`` steps of (each epoch's smaller last batch) are not captured. The
-    run is still the eager run, unpadded, step for step."""
-    build, feats = _setup(tmp_path, dropout=0.1)
+    run is still the eager run, unpadded, step for step. (Without dropout: a batch padded further draws
+    its dropout masks over a longer tensor, so its real tokens get other masks.)"""
+    build, feats = _setup(tmp_path, dropout=0.0)
     feats = feats[:37]  # 2 epochs of 5 steps: 4 batches of 8 and one of 5 each; lengths 24 and 32
     eager, eager_losses = _run(build, feats, cuda_graphs=False)
     made = []
