@@ -442,3 +442,20 @@ def test_padding_further_changes_no_loss_or_gradient():
         assert len(ga) == len(gb)
         for x, y in zip(ga, gb):
             torch.testing.assert_close(y, x, rtol=1e-10, atol=1e-12, msg=cls.__name__)
+
+
+def test_seeding_a_step_is_torch_manual_seed_for_the_cpu_and_cuda():
+    """``seed_step`` (the engine's per-step seeding) leaves the CPU generator, and CUDA's where there
+    is a GPU, as ``torch.manual_seed`` does: dropout masks and resume stay as they were."""
+    from bertctl.train.engine import seed_step, step_seed
+
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    for device in devices:
+        s = step_seed(42, 7, 1)
+        torch.manual_seed(s)
+        ref = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if device.type == "cuda" else [])
+        torch.manual_seed(0)
+        seed_step(s, device)
+        got = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if device.type == "cuda" else [])
+        assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        assert torch.equal(torch.rand(5), (torch.manual_seed(s), torch.rand(5))[1])

@@ -148,6 +148,17 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+def seed_step(seed: int, device: torch.device) -> None:
+    """What ``torch.manual_seed(seed)`` does to the generators a training process draws from: the CPU's
+    and, on a GPU, CUDA's, in about 2 us. ``torch.manual_seed`` also queues the seed for backends this
+    process never initialises (XPU, MTIA), formatting the stack each time: 90 us a call on the 2-core
+    CPU at the top of a stack, 306 us 30 frames down, where the training loop runs; a step replayed
+    from a CUDA graph takes 2.2 ms on the GPU for MiniLM at batch 32."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+
+
 def to_device(micro: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device, non_blocking=True) for k, v in micro.items()}
 
@@ -513,7 +524,7 @@ class Engine:
                     sb = next(batches)
                 except StopIteration:
                     break
-                torch.manual_seed(step_seed(cfg.seed, self.step, self.dist.rank))
+                seed_step(step_seed(cfg.seed, self.step, self.dist.rank), self.device)
                 try:
                     loss = self.train_step(sb, stats)
                 except torch.OutOfMemoryError:
