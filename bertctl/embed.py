@@ -198,11 +198,12 @@ def load_encoder(directory: str | Path, device, backend: str = "torch", onnx: Pa
             if not fallback:
                 raise
             stderr.print(f"[yellow]onnxruntime backend unavailable ({e}); embedding with torch")
-    from bertctl.checkpoint import load_state, read_state_dict
+    from bertctl.checkpoint import load_state, on_meta, read_state_dict
     from bertctl.model import BertModel
 
-    model = BertModel(load_config(directory), add_pooling_layer=False)
-    load_state(model, read_state_dict(directory), source=str(directory))
+    config = load_config(directory)
+    model = load_state(on_meta(lambda: BertModel(config, add_pooling_layer=False)), read_state_dict(directory),
+                       source=str(directory))
     model = model.to(device).eval()
     half = HALF_DTYPES.get(resolve_precision(precision, device))
     if half is None:

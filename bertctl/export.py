@@ -140,7 +140,7 @@ def load_for_export(directory: str | Path, architecture: str, attn_implementatio
     The encoder keeps its pooler only where the checkpoint has one (a token-classification
     or QA checkpoint has none).
     """
-    from bertctl.checkpoint import load_config, load_state, read_state_dict
+    from bertctl.checkpoint import load_config, load_state, on_meta, read_state_dict
     from bertctl.model import BertModel
 
     if hidden_states and architecture != "BertModel":
@@ -149,10 +149,10 @@ def load_for_export(directory: str | Path, architecture: str, attn_implementatio
     state = read_state_dict(directory)
     if architecture == "BertModel":
         has_pooler = any(k.startswith(("pooler.", "bert.pooler.")) for k in state)
-        model = BertModel(config, add_pooling_layer=has_pooler)
+        model = on_meta(lambda: BertModel(config, add_pooling_layer=has_pooler))
     else:
-        model = HEADS[architecture].cls(config)
-    load_state(model, state, source=str(directory))
+        model = on_meta(lambda: HEADS[architecture].cls(config))
+    model = load_state(model, state, source=str(directory))
     return exported_module(model, architecture, hidden_states).eval()
 
 
