@@ -167,3 +167,37 @@ def test_the_background_writer_keeps_the_state_as_it_was_at_submit(tmp_path):
     with pytest.raises(NotADirectoryError, match="file"):  # what the synchronous write raises (the CLI: one line)
         writer.wait()
     writer.wait()  # the error was handed over once
+
+
+@pytest.mark.parametrize("cls", [BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering,
+                                 BertForPreTraining, BertModel])
+def test_loading_builds_on_the_meta_device_and_draws_only_the_new_head(tmp_path, cls):
+    """``load_pretrained`` builds the model on the meta device: every tensor the checkpoint has comes
+    across bit for bit (in the model's dtype, from an fp16 file too), every new one is allocated and
+    drawn as the model initialises it, the MLM decoder stays tied, and nothing is left on meta."""
+    torch.manual_seed(1)
+    source = BertModel(tiny_config(), add_pooling_layer=False).half()  # no pooler, no heads: all new
+    save_pretrained(source, tmp_path / "m")
+    torch.manual_seed(0)
+    model = load_pretrained(cls, tmp_path / "m", fresh_heads=True)
+    saved = load_file(tmp_path / "m" / "model.safetensors")
+    own = model.state_dict()
+    prefix = "" if cls is BertModel else "bert."
+    for name, tensor in saved.items():
+        assert own[prefix + name].dtype == torch.float32 and torch.equal(own[prefix + name], tensor.float()), name
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert all(p.requires_grad for p in model.parameters())
+    new = {k: v for k, v in own.items() if k.removeprefix(prefix) not in saved and not k.endswith("decoder.weight")}
+    assert new or cls is BertModel
+    for name, t in new.items():
+        if name.endswith("LayerNorm.weight"):
+            assert torch.equal(t, torch.ones_like(t)), name
+        elif name.endswith("bias"):
+            assert torch.equal(t, torch.zeros_like(t)), name
+        elif t.numel() >= 1000:  # a matrix drawn from N(0, initializer_range)
+            assert abs(t.std().item() - model.config.initializer_range) < 0.1 * model.config.initializer_range, name
+    if cls is BertForPreTraining:
+        assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    ids, mask = batch()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)  # it runs
