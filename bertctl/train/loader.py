@@ -243,8 +243,8 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     is then the same on every rank, which the CUDA graphs of all ranks must agree on, and a task has
     as many signatures as one process has shapes. Every rank also knows the global batch's loss
     normaliser (``global_counts``) and input ids (``every_ids``), so the step needs no collective to
-    learn them. ``pad_to`` (from
-    ``common_lengths``) pads a padded length further, to a longer one that more steps share.
+    learn them. ``pad_to`` (from ``common_lengths``) pads a padded length further, to a longer one
+    that more steps share.
     """
     parts = np.array_split(idx, world_size)
     mine = parts[rank]
