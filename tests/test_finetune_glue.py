@@ -454,3 +454,56 @@ def test_the_multi_process_benchmark_runs_the_squad_split(tmp_path):
     assert cmd[i + 1:i + 11] == ["finetune", "squad", "--train", squad, "--dev", squad, "--train-articles",
                                  f"{split}:train", "--dev-articles", f"{split}:eval"]
     assert cmd[-1] == "--no-cuda-graphs" and cmd[cmd.index("--batch-size") + 1] == "32"
+
+
+def test_full_batch_steps_equal_the_transformers_trainers(tiny, sst2, tmp_path):
+    """The fine-tuning recipe is the transformers Trainer's, step for step: with the whole training set in each batch
+    (so the data order cannot matter) and no dropout, both start from one checkpoint, task head included, and take 12
+    AdamW steps with the same flags (lr 1e-3, 10% warm-up then linear decay, weight decay 0.5 (large, so that
+    decaying the wrong parameters shows), clipping at 1,
+    eps 1e-6); the losses of every step and the final weights agree up to fp32 rounding."""
+    import inspect
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import (BertForSequenceClassification, BertTokenizerFast, DataCollatorWithPadding, Trainer,
+                              TrainingArguments)
+
+    start = tmp_path / "start"
+    torch.manual_seed(3)
+    BertForSequenceClassification.from_pretrained(tiny, num_labels=2, hidden_dropout_prob=0.0,
+                                                  attention_probs_dropout_prob=0.0).save_pretrained(start)
+    for f in tiny.iterdir():
+        if "token" in f.name or f.name == "vocab.txt":
+            shutil.copy(f, start / f.name)
+    steps, rows = 12, 96
+    out = tmp_path / "out"
+    r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(start), "--output", str(out),
+                "--batch-size", str(rows), "--epochs", str(steps), "--lr", "1e-3", "--warmup-fraction", "0.1",
+                "--weight-decay", "0.5", "--max-grad-norm", "1", "--dropout", "0", "--device", "cpu", "--log-every", "1",
+                "--no-progress", "--seed", "5"])
+    assert r.exit_code == 0, r.output
+    ours = losses(out)
+
+    tok = BertTokenizerFast.from_pretrained(start)
+    lines = [l.split("\t") for l in (sst2 / "train.tsv").read_text().splitlines()[1:]]
+    train = [dict(tok(text, truncation=True, max_length=128), labels=int(label)) for text, label in lines]
+    assert len(train) == rows
+    hf = BertForSequenceClassification.from_pretrained(start)
+    warmup = "warmup_ratio" if "warmup_ratio" in inspect.signature(TrainingArguments).parameters else "warmup_steps"
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=rows, learning_rate=1e-3,
+                             num_train_epochs=steps, **{warmup: 0.1}, weight_decay=0.5, max_grad_norm=1.0,
+                             adam_epsilon=1e-6, lr_scheduler_type="linear", seed=5, logging_steps=1, report_to="none",
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=hf, args=args, train_dataset=train, data_collator=DataCollatorWithPadding(tok))
+    trainer.train()
+    theirs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(ours) == len(theirs) == steps
+    assert ours[-1] < ours[0] - 0.01  # it learns: the steps are not all the same
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    final = load_file(out / "model" / "model.safetensors")
+    for name, p in hf.state_dict().items():
+        if name in final:
+            torch.testing.assert_close(final[name], p, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    assert set(hf.state_dict()) - set(final) <= {"bert.embeddings.position_ids"}, set(hf.state_dict()) - set(final)

@@ -459,3 +459,18 @@ def test_seeding_a_step_is_torch_manual_seed_for_the_cpu_and_cuda():
         got = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if device.type == "cuda" else [])
         assert all(torch.equal(a, b) for a, b in zip(ref, got))
         assert torch.equal(torch.rand(5), (torch.manual_seed(s), torch.rand(5))[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fine_tuning_on_a_gpu_trains_with_torchs_dropout_masks(tmp_path, monkeypatch, device):
+    """The fine-tuning model's dropout masks: torch's on a GPU (they measured better there than the fused
+    sub-layer op's own), the fused op's on the CPU. The choice is made from the run's device alone (the
+    device is stood in for, so this runs without a GPU)."""
+    from bertctl.model import BertForSequenceClassification
+    from bertctl.tasks import common
+
+    monkeypatch.setattr(common, "device_for", lambda cfg: torch.device(device))
+    monkeypatch.setattr(T, "uses_graphs", lambda cfg: False)
+    d = make_tiny_model_dir(tmp_path / "tiny")
+    model = common.load_for_finetuning(BertForSequenceClassification, d, cfg=T.TrainConfig(), num_labels=2)
+    assert model.config.dropout_masks == ("torch" if device == "cuda" else "fused")

@@ -78,10 +78,10 @@ def test_fused_model_matches_torch(device, hidden_act, monkeypatch):
         torch.testing.assert_close(p.grad, grads_p[name].grad, atol=1e-5, rtol=1e-3, msg=lambda m: f"{name}: {m}")
 
 
-def separate_output(dense, drop, ln, h, residual, fused):
+def separate_output(dense, drop, ln, h, residual, fused, own=True):
     """A sub-layer's output as the model ran it before bias_dropout_add_layer_norm: the Linear (its bias in the
     matmul), bertctl's dropout, then LayerNorm(+residual)."""
-    return M.layer_norm(ln, M.dropout(drop, dense(h), fused), residual, fused)
+    return M.layer_norm(ln, M.dropout(drop, dense(h), fused and own), residual, fused)
 
 
 def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):
@@ -116,6 +116,63 @@ def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):
         for n in gf:
             torch.testing.assert_close(gf[n], ga[n], atol=1e-5, rtol=1e-3, msg=lambda m: f"step {step}, {n}: {m}")
     torch.testing.assert_close(logits_f, logits_a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_with_torchs_masks_the_fused_model_trains_as_plain_pytorch(device, monkeypatch):
+    """dropout_masks="torch" (fine-tuning's on a GPU): in training every dropout is torch's, drawn in the plain
+    model's order, so the fused model and the plain PyTorch one take the same 3 AdamW steps from one seed,
+    dropout 0.1 everywhere, losses and gradients equal up to fp32 rounding; the one fused sub-layer op is not
+    used there, and in eval it is, giving the default model's outputs bit for bit."""
+    drop = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+    calls = {"training": 0, "eval": 0}
+    original = ops.bias_dropout_add_layer_norm
+
+    def counted(*a, **k):
+        calls["eval" if not torch.is_grad_enabled() else "training"] += 1
+        return original(*a, **k)
+    monkeypatch.setattr(ops, "bias_dropout_add_layer_norm", counted)
+    results = {}
+    for name, kernels, masks in (("fused", "fused", "torch"), ("plain", "torch", "fused"), ("own", "fused", "fused")):
+        torch.manual_seed(0)
+        model = BertForPreTraining(tiny_config(kernels, dropout_masks=masks, **drop)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        gen = torch.Generator().manual_seed(4)
+        torch.manual_seed(7)  # the dropout masks' generator (CPU and CUDA)
+        losses, grads = [], []
+        for _ in range(3):
+            loss = model(**synthetic_batch(gen, device=device)).loss
+            opt.zero_grad()
+            loss.backward()
+            grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
+            opt.step()
+            losses.append(float(loss.detach()))
+        if name == "fused":
+            assert calls == {"training": 0, "eval": 0}
+            own_state = {k: v.clone() for k, v in model.state_dict().items()}
+        model.eval()
+        with torch.no_grad():
+            if name == "own":
+                model.load_state_dict(own_state)  # the torch-masks model's weights under the default settings
+            logits = model(**synthetic_batch(torch.Generator().manual_seed(9), device=device)).prediction_logits
+        results[name] = (torch.tensor(losses), grads, logits.cpu())
+    assert calls["eval"] == 2 * 2 * 2  # two layers' two sub-layer outputs, in both eval passes of the fused models
+    (loss_f, grads_f, logits_f), (loss_p, grads_p, _), (loss_o, _, logits_o) = (results[k] for k in ("fused", "plain", "own"))
+    assert (loss_f - loss_o).abs().max() > 1e-4  # the masks differ from the fused op's own: dropout is on
+    torch.testing.assert_close(loss_f, loss_p, atol=1e-5, rtol=1e-5)
+    for step, (gf, gp) in enumerate(zip(grads_f, grads_p)):
+        for n in gf:
+            torch.testing.assert_close(gf[n], gp[n], atol=1e-5, rtol=1e-3, msg=lambda m: f"step {step}, {n}: {m}")
+    assert torch.equal(logits_f, logits_o)
+
+
+def test_dropout_masks_is_a_runtime_choice_and_checked():
+    """Not architecture: never written to config.json; an unknown value is one clear error."""
+    from bertctl.errors import BertctlError
+
+    assert "dropout_masks" not in tiny_config("fused", dropout_masks="torch").to_dict()
+    with pytest.raises(BertctlError, match="dropout_masks must be one of"):
+        tiny_config("fused", dropout_masks="philox")
 
 
 @pytest.mark.cuda
