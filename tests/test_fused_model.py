@@ -49,6 +49,19 @@ def synthetic_batch(gen: torch.Generator, B: int = 8, S: int = 24, device="cpu")
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def adamw_steps(model, opt, gen: torch.Generator, device, steps: int) -> tuple[list[float], list[dict]]:
+    """``steps`` AdamW steps on synthetic batches: each step's loss, and its gradients (on the CPU)."""
+    losses, grads = [], []
+    for _ in range(steps):
+        loss = model(**synthetic_batch(gen, device=device)).loss
+        opt.zero_grad()
+        loss.backward()
+        grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, grads
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new"])
 def test_fused_model_matches_torch(device, hidden_act, monkeypatch):
@@ -98,18 +111,11 @@ def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         gen = torch.Generator().manual_seed(4)
         torch.manual_seed(7)  # the dropout masks' generator
-        losses, grads = [], []
-        for _ in range(2):
-            loss = model(**synthetic_batch(gen)).loss
-            opt.zero_grad()
-            loss.backward()
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-            opt.step()
-            losses.append(loss.detach())
+        losses, grads = adamw_steps(model, opt, gen, "cpu", 2)
         model.eval()
         with torch.no_grad():
             logits = model(**synthetic_batch(gen)).prediction_logits
-        results[name] = (torch.stack(losses), grads, logits)
+        results[name] = (torch.tensor(losses), grads, logits)
     (loss_f, grads_f, logits_f), (loss_a, grads_a, logits_a) = results["fused"], results["apart"]
     torch.testing.assert_close(loss_f, loss_a, atol=1e-5, rtol=1e-5)
     for step, (gf, ga) in enumerate(zip(grads_f, grads_a)):
@@ -139,14 +145,7 @@ def test_with_torchs_masks_the_fused_model_trains_as_plain_pytorch(device, monke
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         gen = torch.Generator().manual_seed(4)
         torch.manual_seed(7)  # the dropout masks' generator (CPU and CUDA)
-        losses, grads = [], []
-        for _ in range(3):
-            loss = model(**synthetic_batch(gen, device=device)).loss
-            opt.zero_grad()
-            loss.backward()
-            grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
-            opt.step()
-            losses.append(float(loss.detach()))
+        losses, grads = adamw_steps(model, opt, gen, device, 3)
         if name == "fused":
             assert calls == {"training": 0, "eval": 0}
             own_state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -192,14 +191,7 @@ def test_fused_sublayer_outputs_train_alike_on_cpu_and_cuda(monkeypatch):
         model.bert.embeddings.dropout.p = 0.0
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         gen = torch.Generator().manual_seed(4)
-        losses, grads = [], []
-        for _ in range(3):
-            loss = model(**synthetic_batch(gen, device=device)).loss
-            opt.zero_grad()
-            loss.backward()
-            grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
-            opt.step()
-            losses.append(float(loss.detach()))
+        losses, grads = adamw_steps(model, opt, gen, device, 3)
         results[device if first == 1000 else "other seeds"] = (losses, grads)
     (loss_c, grads_c), (loss_g, grads_g) = results["cpu"], results["cuda"]
     assert abs(results["other seeds"][0][0] - loss_g[0]) > 1e-4  # the masks matter: dropout is on
