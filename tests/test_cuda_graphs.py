@@ -40,9 +40,11 @@ def _run(build, feats, **kw):
 @cuda
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [False, True], ids=["sequence", "token"])
-def test_graph_steps_train_as_the_eager_steps(tmp_path, precision, tokens):
-    """Dropout 0.1, batches of every length: the graphs replay the eager step's maths and masks."""
-    build, feats = _setup(tmp_path, dropout=0.1, tokens=tokens)
+@pytest.mark.parametrize("masks", ["torch", "fused"])
+def test_graph_steps_train_as_the_eager_steps(tmp_path, precision, tokens, masks):
+    """Dropout 0.1, batches of every length: the graphs replay the eager step's maths and masks, torch's (as
+    fine-tuning on a GPU draws them) or the fused sub-layer op's own."""
+    build, feats = _setup(tmp_path, dropout=0.1, tokens=tokens, masks=masks)
     eager, eager_losses = _run(build, feats, precision=precision, cuda_graphs=False)
     graphed, graph_losses = _run(build, feats, precision=precision, cuda_graphs=True)
     assert len(graph_losses) == len(eager_losses) == graphed.steps == 10
@@ -55,9 +57,10 @@ def test_graph_steps_train_as_the_eager_steps(tmp_path, precision, tokens):
 
 
 @cuda
-def test_dropout_masks_change_from_step_to_step_under_graphs(tmp_path):
+@pytest.mark.parametrize("masks", ["torch", "fused"])
+def test_dropout_masks_change_from_step_to_step_under_graphs(tmp_path, masks):
     """Two identical batches in a row at lr 0: eager and graphs see the same pair of different losses."""
-    build, feats = _setup(tmp_path, dropout=0.3)
+    build, feats = _setup(tmp_path, dropout=0.3, masks=masks)
     same = [feats[0]] * 16
     _, eager = _run(build, same, epochs=1, lr=0.0, cuda_graphs=False)
     _, graphed = _run(build, same, epochs=1, lr=0.0, cuda_graphs=True)

@@ -66,7 +66,7 @@ def test_every_rank_knows_the_global_batchs_loss_normaliser_and_ids(tokens):
     assert one.global_counts is None and one.every_ids is None
 
 
-def _setup(tmp_path, dropout: float | None = None, tokens: bool = False):
+def _setup(tmp_path, dropout: float | None = None, tokens: bool = False, masks: str = "fused"):
     from bertctl.checkpoint import load_pretrained
     from bertctl.model import BertForSequenceClassification, BertForTokenClassification
 
@@ -84,7 +84,7 @@ def _setup(tmp_path, dropout: float | None = None, tokens: bool = False):
 
     def build():  # the seed fixes the fresh head's initialisation
         torch.manual_seed(0)
-        return load_pretrained(cls, d, fresh_heads=True, num_labels=3 if tokens else 2, **over)
+        return load_pretrained(cls, d, fresh_heads=True, num_labels=3 if tokens else 2, dropout_masks=masks, **over)
     return build, feats
 
 
