@@ -43,7 +43,7 @@ def _run(build, feats, **kw):
 @pytest.mark.parametrize("masks", ["torch", "fused"])
 def test_graph_steps_train_as_the_eager_steps(tmp_path, precision, tokens, masks):
     """Dropout 0.1, batches of every length: the graphs replay the eager step's maths and masks, torch's (as
-    fine-tuning on a GPU draws them) or the fused sub-layer op's own."""
+    fine-tuning draws them) or the fused sub-layer op's own."""
     build, feats = _setup(tmp_path, dropout=0.1, tokens=tokens, masks=masks)
     eager, eager_losses = _run(build, feats, precision=precision, cuda_graphs=False)
     graphed, graph_losses = _run(build, feats, precision=precision, cuda_graphs=True)

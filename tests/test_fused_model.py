@@ -126,7 +126,7 @@ def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_with_torchs_masks_the_fused_model_trains_as_plain_pytorch(device, monkeypatch):
-    """dropout_masks="torch" (fine-tuning's on a GPU): in training every dropout is torch's, drawn in the plain
+    """dropout_masks="torch" (fine-tuning's): in training every dropout is torch's, drawn in the plain
     model's order, so the fused model and the plain PyTorch one take the same 3 AdamW steps from one seed,
     dropout 0.1 everywhere, losses and gradients equal up to fp32 rounding; the one fused sub-layer op is not
     used there, and in eval it is, giving the default model's outputs bit for bit."""

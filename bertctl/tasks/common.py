@@ -57,12 +57,10 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
-        device = device_for(cfg).type
-        attn = resolve_attention(cfg.attn, device, compiled=cfg.compile, graphs=uses_graphs(cfg))
-        # On a GPU the sub-layer outputs train with torch's dropout masks, which measured better than the
-        # fused op's own (bertctl.model.own_masks); on the CPU the fused op's, unmeasured against torch's.
-        overrides.update(kernels=cfg.kernels, attn_implementation=attn,
-                         dropout_masks="torch" if device == "cuda" else "fused")
+        attn = resolve_attention(cfg.attn, device_for(cfg).type, compiled=cfg.compile, graphs=uses_graphs(cfg))
+        # Fine-tuning trains with torch's dropout masks, which measured better than the fused sub-layer op's
+        # own (bertctl.model.own_masks).
+        overrides.update(kernels=cfg.kernels, attn_implementation=attn, dropout_masks="torch")
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     if cfg is not None and cfg.from_scratch:
