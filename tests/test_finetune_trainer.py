@@ -158,8 +158,10 @@ def test_the_seed_reaches_data_order_dropout_and_head(tmp_path):
     assert step_seed(42, 0, 0) != step_seed(43, 0, 0)
 
 
-def test_resume_mid_epoch_gives_the_same_weights(tmp_path):
-    build, feats = _setup(tmp_path)
+@pytest.mark.parametrize("masks", ["torch", "fused"])
+def test_resume_mid_epoch_gives_the_same_weights(tmp_path, masks):
+    """Dropout 0.1 from either kind of mask (torch's, fine-tuning's, or the fused op's own)."""
+    build, feats = _setup(tmp_path, masks=masks)
     cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=3)
     calls = []
 
