@@ -210,11 +210,13 @@ def test_swag_end_to_end_jsonl_and_csv(tiny, tmp_path):
     assert [e.endings for e in swag.read_swag(csv_path)] == [e.endings for e in examples]
     out = tmp_path / "out"
     r = runner.invoke(app, ["finetune", "swag", "--train", str(sample), "--dev", str(csv_path), "--model", str(tiny),
-                            "--output", str(out), "--epochs", "6", "--lr", "2e-3", "--batch-size", "4",
+                            "--output", str(out), "--epochs", "12", "--lr", "2e-3", "--batch-size", "4",
                             "--log-steps", "1", "--quiet"])
     assert r.exit_code == 0, r.output
     ls = train_losses(out)
-    assert np.mean(ls[-3:]) < ls[0], ls
+    # 36 steps over the 10 examples: from chance (ln 4) to well below it (0.22-0.41 over seeds 1-5; at 6 epochs
+    # the loss had barely left ln 4, and whether it ended below the first step's was the masks' luck)
+    assert np.mean(ls[-3:]) < 0.75 * ls[0], ls
     rows = (out / "predictions_dev.tsv").read_text().splitlines()[1:]
     probs = np.array([[float(x) for x in r.split("\t")[3:7]] for r in rows])
     np.testing.assert_allclose(probs.sum(1), 1.0, atol=2e-4)  # softmax across the four choices
