@@ -263,6 +263,13 @@ def test_kernels_and_attention_choices_reach_the_model(tiny, tmp_path):
     assert model.config.kernels == "torch" and model.config.attn_implementation == "explicit"
     auto = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(device="cpu"))
     assert auto.config.attn_implementation == "unpadded"  # auto on a CPU
+    assert auto.config.dropout_masks == "torch"
+    own = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(device="cpu", dropout_masks="fused"))
+    assert own.config.dropout_masks == "fused"
+    r = runner.invoke(app, ["finetune", "swag", "--train", str(data_path("swag", "sample.jsonl")), "--dev",
+                            str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
+                            str(tmp_path / "m"), "--max-steps", "1", "--dropout-masks", "philox", "--quiet"])
+    assert r.exit_code == 2 and "--dropout-masks must be one of fused, torch, not 'philox'" in r.output
     r = runner.invoke(app, ["finetune", "swag", "--train", str(data_path("swag", "sample.jsonl")), "--dev",
                             str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
                             str(tmp_path / "o"), "--max-steps", "1", "--attention", "bogus", "--quiet"])

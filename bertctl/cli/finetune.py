@@ -67,7 +67,7 @@ def _train_config(v: dict) -> TrainConfig:
                        max_steps=v["max_steps"], epochs=v["epochs"], warmup_fraction=v["warmup_fraction"],
                        weight_decay=v["weight_decay"], max_grad_norm=v["max_grad_norm"], save_every=v["save_every"],
                        log_every=v["log_every"], precision=v["precision"], attn=v["attn"], kernels=v["kernels"],
-                       dropout=v["dropout"], eval_batch_size=v["eval_batch_size"],
+                       dropout_masks=v["dropout_masks"], dropout=v["dropout"], eval_batch_size=v["eval_batch_size"],
                        eval_batch_tokens=v["eval_batch_tokens"])
     opt.positive("--graph-min-steps", v["graph_min_steps"])
     return TrainConfig(epochs=v["epochs"], lr=v["lr"], batch_size=v["batch_size"],
@@ -77,7 +77,8 @@ def _train_config(v: dict) -> TrainConfig:
                        max_grad_norm=v["max_grad_norm"], seed=v["seed"], device=v["device"],
                        precision=v["precision"], group_by_length=v["group_by_length"], compile=v["compile_"],
                        max_steps=v["max_steps"], save_every=v["save_every"], progress=not v["no_progress"],
-                       log_every=v["log_every"], kernels=v["kernels"], attn=v["attn"], tensorboard=v["tensorboard"],
+                       log_every=v["log_every"], kernels=v["kernels"], dropout_masks=v["dropout_masks"],
+                       attn=v["attn"], tensorboard=v["tensorboard"],
                        from_scratch=v["from_scratch"], cuda_graphs=v["cuda_graphs"],
                        graph_min_steps=v["graph_min_steps"])
 
@@ -91,6 +92,7 @@ def _shared_options(
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
     max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
     no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
+    dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION,
     no_bf16: bool = opt.OLD_NO_BF16, quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,

@@ -58,9 +58,9 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
         attn = resolve_attention(cfg.attn, device_for(cfg).type, compiled=cfg.compile, graphs=uses_graphs(cfg))
-        # Fine-tuning trains with torch's dropout masks, which measured better than the fused sub-layer op's
-        # own (bertctl.model.own_masks).
-        overrides.update(kernels=cfg.kernels, attn_implementation=attn, dropout_masks="torch")
+        # By default torch's dropout masks, which measured better than the fused sub-layer op's own
+        # (bertctl.model.own_masks).
+        overrides.update(kernels=cfg.kernels, attn_implementation=attn, dropout_masks=cfg.dropout_masks)
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     if cfg is not None and cfg.from_scratch:

@@ -61,6 +61,7 @@ class TrainConfig:
     group_by_length: bool = False
     compile: bool = False
     kernels: str = "auto"                 # model ops: "auto" (compiled kernels where built), "fused" or "torch"
+    dropout_masks: str = "torch"          # with the compiled kernels: torch's masks or the fused op's own (faster)
     attn: str = "auto"                    # attention backend: "auto", "sdpa", "explicit" or "unpadded"
     cuda_graphs: bool | None = None       # whole-step CUDA graphs; None = wherever they apply
     graph_min_steps: int = graphs.MIN_SHAPE_STEPS  # capture a batch shape only when the run has this many steps of it
