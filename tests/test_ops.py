@@ -698,6 +698,44 @@ def test_dropout_matches_the_reference_hash(dtype, shape):
                                rtol=0, atol=0)
 
 
+def _lowbias32(x: int) -> int:
+    """lowbias32 in Python integers (independent of the kernel's and the reference's arithmetic)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_dropout_calls_do_not_share_one_mask_sequence():
+    """Two seeds whose first key words differ by one row's worth of Weyl steps: with a single keyed round,
+    lowbias32(i * 0x9E3779B9 + a), the second call's mask would be the first's moved up one row (every call a
+    window of one sequence of period 2^32). The kernel's second round, keyed by b, makes them unrelated: rows
+    agree as often as independent masks do (0.9^2 + 0.1^2 of elements at p = 0.1)."""
+    rows, width, golden = 64, 768, 0x9E3779B9
+    s1 = 0x1234_5678_9ABC_DEF0
+    a1 = _lowbias32(s1 & 0xFFFFFFFF) ^ (s1 >> 32)
+    lo2 = 4242
+    hi2 = _lowbias32(lo2) ^ ((a1 + width * golden) & 0xFFFFFFFF)  # a2 = a1 + width * golden
+    s2 = (hi2 << 32) | lo2
+    assert reference.dropout_key(s2)[0] == (a1 + width * golden) & 0xFFFFFFFF
+    one_round = lambda a, i: _lowbias32((i * golden + a) & 0xFFFFFFFF) >= int(0.1 * 2 ** 32)  # noqa: E731
+    a2 = reference.dropout_key(s2)[0]
+    assert all(one_round(a2, i) == one_round(a1, i + width) for i in range(0, rows * width, 97))  # the setup
+    x = torch.ones(rows, width)
+    signed = lambda s: torch.tensor(s - 2 ** 64 if s >= 2 ** 63 else s)  # noqa: E731
+    kept1 = torch.ops.bertctl.dropout(x, 0.1, signed(s1)) != 0
+    kept2 = torch.ops.bertctl.dropout(x, 0.1, signed(s2)) != 0
+    b1 = _lowbias32((s1 >> 32) ^ a1)
+    flat = kept1.flatten()
+    assert all(bool(flat[i]) == (_lowbias32(_lowbias32((i * golden + a1) & 0xFFFFFFFF) ^ b1) >= int(0.1 * 2 ** 32))
+               for i in range(0, rows * width, 89))  # the kernel's mask is the two-round hash of the header
+    agree = (kept2[:-1] == kept1[1:]).double().mean().item()
+    n = (rows - 1) * width
+    expected = 0.9 ** 2 + 0.1 ** 2
+    assert abs(agree - expected) < 5 * (expected * (1 - expected) / n) ** 0.5, agree
+    assert abs(kept1.double().mean().item() - 0.9) < 5 * (0.09 / x.numel()) ** 0.5
+
 def test_dropout_under_torch_compile():
     """ops.dropout traces into one graph (its seed drawn in the graph, the fake kernel, the C++ autograd):
     the share dropped is p, and the gradient is the output's mask times 1 / (1 - p)."""

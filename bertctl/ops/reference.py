@@ -100,14 +100,22 @@ def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def dropout_key(seed: int) -> tuple[int, int]:
+    """The two 32-bit key words (a, b) of a dropout call's int64 seed, as csrc/dropout_hash.h derives them:
+    a = lowbias32(low 32 bits) ^ high 32 bits, b = lowbias32(high 32 bits ^ a)."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    lo, hi = s & _U32, s >> 32
+    a = int(_lowbias32(torch.tensor(lo))) ^ hi
+    return a, int(_lowbias32(torch.tensor(hi ^ a)))
+
+
 def dropout_forward(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """``torch.ops.bertctl.dropout``: element i (of x in row-major order) is kept when
-    lowbias32(i * 0x9E3779B9 + key) >= p * 2^32, key = lowbias32(low 32 bits of seed) ^ high 32
-    bits; kept elements are x / (1 - p) (times the rounded scale, in the accumulation dtype)."""
-    s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    key = int(_lowbias32(torch.tensor(s & _U32))) ^ (s >> 32)
+    lowbias32(lowbias32(i * 0x9E3779B9 + a) ^ b) >= p * 2^32, (a, b) = ``dropout_key(seed)``; kept elements
+    are x / (1 - p) (times the rounded scale, in the accumulation dtype)."""
+    a, b = dropout_key(int(seed))
     i = torch.arange(x.numel(), dtype=torch.int64)
-    keep = (_lowbias32((i * 0x9E3779B9 + key) & _U32) >= int(p * 4294967296.0)).view(x.shape)
+    keep = (_lowbias32(_lowbias32((i * 0x9E3779B9 + a) & _U32) ^ b) >= int(p * 4294967296.0)).view(x.shape)
     acc = acc_dtype(x)
     return torch.where(keep.to(x.device), x.to(acc) * torch.tensor(1.0 / (1.0 - p), dtype=acc), 0).to(x.dtype)
 

@@ -12,7 +12,7 @@
 namespace bertctl::cpu {
 
 struct DropoutMask {
-  uint32_t key = 0;        // lowbias32(low 32 bits of the seed) ^ its high 32 bits
+  DropoutKey key;          // from the seed (dropout_hash.h)
   uint32_t threshold = 0;  // p * 2^32: 0 keeps everything
 
   DropoutMask() = default;  // keeps everything (p = 0)

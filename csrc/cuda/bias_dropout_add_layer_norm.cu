@@ -2,7 +2,7 @@
 // sub-layer outputs after their matmul (run without its bias), one kernel each way.
 //
 // The mask is the CPU kernels' (../dropout_hash.h): element i of the tensor is kept when
-// lowbias32(i * 0x9E3779B9 + key) >= p * 2^32, the key derived from an int64 seed.  The seed is a
+// lowbias32(lowbias32(i * 0x9E3779B9 + a) ^ b) >= p * 2^32, the key (a, b) derived from an int64 seed.  The seed is a
 // one-element tensor on the GPU (bertctl.ops draws it from the CUDA generator), read by the kernel
 // at run time, so a CUDA graph replays the op with the seed its replay drew, and the backward
 // recomputes the mask from the same tensor: nothing of the mask is stored.  One seed drops the same
@@ -38,7 +38,7 @@ constexpr int kLongThreads = 256;   // the block-per-row kernels
 
 // h = dropout(x + bias) + residual for VEC elements from column col of row `row`, into h (fp32).
 template <int VEC, typename T>
-__device__ __forceinline__ void sum_of(const T* x, const T* res, const float* bias, const Drop& d, uint32_t key,
+__device__ __forceinline__ void sum_of(const T* x, const T* res, const float* bias, const Drop& d, DropoutKey key,
                                        int64_t row, int cols, int col, float (&h)[VEC]) {
   float r[VEC], b[VEC];
   load_float<VEC>(x + row * cols + col, h);
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kWarp) bdaln_fwd_rows(const T* __restrict__ x,
   const int64_t row = blockIdx.x;
   const int lane = threadIdx.x;
   if (row >= rows) return;
-  const uint32_t key = d.key();
+  const DropoutKey key = d.key();
   float h[NVEC][VEC];
 #pragma unroll
   for (int i = 0; i < NVEC; ++i) {
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kLongThreads) bdaln_fwd_long(const T* __restri
   pdl_wait();
   __shared__ float smem[32];
   const int64_t row = blockIdx.x;
-  const uint32_t key = d.key();
+  const DropoutKey key = d.key();
   auto h = [&](int c) {
     float v[1];
     sum_of<1>(x, res, bias, d, key, row, cols, c, v);
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kBwdThreads) bdaln_bwd_rows(const T* __restric
   extern __shared__ float acc[];  // (3, cols): dweight, dln_bias, dbias
   constexpr int kWarps = kBwdThreads / kWarp;
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const uint32_t key = d.key();
+  const DropoutKey key = d.key();
   float pw[NVEC][VEC], pb[NVEC][VEC], px[NVEC][VEC];
 #pragma unroll
   for (int i = 0; i < NVEC; ++i)
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kLongThreads) bdaln_bwd_long(const T* __restri
   pdl_wait();
   pdl_trigger();
   __shared__ float smem[32];
-  const uint32_t key = d.key();
+  const DropoutKey key = d.key();
   float* pw = part_ln + static_cast<int64_t>(blockIdx.x) * 2 * cols;
   float* pb = pw + cols;
   float* px = part_b + static_cast<int64_t>(blockIdx.x) * cols;

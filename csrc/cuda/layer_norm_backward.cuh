@@ -29,11 +29,11 @@ struct Drop {
   uint32_t threshold;
   float scale;  // 1 / (1 - p)
 
-  __device__ __forceinline__ uint32_t key() const {
-    return seed == nullptr ? 0u : dropout_key(static_cast<uint64_t>(*seed));
+  __device__ __forceinline__ DropoutKey key() const {
+    return seed == nullptr ? DropoutKey{} : dropout_key(static_cast<uint64_t>(*seed));
   }
   // The factor element i is multiplied by: scale where kept, else 0 (1 without dropout).
-  __device__ __forceinline__ float factor(uint32_t key, int64_t i) const {
+  __device__ __forceinline__ float factor(DropoutKey key, int64_t i) const {
     if (seed == nullptr) return 1.f;
     return dropout_keep(key, threshold, i) ? scale : 0.f;
   }
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(
     if constexpr (kBiasDrop) bsm[c] = bias[c];
   }
   __syncthreads();
-  uint32_t key = 0;
+  DropoutKey key{};
   if constexpr (kBiasDrop) key = d.key();
   float dw[VEC], db[VEC], dxb[kBiasDrop ? VEC : 1];
 #pragma unroll
