@@ -45,10 +45,9 @@ def own_masks(config: BertConfig) -> bool:
     """Whether training's dropout draws bertctl's own masks (the compiled ops' hash of a seed and the element's
     index) rather than torch's.  With ``dropout_masks="torch"`` every dropout is torch's, and the sub-layer
     outputs train with it before the fused LayerNorm (inference keeps the one fused op, which then drops
-    nothing).  Fine-tuning
-    trains so: on the acceptability task over 160 seeds, MiniLM-L6 on an H200, the fused op's own masks
-    gave a Matthews correlation 0.32 points below torch's masks (one standard error 0.16, paired by seed) and
-    0.42 below the transformers Trainer (0.20); torch's masks, 0.10 below the Trainer (0.21)
+    nothing).  Fine-tuning trains so: on the acceptability task over 160 seeds, MiniLM-L6 on H200s, torch's
+    masks gave a Matthews correlation 0.10 below the transformers Trainer (one standard error 0.21); the fused
+    op's own masks 0.42 below it (0.20), and 0.29 (0.22) once their hash had its second round
     (``benchmarks/results/finetune-diagnostics/README.md``)."""
     return use_fused(config) and config.dropout_masks == "fused"
 
