@@ -1,14 +1,17 @@
 // The dropout mask's hash, one definition for the CPU kernels (cpu/dropout_mask.h) and the CUDA
 // ones (cuda/bias_dropout_add_layer_norm.cu), so that one (p, seed) drops the same elements on
 // both: element i (row-major index of the tensor) of a call with key (a, b) is kept when
-// lowbias32(lowbias32(i * 0x9E3779B9 + a) ^ b) >= p * 2^32, where a = lowbias32(lo) ^ hi and
+// lowbias32((i * 0x9E3779B9 + a) ^ b) >= p * 2^32, where a = lowbias32(lo) ^ hi and
 // b = lowbias32(hi ^ a) for the seed's low and high 32 bits.  The plain-PyTorch twin is
 // bertctl.ops.reference.dropout_forward.
 //
-// Why two rounds and two key words: with one round, lowbias32(i * 0x9E3779B9 + a), every call's mask is
-// a window of one sequence of period 2^32 (a only moves the start), so calls whose windows overlap drop
-// the same pattern shifted; BERT-Base pretraining (32,768 tokens x 768 x 24 sub-layers a step) draws
-// 2^32 mask elements every 7 steps.  The second round, keyed by b, gives every call its own sequence.
+// Why b: with a alone, lowbias32(i * 0x9E3779B9 + a), every call's mask is a window of one sequence
+// of period 2^32 (a only moves the start), so calls whose windows overlap drop the same pattern
+// shifted; BERT-Base pretraining (32,768 tokens x 768 x 24 sub-layers a step) draws 2^32 mask
+// elements every 7 steps.  XOR-ing b in before the hash gives every call its own sequence: where
+// call 2's window would have been call 1's moved by d, its inputs are call 1's XOR b1 ^ b2, which
+// the hash's avalanche makes unrelated.  A second lowbias32 round keyed by b (f3569a0) did the same
+// at a quarter more time in the CPU op's forward and backward; the XOR costs one instruction.
 #pragma once
 #include <cstdint>
 
@@ -47,7 +50,7 @@ BERTCTL_HOST_DEVICE DropoutKey dropout_key(uint64_t seed) {
 inline uint32_t dropout_threshold(double p) { return static_cast<uint32_t>(p * 4294967296.0); }
 
 BERTCTL_HOST_DEVICE bool dropout_keep(DropoutKey key, uint32_t threshold, int64_t i) {
-  return lowbias32(lowbias32(static_cast<uint32_t>(i) * 0x9E3779B9u + key.a) ^ key.b) >= threshold;
+  return lowbias32((static_cast<uint32_t>(i) * 0x9E3779B9u + key.a) ^ key.b) >= threshold;
 }
 
 }  // namespace bertctl

@@ -708,9 +708,9 @@ def _lowbias32(x: int) -> int:
 
 
 def test_dropout_calls_do_not_share_one_mask_sequence():
-    """Two seeds whose first key words differ by one row's worth of Weyl steps: with a single keyed round,
+    """Two seeds whose first key words differ by one row's worth of Weyl steps: with a alone,
     lowbias32(i * 0x9E3779B9 + a), the second call's mask would be the first's moved up one row (every call a
-    window of one sequence of period 2^32). The kernel's second round, keyed by b, makes them unrelated: rows
+    window of one sequence of period 2^32). The kernel XORs b in before the hash, which makes them unrelated: rows
     agree as often as independent masks do (0.9^2 + 0.1^2 of elements at p = 0.1)."""
     rows, width, golden = 64, 768, 0x9E3779B9
     s1 = 0x1234_5678_9ABC_DEF0
@@ -728,13 +728,41 @@ def test_dropout_calls_do_not_share_one_mask_sequence():
     kept2 = torch.ops.bertctl.dropout(x, 0.1, signed(s2)) != 0
     b1 = _lowbias32((s1 >> 32) ^ a1)
     flat = kept1.flatten()
-    assert all(bool(flat[i]) == (_lowbias32(_lowbias32((i * golden + a1) & 0xFFFFFFFF) ^ b1) >= int(0.1 * 2 ** 32))
-               for i in range(0, rows * width, 89))  # the kernel's mask is the two-round hash of the header
+    assert all(bool(flat[i]) == (_lowbias32(((i * golden + a1) & 0xFFFFFFFF) ^ b1) >= int(0.1 * 2 ** 32))
+               for i in range(0, rows * width, 89))  # the kernel's mask is the header's hash
     agree = (kept2[:-1] == kept1[1:]).double().mean().item()
     n = (rows - 1) * width
     expected = 0.9 ** 2 + 0.1 ** 2
     assert abs(agree - expected) < 5 * (expected * (1 - expected) / n) ** 0.5, agree
     assert abs(kept1.double().mean().item() - 0.9) < 5 * (0.09 / x.numel()) ** 0.5
+
+def _lag_correlations(kept: torch.Tensor, lags: int) -> torch.Tensor:
+    """The autocorrelation of a 0/1 sequence at lags 1..lags, in float64 (by FFT)."""
+    m = kept.double() - kept.double().mean()
+    n = m.numel()
+    f = torch.fft.rfft(m, 2 * n)
+    auto = torch.fft.irfft(f * f.conj(), 2 * n)[1:lags + 1]
+    return auto / (n - torch.arange(1, lags + 1, dtype=torch.float64)) / m.var()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_mask_statistics(p):
+    """One call's mask over 2^21 elements (2,048 rows of 1,024): the kept share is 1 - p, every autocorrelation at
+    lags 1..4,096 (rows, columns of a row apart, the Weyl step's near-returns at Fibonacci lags) is within 5.5
+    standard errors of 0, and the columns' kept counts over the rows are binomial (their variance within 25% of
+    n p (1 - p)). The Weyl sequence alone, kept where i * 0x9E3779B9 mod 2^32 >= p * 2^32, fails the lags."""
+    rows, width, lags = 2048, 1024, 4096
+    kept = torch.ops.bertctl.dropout(torch.ones(rows, width), p, torch.tensor(20261128)) != 0
+    n = kept.numel()
+    q = 1 - p
+    assert abs(kept.double().mean().item() - q) < 5 * (p * q / n) ** 0.5
+    z = _lag_correlations(kept.flatten(), lags) * n ** 0.5
+    assert z.abs().max().item() < 5.5, (z.abs().argmax().item() + 1, z.abs().max().item())
+    cols = kept.double().sum(dim=0)
+    assert abs(cols.var().item() / (rows * p * q) - 1) < 0.25
+    weyl = (torch.arange(n, dtype=torch.int64) * 0x9E3779B9) % 2 ** 32 >= int(p * 2 ** 32)
+    assert (_lag_correlations(weyl, lags) * n ** 0.5).abs().max().item() > 100
+
 
 def test_dropout_under_torch_compile():
     """ops.dropout traces into one graph (its seed drawn in the graph, the fake kernel, the C++ autograd):

@@ -111,11 +111,11 @@ def dropout_key(seed: int) -> tuple[int, int]:
 
 def dropout_forward(x: torch.Tensor, p: float, seed: torch.Tensor) -> torch.Tensor:
     """``torch.ops.bertctl.dropout``: element i (of x in row-major order) is kept when
-    lowbias32(lowbias32(i * 0x9E3779B9 + a) ^ b) >= p * 2^32, (a, b) = ``dropout_key(seed)``; kept elements
+    lowbias32((i * 0x9E3779B9 + a) ^ b) >= p * 2^32, (a, b) = ``dropout_key(seed)``; kept elements
     are x / (1 - p) (times the rounded scale, in the accumulation dtype)."""
     a, b = dropout_key(int(seed))
     i = torch.arange(x.numel(), dtype=torch.int64)
-    keep = (_lowbias32(_lowbias32((i * 0x9E3779B9 + a) & _U32) ^ b) >= int(p * 4294967296.0)).view(x.shape)
+    keep = (_lowbias32(((i * 0x9E3779B9 + a) & _U32) ^ b) >= int(p * 4294967296.0)).view(x.shape)
     acc = acc_dtype(x)
     return torch.where(keep.to(x.device), x.to(acc) * torch.tensor(1.0 / (1.0 - p), dtype=acc), 0).to(x.dtype)
 

@@ -1,5 +1,5 @@
 // CPU dropout with a counter-based mask (dropout_mask.h): element i of a call with key (a, b) is kept when
-// lowbias32(lowbias32(i * 0x9E3779B9 + a) ^ b) >= p * 2^32 (32-bit integer hashes, 16 lanes to an AVX-512 vector),
+// lowbias32((i * 0x9E3779B9 + a) ^ b) >= p * 2^32 (a 32-bit integer hash, 16 lanes to an AVX-512 vector),
 // so no mask is stored and the backward recomputes it from (p, seed); the plain-PyTorch twin is
 // bertctl.ops.reference.dropout_forward. Elements are split into chunks of 32,768 over the threads;
 // the mask depends only on the index, not on the threads. Arithmetic in float (double for fp64).

@@ -2,7 +2,7 @@
 // sub-layer outputs after their matmul (run without its bias), one kernel each way.
 //
 // The mask is the CPU kernels' (../dropout_hash.h): element i of the tensor is kept when
-// lowbias32(lowbias32(i * 0x9E3779B9 + a) ^ b) >= p * 2^32, the key (a, b) derived from an int64 seed.  The seed is a
+// lowbias32((i * 0x9E3779B9 + a) ^ b) >= p * 2^32, the key (a, b) derived from an int64 seed.  The seed is a
 // one-element tensor on the GPU (bertctl.ops draws it from the CUDA generator), read by the kernel
 // at run time, so a CUDA graph replays the op with the seed its replay drew, and the backward
 // recomputes the mask from the same tensor: nothing of the mask is stored.  One seed drops the same
