@@ -47,7 +47,7 @@ def own_masks(config: BertConfig) -> bool:
     outputs train with it before the fused LayerNorm (inference keeps the one fused op, which then drops
     nothing).  Fine-tuning trains so: on the acceptability task over 160 seeds, MiniLM-L6 on H200s, torch's
     masks gave a Matthews correlation 0.10 below the transformers Trainer (one standard error 0.21); the fused
-    op's own masks 0.42 below it (0.20), and 0.29 (0.22) once their hash had its second round
+    op's own masks 0.42 below it (0.20), and 0.29 (0.22) with f3569a0's two-round hash
     (``benchmarks/results/finetune-diagnostics/README.md``)."""
     return use_fused(config) and config.dropout_masks == "fused"
 
