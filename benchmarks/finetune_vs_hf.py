@@ -130,6 +130,33 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
+def model_digest(model: Path) -> str:
+    """The checkpoint's weights as both sides load them: sha256 of each tensor's name, dtype, shape and bytes in
+    name order (the same for one set of weights however the file orders or pads them), 16 hex digits."""
+    import torch
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous()
+            h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def _weights_warning(runs: list[dict]) -> str | None:
+    """Why the runs may not share one checkpoint's weights, or None: run files record the weights' digest since
+    the field existed (a checkpoint carried as fp16 and widened back is not the original fp32)."""
+    digests = {r.get("model_sha256") for r in runs}
+    if None in digests:
+        n = sum(1 for r in runs if r.get("model_sha256") is None)
+        return f"{n} of {len(runs)} runs predate the weights' digest (model_sha256): one checkpoint is not checked"
+    if len(digests) > 1:
+        return f"runs from different weights: model_sha256 {sorted(digests)}"
+    return None
+
+
 def prepare_inputs(task: str, a) -> dict:
     """The files of one task for both sides (sliced copies with ``--limit``). Files are written
     once into folders named by what they depend on, and never rewritten while runs read them."""
@@ -484,7 +511,7 @@ class Runner:
             ([Path(inputs["dir"]) / f"{n}.txt" for n in ("train", "valid", "test")] if run.task == "conll" else [])
         r = {"task": run.task, "mode": run.mode, "side": run.side, "seed": run.seed, "rc": rc,
              "command": [str(c) for c in cmd], "concurrent_runs": a.jobs, "environment": a.env,
-             "inputs_sha256": {Path(f).name: _digest(f) for f in files},
+             "inputs_sha256": {Path(f).name: _digest(f) for f in files}, "model_sha256": a.model_sha256,
              "settings": run_settings(run, a), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))}
         metrics_file = out / "metrics.json"
         if rc == 0 and metrics_file.exists():
@@ -564,6 +591,8 @@ def summarise_quality(task: str, runs: list[dict]) -> dict:
     envs = {(r["environment"]["device"], r["environment"]["commit"]) for r in runs}
     if len(envs) > 1:
         result["warning"] = f"runs from several devices or commits: {sorted(envs)}"
+    if (weights := _weights_warning(runs)) is not None:
+        result["weights_warning"] = weights
     return result
 
 
@@ -598,6 +627,8 @@ def summarise_speed(task: str, runs: list[dict]) -> dict:
     result["target"] = f"bertctl / HF <= {SPEED_TARGET}"
     if len({r["environment"]["device"] for r in runs}) > 1 or any(r["concurrent_runs"] != 1 for r in runs):
         result["warning"] = "runs from several devices or run concurrently: not comparable"
+    if (weights := _weights_warning(runs)) is not None:
+        result["weights_warning"] = weights
     return result
 
 
@@ -684,6 +715,7 @@ def main(argv=None) -> int:
     if a.model is None or a.data is None:
         p.error("--model and --data are required (except with --merge)")
     a.model, a.data, a.work = a.model.resolve(), a.data.resolve(), a.work.resolve()
+    a.model_sha256 = model_digest(a.model)
     import torch
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")

