@@ -1,10 +1,12 @@
 """Where a fine-tuning step's time goes on the host: the real engine step on real SST-2 batches.
 
     python benchmarks/profile_finetune_step.py --vocab VOCAB --sst2 TRAIN.tsv [--size base] [--attn unpadded] [--compile]
+    python benchmarks/profile_finetune_step.py --vocab VOCAB --squad DEV.json --articles split.json:train --cuda-graphs
     torchrun --nproc-per-node 2 benchmarks/profile_finetune_step.py --vocab VOCAB --sst2 TRAIN.tsv \
         --config MODEL/config.json --attn sdpa --cuda-graphs --batch-size 64 -o OUT.json   # OUT.rank1.json too
 
-Builds the ``--size`` architecture (random weights) with a 2-label head, the one training engine
+Builds the ``--size`` architecture (random weights) with a 2-label head (with ``--squad``, a span head
+over SQuAD's 384-token windows), the one training engine
 (``Engine.train_step``: bf16 autocast, fused AdamW, clipping) and the fine-tuning loader's batches of
 32 (random order, pinned, prefetched), then, after a warm-up, reports per step: the wall time
 (synchronised over ``--steps`` steps), the host time spent issuing the step (``train_step`` returns
@@ -23,6 +25,8 @@ kernel overlaps, per rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import collections
 import json
 import sys
 import time
@@ -34,11 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bertctl.config import BertConfig  # noqa: E402
-from bertctl.model import BertForSequenceClassification  # noqa: E402
+from bertctl.model import BertForQuestionAnswering, BertForSequenceClassification, varied_shapes  # noqa: E402
+from bertctl.tasks import squad  # noqa: E402
 from bertctl.tasks.glue import featurize, read_glue_tsv, task_spec  # noqa: E402
 from bertctl.tasks.trainer import TaskObjective  # noqa: E402
 from bertctl.tokenizer import BertTokenizer  # noqa: E402
-from bertctl.train import distributed  # noqa: E402
+from bertctl.train import distributed, graphs  # noqa: E402
 from bertctl.train.engine import Engine, EngineConfig  # noqa: E402
 from bertctl.train.loader import Prefetcher, steps_per_epoch, task_batches  # noqa: E402
 from host_profile import emit, summarize  # noqa: E402  (beside this script)
@@ -48,12 +53,19 @@ from host_profile import emit, summarize  # noqa: E402  (beside this script)
 def main() -> distributed.Dist:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", required=True, help="vocab.txt (uncased WordPiece)")
-    ap.add_argument("--sst2", required=True, help="SST-2 train.tsv")
+    data = ap.add_mutually_exclusive_group(required=True)
+    data.add_argument("--sst2", help="SST-2 train.tsv")
+    data.add_argument("--squad", help="a SQuAD v1.1 file (its windows of --max-seq-length, stride 128)")
+    ap.add_argument("--articles", default=None, help="with --squad: SPLIT.json:KEY, the articles to take")
+    ap.add_argument("--max-seq-length", type=int, default=None, help="default: 128 for SST-2, 384 for SQuAD")
     ap.add_argument("--size", default="base")
     ap.add_argument("--config", type=Path, default=None, help="a model's config.json (instead of --size)")
     ap.add_argument("--batch-size", type=int, default=32, help="the global batch")
     ap.add_argument("--cuda-graphs", action="store_true", help="the engine's whole-step CUDA graphs")
     ap.add_argument("--attn", default="unpadded", help="sdpa, explicit or unpadded")
+    ap.add_argument("--dropout-masks", default="torch", help="torch (fine-tuning's default) or fused")
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="let SDPA pick cuDNN's attention (fine-tuning turns it off: a plan per batch shape)")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--compile-mode", default=None,
                     help="torch.compile's mode for the model (e.g. reduce-overhead: CUDA graphs, one per batch shape)")
@@ -66,13 +78,20 @@ def main() -> distributed.Dist:
     a = ap.parse_args()
 
     tok = BertTokenizer.from_vocab_file(a.vocab)
-    spec = task_spec("sst2")
-    examples = read_glue_tsv(a.sst2, spec)[0][: a.examples]
-    feats = featurize(examples, tok, spec, max_seq_length=128)
-    over = dict(vocab_size=len(tok.vocab), num_labels=2, attn_implementation=a.attn)
+    if a.squad:
+        scfg = squad.SquadConfig(max_seq_length=a.max_seq_length or 384)
+        feats = squad.featurize(squad.read_squad(a.squad, articles=a.articles, training=True), tok, scfg,
+                                training=True)[: a.examples]
+        head = BertForQuestionAnswering
+    else:
+        spec = task_spec("sst2")
+        examples = read_glue_tsv(a.sst2, spec)[0][: a.examples]
+        feats = featurize(examples, tok, spec, max_seq_length=a.max_seq_length or 128)
+        head = BertForSequenceClassification
+    over = dict(vocab_size=len(tok.vocab), num_labels=2, attn_implementation=a.attn, dropout_masks=a.dropout_masks)
     config = BertConfig.from_json_file(a.config, **over) if a.config else BertConfig.preset(a.size, **over)
     torch.manual_seed(0)
-    model = BertForSequenceClassification(config)
+    model = head(config)
     dist = distributed.setup(a.device)
     device = dist.device
     cuda = device.type == "cuda"
@@ -92,9 +111,12 @@ def main() -> distributed.Dist:
         engine.train_step = train_step
     per_epoch = steps_per_epoch(len(feats), a.batch_size, dist.world_size)
     batches = Prefetcher(task_batches(feats, a.batch_size, seed=0, start_step=0, steps_per_epoch=per_epoch,
-                                      group_by_length=False, rank=dist.rank, world_size=dist.world_size),
+                                      group_by_length=False, rank=dist.rank, world_size=dist.world_size,
+                                      max_steps=total, min_shape_steps=graphs.MIN_SHAPE_STEPS if a.cuda_graphs else None),
                          lambda sb: sb, pin=cuda)
     stats = torch.zeros(1, device=device)
+    shapes = contextlib.nullcontext() if a.cudnn_attention else varied_shapes()
+    shapes.__enter__()
     t_warm = time.perf_counter()
     for _ in range(a.warmup):
         engine.train_step(next(batches), stats)
@@ -119,8 +141,10 @@ def main() -> distributed.Dist:
             engine.train_step(next(batches), stats)
         sync()
     batches.close()
-    out = {"what": "fine-tuning step host profile", "size": str(a.config) if a.config else a.size, "attn": a.attn,
-           "compile": a.compile_mode or a.compile, "cuda_graphs": a.cuda_graphs, "batch_size": a.batch_size,
+    shapes.__exit__(None, None, None)
+    out = {"what": "fine-tuning step host profile", "task": "squad" if a.squad else "sst2",
+           "size": str(a.config) if a.config else a.size, "attn": a.attn,
+           "dropout_masks": a.dropout_masks, "cudnn_attention": a.cudnn_attention, "compile": a.compile_mode or a.compile, "cuda_graphs": a.cuda_graphs, "batch_size": a.batch_size,
            "rank": dist.rank, "world_size": dist.world_size,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
            "examples": len(feats), "mean_tokens": sum(len(f["input_ids"]) for f in feats) / len(feats),
@@ -157,9 +181,13 @@ def gpu_timeline(prof, steps: int) -> dict:
     compute = union([s for s in spans if "nccl" not in s[2].lower()])
     nccl = sum(hi - lo for lo, hi, name in spans if "nccl" in name.lower())
     window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    by_name = collections.Counter()
+    for lo, hi, name in spans:
+        by_name[name] += hi - lo
     return {"gpu_busy_ms_per_step": busy / 1e3 / steps, "gpu_span_ms_per_step": window / 1e3 / steps,
             "nccl_kernel_ms_per_step": nccl / 1e3 / steps,
-            "nccl_alone_ms_per_step": (busy - compute) / 1e3 / steps}
+            "nccl_alone_ms_per_step": (busy - compute) / 1e3 / steps,
+            "top_kernels_ms_per_step": {name[:160]: round(us / 1e3 / steps, 4) for name, us in by_name.most_common(30)}}
 
 
 if __name__ == "__main__":

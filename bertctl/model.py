@@ -293,9 +293,31 @@ class Packed:
         return out.index_copy(0, self.index, x).view(B, S, *x.shape[1:])
 
 
+# Fine-tuning trains with cuDNN's attention where its steps are long: heads at least this wide, and the
+# run's median step padded to at least this many tokens (see cudnn_training_attention).
+CUDNN_TRAINING_MIN_HEAD_DIM = 64
+CUDNN_TRAINING_MIN_LENGTH = 256
+
+
+def cudnn_training_attention(head_dim: int, median_step_length: int) -> bool:
+    """Whether fine-tuning's training steps keep SDPA's cuDNN backend (else ``varied_shapes``).
+
+    With padding masks and dropout, SDPA without cuDNN runs the memory-efficient kernel, built for
+    Ampere. Measured on an H200 (bf16, batch 32, forward and backward, benchmarks/bench_attention_plans.py):
+    at 64-wide heads cuDNN took 0.55-0.65 ms against 0.68-1.14 at 256-384 tokens and was slower below
+    about 200; at MiniLM's 32-wide heads it was no faster at 128 and slower below. Its costs: 2-4 s at
+    the process's first call and about 0.14 s for every new shape (a plan). BERT-Base on the SQuAD
+    split's 384-token windows: the step 21.6 ms against 27.6, whole 3-epoch runs 1,179-1,194 against
+    1,054-1,064 examples/s; MiniLM's runs were slower with it (SST-2 10,189-11,673 against
+    13,004-13,078), so it is kept for long steps of wide heads only.
+    """
+    return head_dim >= CUDNN_TRAINING_MIN_HEAD_DIM and median_step_length >= CUDNN_TRAINING_MIN_LENGTH
+
+
 @contextlib.contextmanager
 def varied_shapes():
-    """SDPA without its cuDNN backend while batches come in many shapes (fine-tuning, evaluation).
+    """SDPA without its cuDNN backend while batches come in many shapes (evaluation, embedding, and
+    fine-tuning's short steps: ``cudnn_training_attention``).
 
     cuDNN's attention builds an execution plan for every new shape. Measured on an H100 (MiniLM, an
     RTE-size task, CUDA graphs, 9 batch shapes): warming up and capturing took 4.1 s with cuDNN and

@@ -475,3 +475,44 @@ def test_fine_tuning_trains_with_torchs_dropout_masks(tmp_path):
     assert tuned.config.dropout_masks == "torch"
     other = load_pretrained(BertForSequenceClassification, d, fresh_heads=True, num_labels=2)
     assert other.config.dropout_masks == "fused"
+
+
+def test_the_median_step_length_is_the_first_epochs_median_padded_longest():
+    rng = np.random.default_rng(3)
+    feats = [{"input_ids": np.ones(int(n), dtype=np.int32)} for n in rng.integers(5, 400, 101)]
+    lengths = np.array([len(f["input_ids"]) for f in feats])
+    for group, world in ((False, 1), (True, 2)):
+        batches = L.epoch_batches(lengths, 16, 7, 0, group, world)
+        want = np.median([-(-int(lengths[b].max()) // 8) * 8 for b in batches])
+        assert L.median_step_length(feats, 16, seed=7, group_by_length=group, world_size=world) == int(want)
+
+
+@pytest.mark.parametrize("length,head_dim,cudnn", [(300, 64, True), (300, 32, False), (120, 64, False)],
+                         ids=["long-wide", "long-narrow", "short-wide"])
+def test_training_keeps_cudnn_attention_only_for_long_steps_of_wide_heads(monkeypatch, length, head_dim, cudnn):
+    """cuDNN's attention (a plan per shape, faster on long sequences of 64-wide heads) stays on for the training
+    steps only where they are long and the heads wide; elsewhere training runs inside ``varied_shapes``."""
+    import contextlib
+
+    from bertctl.config import BertConfig
+    from bertctl.model import BertForSequenceClassification, cudnn_training_attention
+
+    assert cudnn_training_attention(64, 256) and not cudnn_training_attention(64, 248)
+    assert not cudnn_training_attention(32, 512)
+    entered = []
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append(True)
+        yield
+    monkeypatch.setattr(T, "varied_shapes", recording)
+    config = BertConfig(vocab_size=100, hidden_size=2 * head_dim, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, num_labels=2)
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config)
+    rng = np.random.default_rng(0)
+    feats = [{"input_ids": rng.integers(5, 100, int(n)), "token_type_ids": np.zeros(int(n), dtype=np.int8),
+              "labels": i % 2} for i, n in enumerate(rng.integers(length - 20, length + 1, 16))]
+    T.fine_tune(model, feats, T.TrainConfig(device="cpu", batch_size=8, max_steps=1, progress=False,
+                                            tensorboard=False))
+    assert bool(entered) == (not cudnn)

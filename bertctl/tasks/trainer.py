@@ -33,12 +33,13 @@ import torch.nn.functional as F
 
 from bertctl.embed import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError, Stopped
-from bertctl.model import IGNORE_INDEX, varied_shapes
+from bertctl.model import IGNORE_INDEX, cudnn_training_attention, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.train import distributed, state
 from bertctl.train import graphs
 from bertctl.train.engine import Engine, EngineConfig, autocast, resolve_precision, to_device, warmup_steps
-from bertctl.train.loader import Prefetcher, collate, feature_length, steps_per_epoch, task_batches
+from bertctl.train.loader import (Prefetcher, collate, feature_length, median_step_length, steps_per_epoch,
+                                 task_batches)
 
 
 @dataclass
@@ -342,8 +343,13 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                                       rank=dist.rank, world_size=W, micro_batch_size=cfg.micro_batch_size,
                                       max_steps=steps, min_shape_steps=ecfg.graph_min_steps if ecfg.cuda_graphs else None),
                          lambda sb: sb, pin=pin)
+    config = getattr(model, "config", None)
+    long_steps = config is not None and cudnn_training_attention(
+        config.hidden_size // config.num_attention_heads,
+        median_step_length(train_features, cfg.batch_size, seed=cfg.seed, group_by_length=cfg.group_by_length,
+                           world_size=W))
     try:
-        with varied_shapes():
+        with contextlib.nullcontext() if long_steps else varied_shapes():
             result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")
     finally:
         batches.close()

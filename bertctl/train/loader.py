@@ -232,6 +232,14 @@ def epoch_batches(lengths: np.ndarray, batch_size: int, seed: int, epoch: int, g
     return batches
 
 
+def median_step_length(features: Sequence[dict], batch_size: int, *, seed: int, group_by_length: bool,
+                       world_size: int = 1) -> int:
+    """The padded length (the global batch's longest, rounded up) of the median step of the first epoch."""
+    lengths = np.asarray([feature_length(f) for f in features])
+    return int(np.median([_padded(lengths[idx], None)
+                          for idx in epoch_batches(lengths, batch_size, seed, 0, group_by_length, world_size)]))
+
+
 def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_size: int, micro_batch_size: int | None,
               pad_id: int = 0, pad_to: dict[int, int] | None = None) -> StepBatch:
     """One global batch ``idx`` of task features -> this rank's micro-batches and counts.
