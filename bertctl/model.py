@@ -293,13 +293,15 @@ class Packed:
         return out.index_copy(0, self.index, x).view(B, S, *x.shape[1:])
 
 
-# Fine-tuning trains with cuDNN's attention where its steps are long: heads at least this wide, and the
-# run's median step padded to at least this many tokens (see cudnn_training_attention).
+# Fine-tuning trains with cuDNN's attention where its steps are long and many: heads at least this wide,
+# the run's median step padded to at least this many tokens, and at least this many steps (see
+# cudnn_training_attention).
 CUDNN_TRAINING_MIN_HEAD_DIM = 64
 CUDNN_TRAINING_MIN_LENGTH = 256
+CUDNN_TRAINING_MIN_STEPS = 1000
 
 
-def cudnn_training_attention(head_dim: int, median_step_length: int) -> bool:
+def cudnn_training_attention(head_dim: int, median_step_length: int, steps: int) -> bool:
     """Whether fine-tuning's training steps keep SDPA's cuDNN backend (else ``varied_shapes``).
 
     With padding masks and dropout, SDPA without cuDNN runs the memory-efficient kernel, built for
@@ -309,9 +311,14 @@ def cudnn_training_attention(head_dim: int, median_step_length: int) -> bool:
     the process's first call and about 0.14 s for every new shape (a plan). BERT-Base on the SQuAD
     split's 384-token windows: the step 21.6 ms against 27.6, whole 3-epoch runs 1,179-1,194 against
     1,054-1,064 examples/s; MiniLM's runs were slower with it (SST-2 10,189-11,673 against
-    13,004-13,078), so it is kept for long steps of wide heads only.
+    13,004-13,078), so it is kept for long steps of wide heads only. Its start-up is paid in every
+    process (2.0 s again in a second process on the same machine), so a run needs enough steps to win
+    it back: BERT-Base saves about 6 ms a step at 384 tokens, so 1,000 steps about 6 s, against 2-4 s
+    and the plans; on the SQuAD split's 483 steps the whole run gained 1-4 s with the start-up warm
+    and lost it on a fresh machine (8.0 s of captures against about 1).
     """
-    return head_dim >= CUDNN_TRAINING_MIN_HEAD_DIM and median_step_length >= CUDNN_TRAINING_MIN_LENGTH
+    return (head_dim >= CUDNN_TRAINING_MIN_HEAD_DIM and median_step_length >= CUDNN_TRAINING_MIN_LENGTH
+            and steps >= CUDNN_TRAINING_MIN_STEPS)
 
 
 @contextlib.contextmanager

@@ -201,3 +201,32 @@ def test_loading_builds_on_the_meta_device_and_draws_only_the_new_head(tmp_path,
     ids, mask = batch()
     with torch.no_grad():
         model(ids, attention_mask=mask)  # it runs
+
+
+def test_building_on_meta_draws_nothing_and_leaves_torch_init_as_it_found_it():
+    """The meta build skips torch.nn.init (whose reference ops import torch._dynamo, over a second of
+    start-up), in a fresh process, and puts the functions back even when the build fails."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from bertctl.checkpoint import on_meta\n"
+            "from bertctl.config import BertConfig\n"
+            "from bertctl.model import BertModel\n"
+            "m = on_meta(lambda: BertModel(BertConfig.preset('tiny')))\n"
+            "assert m.embeddings.word_embeddings.weight.is_meta\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+    from bertctl.checkpoint import _INIT_FUNCTIONS, on_meta
+    before = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+
+    def failing():
+        torch.nn.Linear(2, 2)
+        raise RuntimeError("build failed")
+    with pytest.raises(RuntimeError, match="build failed"):
+        on_meta(failing)
+    assert {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS} == before
+    w = torch.nn.init.normal_(torch.empty(1000), 0.0, 1.0)  # real draws again
+    assert 0.8 < float(w.std()) < 1.2

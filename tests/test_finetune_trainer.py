@@ -497,8 +497,9 @@ def test_training_keeps_cudnn_attention_only_for_long_steps_of_wide_heads(monkey
     from bertctl.config import BertConfig
     from bertctl.model import BertForSequenceClassification, cudnn_training_attention
 
-    assert cudnn_training_attention(64, 256) and not cudnn_training_attention(64, 248)
-    assert not cudnn_training_attention(32, 512)
+    assert cudnn_training_attention(64, 256, 1000) and not cudnn_training_attention(64, 248, 1000)
+    assert not cudnn_training_attention(32, 512, 1000) and not cudnn_training_attention(64, 384, 999)
+    monkeypatch.setattr(T, "cudnn_training_attention", lambda h, n, steps: cudnn_training_attention(h, n, 1000))
     entered = []
 
     @contextlib.contextmanager

@@ -347,7 +347,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     long_steps = config is not None and cudnn_training_attention(
         config.hidden_size // config.num_attention_heads,
         median_step_length(train_features, cfg.batch_size, seed=cfg.seed, group_by_length=cfg.group_by_length,
-                           world_size=W))
+                           world_size=W), steps)
     try:
         with contextlib.nullcontext() if long_steps else varied_shapes():
             result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")
