@@ -456,3 +456,35 @@ def test_the_finetune_flag_defaults_to_the_engines_threshold():
     from bertctl.cli.finetune import GRAPH_MIN_STEPS
 
     assert GRAPH_MIN_STEPS.default == G.MIN_SHAPE_STEPS == T.TrainConfig().graph_min_steps
+
+
+@cuda
+def test_long_steps_of_wide_heads_train_under_cudnn_attention_as_eagerly(monkeypatch):
+    """Where the rule keeps cuDNN's attention for training (64-wide heads, long steps; its step count lowered
+    here), the training steps see it on, and the graphs replay the eager steps (bf16, dropout 0.1)."""
+    from bertctl.config import BertConfig
+    from bertctl.model import BertForSequenceClassification, cudnn_training_attention
+
+    monkeypatch.setattr(T, "cudnn_training_attention", lambda h, n, steps: cudnn_training_attention(h, n, 10**6))
+    seen = []
+    sums = T.TaskObjective.sums
+
+    def recording(self, model, mb):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sums(self, model, mb)
+    monkeypatch.setattr(T.TaskObjective, "sums", recording)
+    rng = np.random.default_rng(0)
+    feats = [{"input_ids": rng.integers(5, 100, int(n)), "token_type_ids": np.zeros(int(n), dtype=np.int8),
+              "labels": i % 2} for i, n in enumerate(rng.integers(270, 301, 32))]
+
+    def build():
+        torch.manual_seed(0)
+        return BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=128, num_hidden_layers=2,
+                                                        num_attention_heads=2, intermediate_size=256, num_labels=2))
+    eager, eager_losses = _run(build, feats, precision="bf16", cuda_graphs=False)
+    graphed, graph_losses = _run(build, feats, precision="bf16", cuda_graphs=True)
+    assert seen and all(seen)
+    assert len(graph_losses) == len(eager_losses) == 8
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for (k, a), b in zip(eager.model.state_dict().items(), graphed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
