@@ -220,6 +220,9 @@ def test_building_on_meta_draws_nothing_and_leaves_torch_init_as_it_found_it():
     assert out.stdout.strip() == "False"
 
     from bertctl.checkpoint import _INIT_FUNCTIONS, on_meta
+    rng = torch.get_rng_state()
+    on_meta(lambda: BertModel(BertConfig.preset("tiny")))
+    assert torch.equal(torch.get_rng_state(), rng)  # a fresh head drawn next gets the draws it always got
     before = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
 
     def failing():
