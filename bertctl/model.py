@@ -195,7 +195,9 @@ def input_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         dtype = torch.get_autocast_dtype(device)
         weight = weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    return InputProjection.apply(x, weight, bias, tuple(widths), True)
+    # Under torch.compile the backward's in-place accumulation is left to the compiler (dynamo cannot
+    # trace the aliasing check that guards it, and broke the graph at every layer).
+    return InputProjection.apply(x, weight, bias, tuple(widths), not torch.compiler.is_compiling())
 
 
 # --------------------------------------------------------------------------- outputs

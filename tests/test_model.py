@@ -181,6 +181,33 @@ def test_gradients_flow_through_both_backends():
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
 
 
+def test_the_pretraining_model_compiles_whole_and_trains_as_eagerly():
+    """torch.compile(fullgraph=True) of the model's training forward (the fused ops, InputProjection's
+    residual hand-over, the masked-position MLM head) traces without a graph break, and its loss and every
+    gradient equal the eager model's (float64, to rounding). A break at each layer's projection once made
+    the compiled step 36% slower than the eager one on an H200."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=300, hidden_dropout_prob=0.0,
+                                                 attention_probs_dropout_prob=0.0)).double()
+    ids, types, mask = padded_batch(300, torch.Generator().manual_seed(4), B=3, S=12)
+    batch = dict(masked_positions=torch.tensor([[1, 2], [3, 1], [2, 4]]),
+                 masked_lm_labels=torch.tensor([[5, 6], [7, -100], [8, 9]]), next_sentence_label=torch.tensor([0, 1, 1]))
+
+    def loss_and_grads(fwd):
+        model.zero_grad(set_to_none=True)
+        loss = fwd(ids, types, mask, **batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want = loss_and_grads(model)
+    torch._dynamo.reset()
+    got_loss, got = loss_and_grads(torch.compile(model, fullgraph=True))
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-12, atol=1e-12)
+    assert got.keys() == want.keys() and len(want) > 20
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("widths", [(8, 8, 8), (24,)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
