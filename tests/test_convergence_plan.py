@@ -97,3 +97,47 @@ def test_preset_runs_on_several_gpus_keep_the_global_batch(tmp_path, monkeypatch
         assert cmd[cmd.index("--batch-size") + 1] == batch and cmd[cmd.index("--max-steps") + 1] == steps
         assert "--cuda-graphs" not in cmd and "--compile" not in cmd
     assert "--micro-batch-size" not in commands[0] and commands[1][commands[1].index("--micro-batch-size") + 1] == "512"
+
+
+def _report(seed: int, sst2: list[float], nsp: float, scratch: list[float] | None = None, **settings) -> dict:
+    table = {"sst2": {"pretrained": {"mean": sum(sst2) / len(sst2), "values": sst2}}}
+    if scratch:
+        table["sst2"]["scratch"] = {"mean": sum(scratch) / len(scratch), "values": scratch}
+    return {"settings": {"seed": seed, "model_size": "medium", "minutes": 7.99, **settings},
+            "run_commits": ["c"], "devices": ["gpu"], "finetune": {"table": table},
+            "pretrain_main": {"steps": 100 + seed, "eval_end": {"mlm_acc": 0.5, "nsp_acc": nsp},
+                              "curve": [{"step": 0, "mlm_acc": 0.0, "nsp_acc": 0.5}]}}
+
+
+def test_pooled_pretraining_seeds_judge_the_targets_on_the_means(tmp_path):
+    run = _module()
+    paths = []
+    for seed, sst2, nsp, scratch in [(0, [86.0, 87.0], 0.84, [81.0, 83.0]), (1, [88.0, 88.0], 0.86, None),
+                                     (2, [87.0, 87.0], 0.85, None)]:
+        paths.append(tmp_path / f"r{seed}.json")
+        paths[-1].write_text(json.dumps(_report(seed, sst2, nsp, scratch)))
+    a = argparse.Namespace(reports=paths, results=tmp_path / "out", note="")
+    res = run.pool(a)
+    sst2 = res["finetune"]["sst2"]
+    # per-seed means 86.5, 88, 87 against scratch 82: gaps 4.5, 6, 5 (mean 5.1667)
+    assert sst2["pretrained_over_pretraining_seeds"]["values"] == [86.5, 88.0, 87.0]
+    assert sst2["gap_per_pretraining_seed"] == pytest.approx([4.5, 6.0, 5.0])
+    assert sst2["gap_pretrained_minus_scratch"] == pytest.approx(31 / 6) and sst2["meets_target"]
+    assert sst2["seeds_meeting_target"] == 2
+    nsp = res["pretraining"]["heldout_nsp_acc"]
+    assert nsp["mean"] == pytest.approx(0.85) and nsp["std"] == pytest.approx(0.01)
+    assert res["pretraining"]["seeds_meeting_nsp_target"] == 2
+    assert json.loads((tmp_path / "out" / "convergence-seeds.json").read_text())["pretraining_seeds"] == [0, 1, 2]
+    assert (tmp_path / "out" / "convergence-seeds.png").stat().st_size > 0
+
+
+def test_pooling_refuses_reports_of_different_recipes_or_a_repeated_seed(tmp_path):
+    run = _module()
+    a0, a1, b = tmp_path / "a0.json", tmp_path / "a1.json", tmp_path / "b.json"
+    a0.write_text(json.dumps(_report(0, [86.0], 0.85)))
+    a1.write_text(json.dumps(_report(0, [87.0], 0.85)))
+    b.write_text(json.dumps(_report(1, [87.0], 0.85, model_size="base")))
+    with pytest.raises(SystemExit, match="beyond the seed: model_size"):
+        run.pool(argparse.Namespace(reports=[a0, b], results=tmp_path, note=""))
+    with pytest.raises(SystemExit, match="appears twice"):
+        run.pool(argparse.Namespace(reports=[a0, a1], results=tmp_path, note=""))

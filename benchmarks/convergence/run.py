@@ -36,6 +36,12 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
 - ``report``: ``convergence.json`` (every record, the targets, provenance of the corpus, the
   benchmark's time: ``prepare`` + both pretraining runs + the fine-tuning stage on each GPU, the
   figure a one-GPU machine would take end to end) and ``convergence-curves.png`` in ``--results``.
+- ``pool``: several reports of the same recipe with different pretraining ``--seed`` s (``--reports``,
+  e.g. one ``--work`` directory per seed) as one: each pretraining seed's held-out accuracy and
+  fine-tuned scores, their mean and spread over the pretraining seeds, and the gaps and targets on
+  the means (``convergence-seeds.json`` and ``convergence-seeds.png`` in ``--results``). One
+  pretraining run is one draw: the SST-2 score of its fine-tuned model moves by about a point from
+  seed to seed, as much as the target's margin.
 
 Every record keeps the GPU it ran on (``CUDA_VISIBLE_DEVICES``), so stages may run side by side on
 the GPUs of one machine, each with ``CUDA_VISIBLE_DEVICES`` set.
@@ -461,6 +467,108 @@ def report(a) -> dict:
     return res
 
 
+def pool(a) -> dict:
+    """The reports of several pretraining seeds (``--reports``) as one: per seed, and the mean and spread
+    over seeds. Fine-tuning from random weights does not depend on the pretraining seed, so its runs
+    are pooled from the reports that have them; each gap is the pretrained mean over pretraining seeds
+    minus that. The reports must share the recipe (every setting but ``seed``)."""
+    reports = [json.loads(Path(p).read_text()) for p in a.reports]
+
+    def recipe(r: dict) -> dict:
+        return {k: v for k, v in r["settings"].items() if k != "seed"}
+
+    for path, r in zip(a.reports, reports):
+        if "pretrain_main" not in r:
+            raise SystemExit(f"pool: {path} has no main pretraining run")
+        if recipe(r) != recipe(reports[0]):
+            differ = sorted(k for k in recipe(r).keys() | recipe(reports[0]).keys()
+                            if recipe(r).get(k) != recipe(reports[0]).get(k))
+            raise SystemExit(f"pool: {path} differs from {a.reports[0]} beyond the seed: {', '.join(differ)}")
+    seeds = [r["settings"]["seed"] for r in reports]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"pool: a pretraining seed appears twice among the reports: {seeds}")
+    per_seed = []
+    for path, r in zip(a.reports, reports):
+        end = r["pretrain_main"]["eval_end"]
+        table = r["finetune"]["table"]
+        per_seed.append({"seed": r["settings"]["seed"], "report": Path(path).name, "commits": r["run_commits"],
+                         "steps": r["pretrain_main"]["steps"], "heldout_mlm_acc": end["mlm_acc"],
+                         "heldout_nsp_acc": end["nsp_acc"], "heldout_perplexity": end.get("perplexity"),
+                         "pretrained": {t: table[t]["pretrained"] for t in TASKS if "pretrained" in table.get(t, {})},
+                         "curve": r["pretrain_main"]["curve"]})
+    pretraining = {k: stats([p[k] for p in per_seed]) for k in ("steps", "heldout_mlm_acc", "heldout_nsp_acc")}
+    nsp = pretraining["heldout_nsp_acc"]
+    pretraining.update(nsp_target=0.85, nsp_meets_target=nsp["mean"] >= 0.85,
+                       seeds_meeting_nsp_target=sum(v >= 0.85 for v in nsp["values"]))
+    finetune: dict = {}
+    for task in TASKS:
+        means = [p["pretrained"][task]["mean"] for p in per_seed if task in p["pretrained"]]
+        scratch = [v for r in reports for v in (r["finetune"]["table"].get(task, {}).get("scratch") or {}).get("values", [])]
+        if not means:
+            continue
+        t = finetune[task] = {"metric": METRIC[task], "pretrained_over_pretraining_seeds": stats(means)}
+        if scratch:
+            base = statistics.fmean(scratch)
+            t["scratch"] = stats(scratch)
+            t["gap_pretrained_minus_scratch"] = statistics.fmean(means) - base
+            t["gap_per_pretraining_seed"] = [m - base for m in means]
+            t["target_gap"] = TARGET_GAP[task]
+            t["meets_target"] = t["gap_pretrained_minus_scratch"] >= TARGET_GAP[task]
+            t["seeds_meeting_target"] = sum(m - base >= TARGET_GAP[task] for m in means)
+    res = {"benchmark": "convergence, several pretraining seeds", "commit": finetune_vs_hf.commit(),
+           "settings": recipe(reports[0]), "pretraining_seeds": seeds,
+           "devices": sorted({d for r in reports for d in r.get("devices", [])}),
+           "run_commits": sorted({c for r in reports for c in r.get("run_commits", [])}),
+           "pretraining": pretraining, "finetune": finetune, "per_seed": per_seed}
+    if a.note:
+        res["note"] = a.note
+    a.results.mkdir(parents=True, exist_ok=True)
+    path = a.results / "convergence-seeds.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    plot_seeds(res, a.results / "convergence-seeds.png")
+    return res
+
+
+def plot_seeds(res: dict, path: Path) -> None:
+    """Each pretraining seed's held-out curves, and each task's fine-tuned score per pretraining seed
+    against the from-scratch runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11.4, 4.8))
+    for p in res["per_seed"]:
+        line, = left.plot([x["step"] for x in p["curve"]], [x["mlm_acc"] for x in p["curve"]],
+                          label=f"seed {p['seed']}: MLM")
+        left.plot([x["step"] for x in p["curve"]], [x["nsp_acc"] for x in p["curve"]], ":", color=line.get_color(),
+                  label=f"seed {p['seed']}: NSP")
+    left.axhline(res["pretraining"]["nsp_target"], color="grey", lw=0.8, ls="--")
+    left.set_xlabel("step")
+    left.set_ylabel("held-out accuracy")
+    left.set_title("bertctl pretraining, one run per seed (held out)")
+    left.legend(fontsize=8)
+    tasks = list(res["finetune"])
+    for i, task in enumerate(tasks):
+        t = res["finetune"][task]
+        right.scatter([i - 0.12] * len(t["pretrained_over_pretraining_seeds"]["values"]),
+                      t["pretrained_over_pretraining_seeds"]["values"], color="C0",
+                      label="(a) pretrained, one point per pretraining seed" if i == 0 else None)
+        if "scratch" in t:
+            right.scatter([i + 0.12] * len(t["scratch"]["values"]), t["scratch"]["values"], color="C1",
+                          label="(b) random init, one point per run" if i == 0 else None)
+    right.set_xticks(range(len(tasks)))
+    right.set_xticklabels([f"{k}\n{METRIC[k]}" for k in tasks])
+    right.set_title("fine-tuned (each pretrained point: mean over fine-tuning seeds)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+
+
 def _flag(command: str, flag: str) -> str | None:
     words = shlex.split(command)
     return words[words.index(flag) + 1] if flag in words else None
@@ -653,7 +761,7 @@ def _finetune_panel(res: dict, ax) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stages", nargs="+", choices=("prepare", "finetune-scratch", "pretrain", "pretrain-mlm",
-                                                  "finetune", "race", "presets", "report"))
+                                                  "finetune", "race", "presets", "report", "pool"))
     p.add_argument("--work", type=Path, default=ROOT / "build" / "conv")
     p.add_argument("--corpus", type=Path, default=ROOT / "build" / "convergence-corpus")
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data", help="shared task data")
@@ -702,6 +810,8 @@ def main(argv=None) -> int:
                    help="sequences per forward in the preset runs, accumulated to the batch (default 0: the whole batch)")
     p.add_argument("--force", action="store_true", help="redo finished steps")
     p.add_argument("--note", default="", help="a note kept in the report (what differs from the defaults, say)")
+    p.add_argument("--reports", type=Path, nargs="+", default=[],
+                   help="pool: the convergence.json of each pretraining seed (the same recipe)")
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     for stage in a.stages:
@@ -720,6 +830,10 @@ def main(argv=None) -> int:
             race(a)
         elif stage == "presets":
             presets(a)
+        elif stage == "pool":
+            if len(a.reports) < 2:
+                raise SystemExit("pool: give --reports, the convergence.json of two or more pretraining seeds")
+            pool(a)
         else:
             report(a)
         print(f"[{stage}] {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
