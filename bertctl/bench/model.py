@@ -248,7 +248,8 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 # "/torch-ops": plain PyTorch LayerNorm / GELU / softmax instead of the fused ops, so
                 # that under torch.compile inductor may fuse them with their neighbours.
                 kernels = "torch" if "/torch-ops" in provider else "auto"
-                attn = "unpadded" if provider.startswith("bertctl/unpadded") else "sdpa"
+                attn = ("unpadded" if provider.startswith("bertctl/unpadded")
+                        else "explicit" if provider.startswith("bertctl/explicit") else "sdpa")
                 conf = BertConfig.preset(size, attn_implementation=attn, kernels=kernels)
                 model = (hf_model if provider.startswith("hf") else bertctl_model)(conf, device)
                 config = _config_of(model)
