@@ -61,12 +61,13 @@ def test_bench_model_runs_end_to_end_on_cpu():
     from bertctl.bench.model import bench_model
 
     rows = []
-    out = bench_model(["tiny-64"], ["bertctl", "bertctl/unpadded", "hf"], steps=2, warmup=1, device="cpu", log=lambda m: None,
+    providers = ["bertctl", "bertctl/unpadded", "bertctl/explicit", "hf"]
+    out = bench_model(["tiny-64"], providers, steps=2, warmup=1, device="cpu", log=lambda m: None,
                       on_row=lambda partial: rows.append(len(partial["train"])))
-    assert [r["provider"] for r in out["train"]] == ["bertctl", "bertctl/unpadded", "hf"]
+    assert [r["provider"] for r in out["train"]] == providers
     assert all(r["seq_per_s"] > 0 and r["mfu"] is None for r in out["train"])  # no MFU without a known peak
-    assert [r["provider"] for r in out["inference"]] == ["bertctl", "bertctl/unpadded", "hf"]
-    assert "train tiny-64 bertctl / hf" in out["speedups"] and rows == [1, 2, 3]
+    assert [r["provider"] for r in out["inference"]] == providers
+    assert "train tiny-64 bertctl / hf" in out["speedups"] and rows == [1, 2, 3, 4]
     assert out["device"]["type"] == "cpu"
 
 
@@ -84,6 +85,9 @@ def test_mixed_lengths_case_has_fine_tunings_padding_and_unpadded_gives_hfs_loss
     unpadded = bertctl_model(BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0,
                                                attention_probs_dropout_prob=0.0, attn_implementation="unpadded")).eval()
     unpadded.load_state_dict(padded.state_dict())
+    explicit = bertctl_model(BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0,
+                                               attention_probs_dropout_prob=0.0, attn_implementation="explicit")).eval()
+    explicit.load_state_dict(padded.state_dict())
     sd = padded.state_dict()
     sd["cls.predictions.decoder.bias"] = sd["cls.predictions.bias"]
     theirs.load_state_dict(sd, strict=False)
@@ -93,6 +97,7 @@ def test_mixed_lengths_case_has_fine_tunings_padding_and_unpadded_gives_hfs_loss
         ref = step_loss("hf", theirs, b)
         torch.testing.assert_close(step_loss("bertctl", padded, b), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(step_loss("bertctl/unpadded", unpadded, b), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step_loss("bertctl/explicit", explicit, b), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.cuda

@@ -29,7 +29,8 @@ def bench_model_command(
     """Pretraining-step throughput (sequences/s, MFU, peak memory) and encoder inference, bf16, on this GPU.
 
     bertctl runs eagerly, as pretrain's own step (bertctl/graphs: each step one CUDA graph, pretrain's
-    default on a GPU) and unpadded. Under torchrun it times bertctl with DistributedDataParallel (the case
+    default on a GPU), unpadded, and with explicit attention (bertctl/explicit: batched matmuls and the
+    fused softmax instead of torch's fused attention). Under torchrun it times bertctl with DistributedDataParallel (the case
     batch per GPU), and bertctl/graphs with the all-reduces in its graphs."""
     from bertctl.bench.model import CASES, bench_model
     from bertctl.progress import stderr
@@ -40,7 +41,7 @@ def bench_model_command(
         raise BertctlError(f"--cases: unknown {', '.join(bad)} (choose from {', '.join(CASES)})")
     if compare not in (None, "hf"):
         raise BertctlError(f"--compare: only 'hf' is supported, not {compare!r}")
-    providers = ["bertctl", "bertctl/graphs", "bertctl/unpadded"] + (["hf"] if compare else [])
+    providers = ["bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl/explicit"] + (["hf"] if compare else [])
     if compile:
         providers += ["bertctl+compile", "bertctl/torch-ops+compile"] + (["hf+compile"] if compare else [])
     from bertctl.io import write_json
