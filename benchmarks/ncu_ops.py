@@ -1,6 +1,6 @@
 """One call of each fused bf16 kernel at BERT-Base shapes, for Nsight Compute:
     ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        -k regex:'softmax|ln_|bias_gelu' python3 benchmarks/ncu_ops.py
+        -k regex:'softmax|ln_|bias_gelu|bdaln|column_sum' python3 benchmarks/ncu_ops.py
 """
 import torch
 
@@ -24,4 +24,8 @@ out, mean, rstd = torch.ops.bertctl.layer_norm(x, r, w, b, 1e-12)
 torch.ops.bertctl.layer_norm_backward(x, x, r, w, mean, rstd)
 ops.bias_gelu(h, hb)
 torch.ops.bertctl.bias_gelu_backward(h, h, hb, "none")
+# the sub-layer output's LayerNorm(dropout(x + bias) + residual) at BERT's hidden dropout, as training runs it
+seed = torch.tensor([1234], device=dev, dtype=torch.int64)
+yb, mb, rb = torch.ops.bertctl.bias_dropout_add_layer_norm(x, b, r, w, b, 1e-12, 0.1, seed)
+torch.ops.bertctl.bias_dropout_add_layer_norm_backward(x, x, b, r, w, mb, rb, 0.1, seed)
 torch.cuda.synchronize()
