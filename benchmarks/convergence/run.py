@@ -458,12 +458,17 @@ def report(a) -> dict:
                                    "micro_batch": _flag(r.get("command", ""), "--micro-batch-size"),
                                    "curve": _preset_curve(run_dir),
                                    "seconds": r.get("seconds"), "error": r.get("error")})
+    return write_result(a, res, "convergence.json", plot, "convergence-curves.png")
+
+
+def write_result(a, res: dict, name: str, draw, picture: str) -> dict:
+    """``res`` as ``--results``/``name`` (written whole, then renamed) and its picture beside it."""
     a.results.mkdir(parents=True, exist_ok=True)
-    path = a.results / "convergence.json"
+    path = a.results / name
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1, default=str) + "\n")
     tmp.replace(path)
-    plot(res, a.results / "convergence-curves.png")
+    draw(res, a.results / picture)
     return res
 
 
@@ -522,13 +527,7 @@ def pool(a) -> dict:
            "pretraining": pretraining, "finetune": finetune, "per_seed": per_seed}
     if a.note:
         res["note"] = a.note
-    a.results.mkdir(parents=True, exist_ok=True)
-    path = a.results / "convergence-seeds.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    plot_seeds(res, a.results / "convergence-seeds.png")
-    return res
+    return write_result(a, res, "convergence-seeds.json", plot_seeds, "convergence-seeds.png")
 
 
 def plot_seeds(res: dict, path: Path) -> None:
