@@ -2,7 +2,11 @@
 
     python benchmarks/profile_model_step.py [--case base-128] [--attn sdpa] [--kernels fused]
 
-Prints the CUDA kernels by total time and the share of matrix-multiply kernels.
+Prints the step's wall time (CUDA events, unprofiled), its kernel time by kind (matmuls, attention,
+bertctl's fused ops, copies and casts, the optimizer, the rest), the gap between the two (the GPU
+idle between kernels), and the kernels by total time.  bertctl's kernels are launched with
+programmatic dependent launch, so each one's profiled duration includes its wait for the kernel
+before: run with BERTCTL_PDL=0 for each kernel's own time.
 """
 from __future__ import annotations
 
@@ -14,6 +18,22 @@ from torch.profiler import ProfilerActivity, profile
 from bertctl.bench.model import CASES, _train_step_fn, bertctl_model, synthetic_batches
 from bertctl.config import BertConfig
 from bertctl.train.optim import build_optimizer
+
+
+def kind(name: str) -> str:
+    """A kernel's kind, from its name."""
+    low = name.lower()
+    if any(t in low for t in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")):
+        return "matmuls"
+    if any(t in low for t in ("sdpa", "flash", "fmha", "attention", "cudnn")):
+        return "attention"
+    if "bertctl::" in name:
+        return "fused ops"
+    if any(t in low for t in ("copy", "cat", "fill", "memset", "memcpy")):
+        return "copies, casts, fills"
+    if any(t in low for t in ("multi_tensor", "fusedopti", "foreach")):
+        return "optimizer, clipping"
+    return "other"
 
 
 def main() -> None:
@@ -37,6 +57,13 @@ def main() -> None:
     for i in range(5):
         step(dev[i % 4])
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(20):
+        step(dev[i % 4])
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / 20
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(5):
             step(dev[i % 4])
@@ -46,6 +73,12 @@ def main() -> None:
     gemm = sum(e.self_device_time_total for e in events
                if any(t in e.key.lower() for t in ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")))
     print(f"GPU time per step {total / 5 / 1e3:.2f} ms; matmul kernels {100 * gemm / total:.1f}%")
+    kinds: dict[str, float] = {}
+    for e in events:
+        kinds[kind(e.key)] = kinds.get(kind(e.key), 0.0) + e.self_device_time_total / 5 / 1e3
+    print(f"step {wall:.2f} ms (wall, 20 steps unprofiled); kernels {total / 5 / 1e3:.2f} ms; "
+          f"gap {wall - total / 5 / 1e3:.2f} ms")
+    print("  " + ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.rows]:
         print(f"{e.self_device_time_total / 5 / 1e3:8.3f} ms/step {100 * e.self_device_time_total / total:5.1f}%"
               f" x{e.count // 5:<4d} {e.key[:110]}")
