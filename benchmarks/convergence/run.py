@@ -508,7 +508,8 @@ def pool(a) -> dict:
     finetune: dict = {}
     for task in TASKS:
         means = [p["pretrained"][task]["mean"] for p in per_seed if task in p["pretrained"]]
-        scratch = [v for r in reports for v in (r["finetune"]["table"].get(task, {}).get("scratch") or {}).get("values", [])]
+        scratch = [v for r in reports
+                   for v in (r["finetune"]["table"].get(task, {}).get("scratch") or {}).get("values", [])]
         if not means:
             continue
         t = finetune[task] = {"metric": METRIC[task], "pretrained_over_pretraining_seeds": stats(means)}

@@ -30,8 +30,8 @@ def bench_model_command(
 
     bertctl runs eagerly, as pretrain's own step (bertctl/graphs: each step one CUDA graph, pretrain's
     default on a GPU), unpadded, and with explicit attention (bertctl/explicit: batched matmuls and the
-    fused softmax instead of torch's fused attention). Under torchrun it times bertctl with DistributedDataParallel (the case
-    batch per GPU), and bertctl/graphs with the all-reduces in its graphs."""
+    fused softmax instead of torch's fused attention). Under torchrun it times bertctl with
+    DistributedDataParallel (the case batch per GPU), and bertctl/graphs with the all-reduces in its graphs."""
     from bertctl.bench.model import CASES, bench_model
     from bertctl.progress import stderr
 
