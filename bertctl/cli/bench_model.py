@@ -28,10 +28,11 @@ def bench_model_command(
 ) -> None:
     """Pretraining-step throughput (sequences/s, MFU, peak memory) and encoder inference, bf16, on this GPU.
 
-    bertctl runs eagerly, as pretrain's own step (bertctl/graphs: each step one CUDA graph, pretrain's
-    default on a GPU), unpadded, and with explicit attention (bertctl/explicit: batched matmuls and the
-    fused softmax instead of torch's fused attention). Under torchrun it times bertctl with
-    DistributedDataParallel (the case batch per GPU), and bertctl/graphs with the all-reduces in its graphs."""
+    bertctl runs eagerly; bertctl/graphs is pretrain's own step (each step one CUDA graph, its GPU default).
+
+    bertctl/unpadded runs without padding; bertctl/explicit with explicit attention (matmuls, fused softmax).
+
+    Under torchrun: bertctl in DistributedDataParallel (the case batch a GPU), bertctl/graphs with its all-reduces."""
     from bertctl.bench.model import CASES, bench_model
     from bertctl.progress import stderr
 
