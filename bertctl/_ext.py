@@ -7,10 +7,11 @@ import warnings
 
 from bertctl.errors import BertctlError
 
-# The ops of csrc/bertctl.cpp: each forward, its backward, and LayerNorm's forward without statistics.
+# The ops of csrc/bertctl.cpp: each forward, its backward, LayerNorm's forward without statistics, and the
+# backward passes' concatenation with column sums.
 OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference", "bias_gelu", "bias_gelu_backward", "dropout", "bias_dropout_add_layer_norm",
             "bias_dropout_add_layer_norm_backward", "bias_dropout_add_layer_norm_backward_from_output",
-            "cross_entropy", "cross_entropy_backward")
+            "cross_entropy", "cross_entropy_backward", "concat_column_sums")
 
 
 @functools.lru_cache(maxsize=1)

@@ -138,7 +138,8 @@ class InputProjection(torch.autograd.Function):
     are joined into one (N, sum of widths) gradient first (Q, K and V's arrive from the attention
     kernels in (B, S, nh, hs) memory: one vectorised concatenation), so each product is one wide
     GEMM: three narrow ones, each accumulating, took 1.6 ms more GEMM time a step on an H100 than
-    one wide one, which cancelled the saving.
+    one wide one, which cancelled the saving. The bias's gradient, the joined gradient's column sums,
+    is taken in the same pass (``ops.concat_column_sums``) rather than by reading it again.
 
     ``into_residual_grad``: the residual feeds only a LayerNorm, whose backward writes its gradient
     as a new tensor, downstream of every use of the projection: when this backward runs that
@@ -163,8 +164,13 @@ class InputProjection(torch.autograd.Function):
         H = xc.shape[-1]
         rows = [xc.new_zeros(xc.numel() // H, w) if g is None else g.reshape(-1, w)
                 for g, w in zip(blocks, ctx.widths)]
-        g = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)  # (N, sum of widths)
         dx = dw = db = None
+        if len(rows) == 1:
+            g = rows[0]
+        elif ctx.has_bias and ctx.needs_input_grad[2]:
+            g, db = ops.concat_column_sums(rows)  # (N, sum of widths) and its column sums, one pass
+        else:
+            g = torch.cat(rows, dim=-1)
         if ctx.needs_input_grad[0]:
             if (ctx.into_residual_grad and grad_r is not None and grad_r.dtype == weight.dtype
                     and grad_r.is_contiguous() and not grad_r._is_view() and not torch.is_grad_enabled()):
@@ -176,7 +182,7 @@ class InputProjection(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = g.t() @ xc.reshape(-1, H)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and ctx.needs_input_grad[2] and db is None:
             db = g.sum(0)
         return dx, dw, db, None, None
 
@@ -218,6 +224,10 @@ class PreTrainingOutput:
     prediction_logits: torch.Tensor  # (B, P, V) at masked_positions, else (B, S, V)
     seq_relationship_logits: torch.Tensor | None  # (B, 2); None for BertForMaskedLM (no NSP head)
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    # The same logits over V rounded up to VOCAB_ALIGN on CUDA, the extra columns -inf
+    # (prediction_logits is a view of it): what a loss should read, as its gradient then needs no
+    # slicing back to the padded width. prediction_logits itself where V needs no padding.
+    padded_prediction_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -608,8 +618,12 @@ class BertLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _unpadded(self.padded(x), self.bias.shape[0])  # (..., V)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits over V rounded up to ``VOCAB_ALIGN`` on CUDA, the extra columns -inf: (..., V')."""
         return vocab_projection(self.transform(x), self.decoder.weight, self.bias,
-                                pad_to=VOCAB_ALIGN if x.is_cuda else 1)  # (..., V)
+                                pad_to=VOCAB_ALIGN if x.is_cuda else 1)
 
 
 #: On CUDA the V-way projection computes V rounded up to this many logits: its output rows then start on
@@ -618,16 +632,17 @@ VOCAB_ALIGN = 8
 
 
 def vocab_projection(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, pad_to: int = 1) -> torch.Tensor:
-    """h W^T + b, (..., V).  With ``pad_to`` > 1 the matmul runs on W and b padded with zero rows to a
-    multiple of ``pad_to`` and the result is the first V columns, a view whose rows are ``pad_to``-aligned:
-    the same values (the padded columns are computed and dropped).  An H100 profile of the BERT-Base
-    pretraining step found the unaligned V = 30,522 projections on cuBLAS's Ampere kernels for
-    16-bit inputs misaligned to 4 bytes, about 1 ms each of its three matmuls."""
-    V = weight.shape[0]
-    pad = -V % pad_to
+    """h W^T + b over V rounded up to a multiple of ``pad_to``, (..., V'): the matmul runs on W padded
+    with zero rows and b padded with -inf, so each extra column is -inf. A softmax over the padded row
+    then gives the V real columns the same probabilities (exp(-inf) = 0), the same loss and argmax, and
+    the extra columns a gradient of exactly 0; the loss's gradient is the padded matrix's, with no
+    zero-filled copy made by slicing back (0.26 ms of a BERT-Base step at batch 256). An H100 profile
+    of that step found the unaligned V = 30,522 projections on cuBLAS's Ampere kernels for 16-bit
+    inputs misaligned to 4 bytes, about 1 ms each of its three matmuls: hence the padding."""
+    pad = -weight.shape[0] % pad_to
     if not pad:
         return F.linear(h, weight, bias)
-    return F.linear(h, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)))[..., :V]
+    return F.linear(h, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad), value=float("-inf")))
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -666,24 +681,31 @@ class BertForPreTraining(BertPreTrainedModel):
         so its cost is P rather than S per sequence); masked_lm_labels (B, P), or (B, S) without
         positions, with -100 in slots that carry no prediction; next_sentence_label (B,), 0 = IsNext."""
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
-        mlm_logits, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
+        padded, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
         nsp_logits = self.cls.seq_relationship(out.pooler_output)
         nsp_loss = None
         loss = mlm_loss
         if next_sentence_label is not None:
             nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
             loss = nsp_loss if loss is None else loss + nsp_loss
-        return PreTrainingOutput(loss, mlm_loss, nsp_loss, mlm_logits, nsp_logits, out.hidden_states)
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, _unpadded(padded, self.config.vocab_size), nsp_logits,
+                                 out.hidden_states, padded)
+
+
+def _unpadded(logits: torch.Tensor, V: int) -> torch.Tensor:
+    """The first V columns of vocabulary-padded logits (the tensor itself where there are no more)."""
+    return logits if logits.shape[-1] == V else logits[..., :V]
 
 
 def _masked_lm(head: BertLMPredictionHead, hidden: torch.Tensor, masked_positions: torch.Tensor | None,
                labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """MLM logits (B, P, V) at ``masked_positions`` (gathered before the V-way projection, so its cost
-    is P rather than S per sequence), else (B, S, V); and the mean cross-entropy when ``labels`` is given."""
+    """MLM logits at ``masked_positions`` (gathered before the V-way projection, so its cost is P rather
+    than S per sequence), (B, P, V'), else (B, S, V'), over V' >= V columns (``head.padded``, the extra
+    ones -inf); and the mean cross-entropy when ``labels`` is given."""
     if masked_positions is not None:
         index = masked_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         hidden = hidden.gather(1, index)  # (B, P, H)
-    logits = head(hidden)
+    logits = head.padded(hidden)
     loss = None
     if labels is not None:
         flat = labels.flatten()
@@ -745,8 +767,9 @@ class BertForMaskedLM(BertPreTrainedModel):
     ) -> PreTrainingOutput:
         """As ``BertForPreTraining.forward`` without next-sentence prediction."""
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
-        mlm_logits, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
-        return PreTrainingOutput(mlm_loss, mlm_loss, None, mlm_logits, None, out.hidden_states)
+        padded, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
+        return PreTrainingOutput(mlm_loss, mlm_loss, None, _unpadded(padded, self.config.vocab_size), None,
+                                 out.hidden_states, padded)
 
 
 def _classifier_dropout(config: BertConfig) -> float:

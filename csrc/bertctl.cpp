@@ -78,4 +78,8 @@ TORCH_LIBRARY(bertctl, m) {
   m.def("cross_entropy(Tensor logits, Tensor labels, int ignore_index) -> (Tensor, Tensor, Tensor)");
   // dlogits = grad_loss[:, None] * (exp(logits - lse[:, None]) - onehot(labels)), zero on ignored rows.
   m.def("cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor labels, Tensor lse, int ignore_index) -> Tensor");
+  // (out, sums): blocks (N, w_i) joined along the columns into out (N, sum of w_i), and out's column sums
+  // (sum of w_i,) in the blocks' dtype, accumulated in fp32 (fp64 for double): the QKV projection's
+  // gradient and its bias's, one pass on CUDA.  A helper of backward passes: no autograd of its own.
+  m.def("concat_column_sums(Tensor[] blocks) -> (Tensor, Tensor)");
 }

@@ -110,6 +110,21 @@ inline void check_cross_entropy_backward(const at::Tensor& grad_loss, const at::
               " of shape (", logits.size(0), ")");
 }
 
+// The checks concat_column_sums makes on every device: one or more 2-D blocks with the same rows, dtype
+// and device, each of unit column stride or made so (rows_unit_stride).
+inline void check_concat_column_sums(at::TensorList blocks, const char* op) {
+  TORCH_CHECK(!blocks.empty(), op, ": needs at least one block");
+  const at::Tensor& first = blocks[0];
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const at::Tensor& b = blocks[i];
+    TORCH_CHECK(b.dim() == 2, op, ": block ", i, " must be 2-D (rows, columns), got ", b.sizes());
+    TORCH_CHECK(b.size(0) == first.size(0), op, ": block ", i, " has ", b.size(0), " rows, block 0 has ",
+                first.size(0));
+    TORCH_CHECK(b.scalar_type() == first.scalar_type() && b.device() == first.device(), op, ": block ", i, " is ",
+                b.scalar_type(), " on ", b.device(), ", block 0 ", first.scalar_type(), " on ", first.device());
+  }
+}
+
 // Logits as the kernels read them: rows of unit column stride, each row starting stride(0) elements
 // after the previous one (a copy only when the columns are not contiguous).
 inline at::Tensor rows_unit_stride(const at::Tensor& x) {

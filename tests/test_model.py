@@ -301,21 +301,34 @@ def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
 
 
 @pytest.mark.parametrize("V", [30522, 96, 13])
-def test_vocab_projection_padded_is_the_same_maths(V):
-    """The padded V-way projection (as on CUDA) gives the unpadded one's values and gradients (float64, to
-    rounding), its rows aligned to the padded width; V a multiple of the alignment is left alone."""
+@pytest.mark.parametrize("loss", ["fused", "reference"])
+def test_vocab_projection_padded_gives_the_same_loss_argmax_and_gradients(V, loss):
+    """The padded V-way projection (as on CUDA): its first V columns are the unpadded logits, the rest
+    -inf, and the cross-entropy over the padded rows gives the unpadded rows' loss, argmax and
+    gradients of h, W and b (float64, to rounding), the extra columns' gradient exactly 0; V a
+    multiple of the alignment is left alone."""
+    from bertctl import ops
     from bertctl.model import VOCAB_ALIGN, vocab_projection
 
     gen = torch.Generator().manual_seed(V)
     h = torch.randn(2, 5, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     w = torch.randn(V, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     b = torch.randn(V, dtype=torch.float64, generator=gen, requires_grad=True)
-    dy = torch.randn(2, 5, V, dtype=torch.float64, generator=gen)
+    labels = torch.randint(0, V, (10,), generator=gen)
+    labels[::3] = -100
+    g = torch.randn(10, dtype=torch.float64, generator=gen)
+    cross_entropy = ops.cross_entropy if loss == "fused" else ops.reference.cross_entropy
     plain = vocab_projection(h, w, b)
     padded = vocab_projection(h, w, b, pad_to=VOCAB_ALIGN)
-    assert padded.shape == plain.shape == (2, 5, V)
-    assert padded.stride(-2) == V + (-V % VOCAB_ALIGN) and padded.stride(-2) % VOCAB_ALIGN == 0
-    torch.testing.assert_close(padded, plain, rtol=1e-12, atol=1e-12)
-    for a, e in zip(torch.autograd.grad(padded, (h, w, b), dy), torch.autograd.grad(plain, (h, w, b), dy)):
+    Vp = V + (-V % VOCAB_ALIGN)
+    assert plain.shape == (2, 5, V) and padded.shape == (2, 5, Vp)
+    torch.testing.assert_close(padded[..., :V], plain, rtol=1e-12, atol=1e-12)
+    assert bool((padded[..., V:] == float("-inf")).all())
+    (l_plain, a_plain), (l_padded, a_padded) = (cross_entropy(x.flatten(0, 1), labels) for x in (plain, padded))
+    torch.testing.assert_close(l_padded, l_plain, rtol=1e-12, atol=1e-12)
+    assert torch.equal(a_padded, a_plain)
+    grad_padded_logits, *padded_grads = torch.autograd.grad((l_padded * g).sum(), (padded, h, w, b))
+    assert bool((grad_padded_logits[..., V:] == 0).all())
+    for a, e in zip(padded_grads, torch.autograd.grad((l_plain * g).sum(), (h, w, b))):
         assert a.shape == e.shape
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)

@@ -17,7 +17,8 @@ from bertctl.ops import reference
 
 OP_NAMES = ("softmax", "softmax_backward", "layer_norm", "layer_norm_backward", "layer_norm_inference", "bias_gelu",
             "bias_gelu_backward", "dropout", "bias_dropout_add_layer_norm", "bias_dropout_add_layer_norm_backward",
-            "bias_dropout_add_layer_norm_backward_from_output", "cross_entropy", "cross_entropy_backward")
+            "bias_dropout_add_layer_norm_backward_from_output", "cross_entropy", "cross_entropy_backward",
+            "concat_column_sums")
 SIZES = (1, 7, 13, 127, 768, 1000, 1024, 4096)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # One rounding of an O(1) result: fp32 math inside; fp16 has 11 significant bits, bf16 8.
@@ -488,6 +489,43 @@ def test_cross_entropy_bad_label_gives_nan_on_cuda():
     assert torch.isnan(loss[1]) and torch.isfinite(loss[0]) and loss[2] == 0
 
 
+# --- concatenation with column sums ---------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,widths,strided", [
+    (4096, (768, 768, 768), False),   # BERT-Base's QKV gradient: whole 16-byte vectors
+    (1000, (64, 64, 64), True),       # rows of wider buffers (a view), a row count off the unroll
+    (7, (13, 16, 5), False),          # widths that are no whole vectors: the element path
+    (1, (8,), False),
+    (0, (8, 8), False),
+])
+def test_concat_column_sums_matches_cat_and_float64_sums(device, dtype, rows, widths, strided):
+    """The joined matrix is torch.cat's exactly; the column sums match float64 sums of the same values
+    within one rounding of the sum (the inputs' magnitudes summed over up to 4096 rows)."""
+    gen = torch.Generator().manual_seed(rows + sum(widths))
+    blocks = []
+    for w in widths:
+        wide = rand(rows, w + (8 if strided else 0), dtype=dtype, device=device, gen=gen)
+        blocks.append(wide[:, :w])
+    assert all(b.is_contiguous() != strided or rows <= 1 for b in blocks)
+    with torch.no_grad():
+        out, sums = ops.concat_column_sums(blocks)
+    assert out.dtype == dtype and sums.dtype == dtype and out.shape == (rows, sum(widths))
+    assert torch.equal(out.cpu(), torch.cat(blocks, 1).cpu())
+    ref = torch.cat(blocks, 1).double().sum(0).cpu()
+    scale = max(1.0, rows ** 0.5)  # the sum of n unit normals has size sqrt(n): its rounding grows with it
+    close(sums, ref, dtype, "column sums", scale=scale)
+    torch.testing.assert_close(sums.double().cpu(), ref, atol=TOL[dtype]["atol"] * scale, rtol=TOL[dtype]["rtol"])
+
+
+def test_concat_column_sums_refuses_mismatched_blocks():
+    with pytest.raises(RuntimeError, match="block 1 has 3 rows, block 0 has 4"):
+        torch.ops.bertctl.concat_column_sums([torch.zeros(4, 2), torch.zeros(3, 2)])
+    with pytest.raises(RuntimeError, match="block 1 must be 2-D"):
+        torch.ops.bertctl.concat_column_sums([torch.zeros(4, 2), torch.zeros(4)])
+
+
 # --- the reference's hand-derived backward against autograd; gradcheck; opcheck ----------
 
 def test_reference_backward_matches_autograd():
@@ -616,6 +654,8 @@ def test_opcheck(device):
     cases.append((bl.cross_entropy.default, (logits, labels, -100)))
     cases.append((bl.cross_entropy.default, (logits[:, :37], labels.clamp(max=36), -100)))
     cases.append((bl.cross_entropy_backward.default, (torch.randn(9, device=device), logits.detach(), labels, lse, -100)))
+    blocks = [rand(6, w, dtype=torch.float32, device=device, gen=gen) for w in (8, 16, 5)]
+    cases.append((bl.concat_column_sums.default, (blocks,)))
     for op, args in cases:
         # The backward ops' and layer_norm_inference's inputs do not require grad: they have no
         # derivative of their own (test_create_graph_first_order_right_second_order_refused,

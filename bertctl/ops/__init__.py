@@ -36,6 +36,8 @@ Public entry points (stable; the model calls only these):
   in their own dtype (no fp32 copy), rows may be strided (a view of wider aligned rows), and its
   backward writes the gradient in one pass from the logits and each row's log-sum-exp.  A label
   outside [0, V) is an error on the CPU and gives a NaN loss on CUDA.
+- ``concat_column_sums(blocks)``: (``torch.cat(blocks, dim=1)``, its column sums) of 2-D blocks, for
+  backward passes (the QKV projection's gradient and its bias's): on CUDA one pass, no autograd.
 
 Each op runs the compiled ``torch.ops.bertctl`` kernel (C++ on CPU, CUDA on NVIDIA GPUs)
 when the extension loaded and the inputs meet the kernel's preconditions (one gate
@@ -53,6 +55,7 @@ from bertctl._ext import OP_NAMES, compiled, kernels_loaded
 from bertctl.ops import reference
 
 __all__ = ["softmax", "layer_norm", "bias_gelu", "dropout", "bias_dropout_add_layer_norm", "cross_entropy",
+           "concat_column_sums",
            "fused_available", "softmax_kernel_ok", "layer_norm_kernel_ok", "bias_gelu_kernel_ok", "dropout_kernel_ok",
            "bias_dropout_add_layer_norm_kernel_ok", "bias_dropout_add_layer_norm_available", "cross_entropy_kernel_ok",
            "reference"]
@@ -254,6 +257,25 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     return reference.cross_entropy(logits, labels, ignore_index)
 
 
+# --- concatenation with column sums --------------------------------------------------------
+
+def concat_column_sums(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``torch.cat(blocks, dim=1)``, its column sums in the blocks' dtype) for 2-D blocks with the same
+    rows: the compiled op where it has a kernel for them (on CUDA one pass, the sums taken from the
+    values on their way to the output), else the two ATen ops. For backward passes: no autograd, so
+    the op runs only with grad mode off."""
+    x = blocks[0]
+    key = _KEY.get(x.device.type)
+    if (key in _KERNELS.get("concat_column_sums", ()) and x.dtype in _DTYPES[x.device.type]
+            and not torch.is_grad_enabled() and len(blocks) <= 4
+            and all(b.dim() == 2 and b.shape[0] == x.shape[0] and b.dtype == x.dtype and b.device == x.device
+                    for b in blocks)):
+        out, sums = torch.ops.bertctl.concat_column_sums(list(blocks))
+        return out, sums
+    out = torch.cat(blocks, dim=1)
+    return out, out.sum(0)
+
+
 # --- registration: fake (meta) kernels for torch.compile ------------------------------------
 # (autograd is in C++, csrc/autograd.cpp, on the Autograd dispatch key)
 
@@ -312,6 +334,11 @@ def _register() -> None:
         dx = y.new_empty(y.shape if p > 0 else (0,))  # p = 0: dx is dresidual, returned empty
         return (dx, bias.new_empty(bias.shape), y.new_empty(y.shape), weight.new_empty(weight.shape),
                 weight.new_empty(weight.shape))
+
+    @torch.library.register_fake(lib + "concat_column_sums")
+    def _concat_column_sums_fake(blocks):
+        width = sum(b.shape[1] for b in blocks)
+        return blocks[0].new_empty((blocks[0].shape[0], width)), blocks[0].new_empty((width,))
 
     @torch.library.register_fake(lib + "cross_entropy")
     def _cross_entropy_fake(logits, labels, ignore_index):

@@ -138,12 +138,13 @@ def pretraining_sums(model, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
     The MLM head runs at masked_positions only (the model gathers (B, P, H) before
     the V-way projection).  Cross-entropy is in fp32 over the (B·P, V) logits, read in
-    their own dtype by the fused op (``masked_lm_cross_entropy``).  A model without an
+    their own dtype by the fused op (``masked_lm_cross_entropy``), from the vocabulary-padded
+    matrix (its extra columns -inf change neither loss nor argmax).  A model without an
     NSP head (``BertForMaskedLM``) gives no ``nsp_*`` entries.
     """
     out = model(mb["input_ids"], mb["token_type_ids"], mb["attention_mask"],
                 masked_positions=mb["masked_positions"])
-    logits = out.prediction_logits.flatten(0, 1)                     # (B·P, V)
+    logits = out.padded_prediction_logits.flatten(0, 1)              # (B·P, V' >= V), extra columns -inf
     labels = mb["masked_lm_labels"].flatten()                        # (B·P,)
     loss, predicted = masked_lm_cross_entropy(_config(model), logits, labels)
     mlm_sum = loss.sum()

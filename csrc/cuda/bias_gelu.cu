@@ -12,13 +12,15 @@
 // Backward: blockIdx.y picks a band of rows, walked four rows at a time; it reads dy
 // and x, writes dx, and keeps each thread's fp32 column sums of dx over its band; each
 // band writes one (H,) partial row and column_sums adds the bands (two stages, no atomics:
-// deterministic).  The band height is chosen so that about 8 blocks per SM run.
+// deterministic).  The band height is chosen so that the blocks make one wave of resident blocks.
 //
 // Bias: fp32 or the input's 16-bit dtype (read as is on the vector path;
 // converted to fp32 on the host for the scalar path); dbias is returned in the
 // bias dtype.  Precision: fp32 math; Phi(v) from a branch-free erfc with
 // relative error < 1.2e-7 for fp32 outputs, < 8.4e-6 for fp16 and < 2.1e-4 for bf16 (plus
 // the fast exp2's few ulp), the tanh form through a sigmoid; output rounded once.
+#include <algorithm>
+
 #include "../common.h"
 #include "cuda_util.cuh"
 
@@ -249,15 +251,19 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward_cuda(const at::Tensor& gra
       using W = std::remove_pointer_t<decltype(bp)>;
       constexpr int V = decltype(vec)::value;
       const int64_t bx = ceil_div(cols / V, kThreads);
-      // About 8 blocks per SM in all; bands a multiple of the unroll.
-      const int64_t by_target = std::max<int64_t>(1, 8 * sm_count() / bx);
+      auto kernel = bias_gelu_bwd<T, W, V, decltype(tanh_c)::value>;
+      // One wave of resident blocks (at most 8 an SM); bands a multiple of the unroll.  At 96 registers
+      // 5 blocks fit an SM: the 8 an SM asked for before ran as 1.55 waves, the second half empty.
+      int per_sm = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
+      const int64_t by_target = std::max<int64_t>(1, std::clamp(per_sm, 1, 8) * sm_count() / bx);
       int64_t band = ceil_div(ceil_div(rows, by_target), kUnroll) * kUnroll;
       band = std::max<int64_t>(band, ceil_div(rows, 65535));
       nb = ceil_div(rows, band);
       part = at::empty({nb, cols}, x.options().dtype(at::kFloat));
       const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(nb));
-      launch(bias_gelu_bwd<T, W, V, decltype(tanh_c)::value>, grid, kThreads, 0, stream, gp, xp, bp, op_,
-             part.data_ptr<float>(), rows, cols, static_cast<int>(band));
+      launch(kernel, grid, kThreads, 0, stream, gp, xp, bp, op_, part.data_ptr<float>(), rows, cols,
+             static_cast<int>(band));
     });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

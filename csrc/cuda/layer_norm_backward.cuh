@@ -32,11 +32,17 @@ struct Drop {
   __device__ __forceinline__ DropoutKey key() const {
     return seed == nullptr ? DropoutKey{} : dropout_key(static_cast<uint64_t>(*seed));
   }
+  // Whether element i is kept (always, without dropout).
+  __device__ __forceinline__ bool keep(DropoutKey key, int64_t i) const {
+    return seed == nullptr || dropout_keep(key, threshold, i);
+  }
   // The factor element i is multiplied by: scale where kept, else 0 (1 without dropout).
   __device__ __forceinline__ float factor(DropoutKey key, int64_t i) const {
     if (seed == nullptr) return 1.f;
     return dropout_keep(key, threshold, i) ? scale : 0.f;
   }
+  // The factor of a kept element: scale (1 without dropout).
+  __device__ __forceinline__ float kept() const { return seed == nullptr ? 1.f : scale; }
 };
 
 template <typename T, typename W, int VEC, bool kBiasDrop>
@@ -89,12 +95,17 @@ __global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(
     const int64_t i0 = row * cols + col;
     float h[VEC], g[VEC], sums[2] = {0.f, 0.f};
     const float mu_r = mu, rs_r = rs;
+    uint32_t kept = 0;  // (kBiasDrop) bit k: element i0 + k kept; the mask is hashed once a row, used twice
     if (live) {
       unpack_float<VEC, true>(px, h);
       unpack_float<VEC, true>(pg, g);
       if constexpr (kBiasDrop) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) h[k] = (h[k] + bsm[col + k]) * d.factor(key, i0 + k);
+        for (int k = 0; k < VEC; ++k) {
+          const bool keep = d.keep(key, i0 + k);
+          kept |= static_cast<uint32_t>(keep) << k;
+          h[k] = (h[k] + bsm[col + k]) * (keep ? d.kept() : 0.f);
+        }
       }
       if (res != nullptr) {
         float r[VEC];
@@ -129,7 +140,7 @@ __global__ void __launch_bounds__(kGroupThreads, 2) ln_bwd_groups(
       if constexpr (kBiasDrop) {
         if (dx != nullptr) {
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) o[k] *= d.factor(key, i0 + k);
+          for (int k = 0; k < VEC; ++k) o[k] *= (kept >> k) & 1u ? d.kept() : 0.f;
           store_float<VEC>(dx + i0, o);
         }
 #pragma unroll
