@@ -100,7 +100,7 @@ def dense_dropout_add_norm(dense: nn.Linear, drop: nn.Dropout, ln: nn.LayerNorm,
     device = h.device.type
     dropping = drop.training and drop.p > 0
     if fused and (own or not dropping) and ops.bias_dropout_add_layer_norm_available(device):
-        y = F.linear(h, dense.weight)  # (..., H), the bias added by the fused op
+        y = linear(h, dense.weight)  # (..., H), the bias added by the fused op
         if torch.is_autocast_enabled(device):  # as layer_norm: the residual stream in the autocast dtype
             dtype = torch.get_autocast_dtype(device)
             y, residual = y.to(dtype), residual.to(dtype)
@@ -111,7 +111,7 @@ def dense_dropout_add_norm(dense: nn.Linear, drop: nn.Dropout, ln: nn.LayerNorm,
 
 def dense_act(dense: nn.Linear, act_name: str, x: torch.Tensor, fused: bool) -> torch.Tensor:
     """act(x W^T + b): with fused kernels the bias add and GELU are one op after the matmul."""
-    return bias_act(dense, act_name, F.linear(x, dense.weight) if fuses_bias(act_name, fused) else dense(x), fused)
+    return bias_act(dense, act_name, linear(x, dense.weight) if fuses_bias(act_name, fused) else dense(x), fused)
 
 
 def fuses_bias(act_name: str, fused: bool) -> bool:
@@ -149,7 +149,11 @@ class InputProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, widths, into_residual_grad):
+    def forward(ctx, x, weight, bias, widths, into_residual_grad, dtype):
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
+        if dtype is not None:  # under autocast: the parameters cast here, their gradients returned as they are
+            weight = weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
         xc = x.to(weight.dtype)
         ctx.save_for_backward(xc, weight)
         ctx.widths, ctx.has_bias, ctx.x_dtype = widths, bias is not None, x.dtype
@@ -181,29 +185,70 @@ class InputProjection(torch.autograd.Function):
                     dx = grad_r + dx
             dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = g.t() @ xc.reshape(-1, H)
-        if ctx.has_bias and ctx.needs_input_grad[2] and db is None:
-            db = g.sum(0)
-        return dx, dw, db, None, None
+            dw = weight_grad(g, xc, ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = (g.sum(0) if db is None else db).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """g^T x over all leading dims, (out, in), in ``dtype``: a linear layer's weight gradient. For an
+    fp32 weight under autocast the GEMM writes fp32 itself (on CUDA, from its fp32 accumulator)
+    instead of a 16-bit product that a cast then widens: that cast, autograd's for autocast's
+    16-bit copy of the weight, ran as 69 unvectorised copies, 0.54 ms of a BERT-Base step at seq 128
+    batch 256 on an H200."""
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    if dtype == g.dtype:
+        return g2.t() @ x2
+    if g.is_cuda and dtype == torch.float32:
+        return torch.mm(g2.t(), x2, out_dtype=dtype)
+    return (g2.t() @ x2).to(dtype)
+
+
+class CastLinear(torch.autograd.Function):
+    """x W^T (no bias) in the autocast dtype for a weight of another dtype: autocast's cast of the
+    weight and the matmul in one node, whose backward returns the weight's gradient in the weight's
+    dtype (``weight_grad``) rather than a 16-bit one for autograd to widen."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype):
+        xc, w = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(xc, w)
+        ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
+        return F.linear(xc, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        xc, w = ctx.saved_tensors
+        dx = (g @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = weight_grad(g, xc, ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T without a bias: ``CastLinear`` under autocast where a backward will run, ``F.linear`` otherwise."""
+    device = x.device.type
+    if (torch.is_grad_enabled() and weight.requires_grad and torch.is_autocast_enabled(device)
+            and weight.dtype != torch.get_autocast_dtype(device)):
+        return CastLinear.apply(x, weight, torch.get_autocast_dtype(device))
+    return F.linear(x, weight)
 
 
 def input_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      widths: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """(x W^T + b cut into column blocks of ``widths``, ..., x): ``InputProjection`` where a backward
     will run, plain ``F.linear`` otherwise. The caller feeds the residual x only to its sub-layer's
-    LayerNorm (``into_residual_grad``). Under autocast the weight and bias are cast as autocast casts
-    them for ``F.linear``; the residual keeps x's dtype."""
+    LayerNorm (``into_residual_grad``). Under autocast the weight and bias are cast to the autocast
+    dtype inside the node, whose backward returns their gradients in their own dtype (``weight_grad``);
+    the residual keeps x's dtype."""
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         y = F.linear(x, weight, bias)
         return (*(y.split(widths, dim=-1) if len(widths) > 1 else (y,)), x)
     device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        weight = weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     # Under torch.compile the backward's in-place accumulation is left to the compiler (dynamo cannot
     # trace the aliasing check that guards it, and broke the graph at every layer).
-    return InputProjection.apply(x, weight, bias, tuple(widths), not torch.compiler.is_compiling())
+    return InputProjection.apply(x, weight, bias, tuple(widths), not torch.compiler.is_compiling(), dtype)
 
 
 # --------------------------------------------------------------------------- outputs

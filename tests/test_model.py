@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from bertctl.checkpoint import load_pretrained, load_state
@@ -229,7 +230,7 @@ def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
                 b0.clone().requires_grad_() if with_bias else None)
 
     def ours(x, w, b, owned=False):
-        return InputProjection.apply(x, w, b, widths, owned)
+        return InputProjection.apply(x, w, b, widths, owned, None)
 
     def plain(x, w, b):
         y = torch.nn.functional.linear(x, w, b)
@@ -286,9 +287,9 @@ def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
     # into_residual_grad it accumulates out of place while a graph is being built
     small = (torch.randn(2, 3, H, dtype=torch.float64, requires_grad=True), w0.clone().requires_grad_(),
              b0.clone().requires_grad_() if with_bias else None)
-    f = lambda x, w, b=None: InputProjection.apply(x, w, b, widths, False)  # noqa: E731
+    f = lambda x, w, b=None: InputProjection.apply(x, w, b, widths, False, None)  # noqa: E731
     assert torch.autograd.gradcheck(f, inputs(*small)) and torch.autograd.gradgradcheck(f, inputs(*small))
-    f = lambda x, w, b=None: InputProjection.apply(x, w, b, widths, True)  # noqa: E731
+    f = lambda x, w, b=None: InputProjection.apply(x, w, b, widths, True, None)  # noqa: E731
     assert torch.autograd.gradgradcheck(f, inputs(*small))
     # compiled
     xs, xp = leaves(), leaves()
@@ -298,6 +299,52 @@ def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
                                inputs(*xp))
     for a, e in zip(torch.autograd.grad(f(*xs), inputs(*xs)), want):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_projections_under_autocast_cast_inside_and_return_fp32_weight_gradients(device):
+    """Under bf16 autocast, ``input_projection`` and ``linear`` compute autocast's F.linear values, and
+    give the fp32 weights (and bias) fp32 gradients: on the CPU the widened bf16 product, exactly as
+    autocast's cast node gives it; on CUDA the GEMM's fp32 result, the float64 product of the same
+    bf16 operands to fp32 accumulation error, and never further from it than autocast's."""
+    from bertctl.model import input_projection, linear
+
+    gen = torch.Generator().manual_seed(11)
+    B, S, H, widths = 4, 9, 64, (64, 64, 64)
+    x0 = torch.randn(B, S, H, generator=gen).to(device)
+    w0, b0 = torch.randn(sum(widths), H, generator=gen).to(device), torch.randn(sum(widths), generator=gen).to(device)
+    gy = [torch.randn(B, S, n, generator=gen).to(device, torch.bfloat16) for n in widths]
+    g_out = torch.randn(B, S, sum(widths), generator=gen).to(device, torch.bfloat16)
+
+    def run(project):
+        x, w, b = x0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            outs = project(x, w, b)
+        grads = torch.autograd.grad(outs, (x, w, b), gy[:len(outs)] if len(outs) > 1 else [g_out],
+                                    allow_unused=True)
+        return outs, grads
+
+    def autocast_projection(x, w, b):
+        return F.linear(x, w, b).split(widths, dim=-1)
+
+    for ours, theirs in ((lambda x, w, b: input_projection(x, w, b, widths)[:-1], autocast_projection),
+                         (lambda x, w, b: (linear(x, w),), lambda x, w, b: (F.linear(x, w),))):
+        (o_ours, g_ours), (o_ref, g_ref) = run(ours), run(theirs)
+        for a, e in zip(o_ours, o_ref):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, e)
+        dw_ours, dw_ref = g_ours[1], g_ref[1]
+        assert dw_ours.dtype == dw_ref.dtype == torch.float32
+        torch.testing.assert_close(g_ours[0], g_ref[0], rtol=0, atol=0)  # dx: the same bf16 GEMM
+        if g_ref[2] is not None:
+            assert g_ours[2].dtype == torch.float32
+            torch.testing.assert_close(g_ours[2], g_ref[2], rtol=1e-2, atol=1e-2)  # column sums, bf16 rounding
+        if device == "cpu":
+            assert torch.equal(dw_ours, dw_ref)
+            continue
+        g = (torch.cat(gy, -1) if len(o_ours) > 1 else g_out).double().reshape(-1, sum(widths))
+        exact = g.t() @ x0.to(torch.bfloat16).double().reshape(-1, H)
+        err_ours, err_ref = (dw_ours.double() - exact).abs().max(), (dw_ref.double() - exact).abs().max()
+        assert err_ours <= 1e-4 * exact.abs().max() and err_ours <= err_ref, (err_ours, err_ref)
 
 
 @pytest.mark.parametrize("V", [30522, 96, 13])
