@@ -516,7 +516,6 @@ def test_concat_column_sums_matches_cat_and_float64_sums(device, dtype, rows, wi
     ref = torch.cat(blocks, 1).double().sum(0).cpu()
     scale = max(1.0, rows ** 0.5)  # the sum of n unit normals has size sqrt(n): its rounding grows with it
     close(sums, ref, dtype, "column sums", scale=scale)
-    torch.testing.assert_close(sums.double().cpu(), ref, atol=TOL[dtype]["atol"] * scale, rtol=TOL[dtype]["rtol"])
 
 
 def test_concat_column_sums_refuses_mismatched_blocks():
