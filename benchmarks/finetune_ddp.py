@@ -71,15 +71,25 @@ def one_run(gpus: int, batch: int, seed: int, work: Path, a) -> dict:
     if proc.returncode != 0:
         run["stderr_tail"] = proc.stderr[-2000:]
         return run
+    run.update(read_run(out, a.metric))
+    return run
+
+
+def read_run(out: Path, metric: str) -> dict:
+    """What one finished run folder reports: the metric, examples/s, its CUDA-graph account, and its logged
+    windows of training steps: the first (which holds the process's one-time GPU set-up and the first
+    capture) apart from the median of the later ones."""
     metrics = json.loads((out / "metrics.json").read_text())
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     graphs = [e for e in events if e.get("event") == "cuda_graphs"]
-    run.update(metric=metrics[a.metric], train_examples_per_second=metrics["train_examples_per_second"],
-               world_size=metrics.get("device", {}).get("world_size"),
-               cuda_graphs={k: graphs[-1][k] for k in ("graphs", "capture_seconds", "warmup_seconds", "record_seconds",
-                                                    "instantiate_seconds", "eager_steps", "rare_shape_steps")
-                            if k in graphs[-1]} if graphs else None)
-    return run
+    windows = [e["seq_per_s"] for e in events if e.get("event") == "train"]
+    return {"metric": metrics[metric], "train_examples_per_second": metrics["train_examples_per_second"],
+            "world_size": metrics.get("device", {}).get("world_size"), "seconds": metrics.get("seconds"),
+            "first_window_seq_per_s": round(windows[0], 1) if windows else None,
+            "later_windows_median_seq_per_s": round(statistics.median(windows[1:]), 1) if len(windows) > 1 else None,
+            "cuda_graphs": {k: graphs[-1][k] for k in ("graphs", "capture_seconds", "warmup_seconds", "record_seconds",
+                                                      "instantiate_seconds", "eager_steps", "rare_shape_steps")
+                            if k in graphs[-1]} if graphs else None}
 
 
 def summarise(runs: list[dict], configs: list[tuple[int, int]], metric: str) -> list[dict]:
@@ -90,13 +100,19 @@ def summarise(runs: list[dict], configs: list[tuple[int, int]], metric: str) -> 
         if not ok:
             rows.append({"gpus": gpus, "batch_size": batch, "runs": 0})
             continue
-        rows.append({"gpus": gpus, "batch_size": batch, "runs": len(ok), metric: _stats([r["metric"] for r in ok]),
-                     "train_examples_per_second": _stats([r["train_examples_per_second"] for r in ok]),
-                     "wall_seconds": _stats([r["wall_seconds"] for r in ok])})
-    base = rows[0].get("train_examples_per_second", {}).get("mean")
-    for row in rows:
-        if base and row.get("runs"):
-            row["examples_per_second_vs_first"] = round(row["train_examples_per_second"]["mean"] / base, 3)
+        row = {"gpus": gpus, "batch_size": batch, "runs": len(ok), metric: _stats([r["metric"] for r in ok]),
+               "train_examples_per_second": _stats([r["train_examples_per_second"] for r in ok]),
+               "wall_seconds": _stats([r["wall_seconds"] for r in ok])}
+        later = [r["later_windows_median_seq_per_s"] for r in ok if r.get("later_windows_median_seq_per_s")]
+        if len(later) == len(ok):
+            row["later_windows_median_seq_per_s"] = _stats(later)
+        rows.append(row)
+    for key, ratio in (("train_examples_per_second", "examples_per_second_vs_first"),
+                       ("later_windows_median_seq_per_s", "later_windows_vs_first")):
+        base = rows[0].get(key, {}).get("mean")
+        for row in rows:
+            if base and key in row:
+                row[ratio] = round(row[key]["mean"] / base, 3)
     return rows
 
 
@@ -113,9 +129,14 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=float, default=3.0)
     p.add_argument("--work", type=Path, default=None, help="run folders (default: a temporary folder)")
     p.add_argument("--out", type=Path, required=True, help="the result JSON")
+    p.add_argument("--rescore", action="store_true",
+                   help="run nothing: re-read the run folders under --work (brought back from the GPU machine) "
+                        "and rewrite --out's runs and summary")
     p.add_argument("extra", nargs="*", help="more bertctl finetune flags, after --")
     a = p.parse_args(argv)
     a.metric = a.metric or ("f1" if a.task == "squad" else "accuracy")
+    if a.rescore:
+        return rescore(a)
     import torch
 
     work = a.work or Path(tempfile.mkdtemp(prefix="finetune-ddp-"))
@@ -137,6 +158,22 @@ def main(argv=None) -> int:
     tmp.replace(a.out)
     print(json.dumps(result["summary"], indent=1))
     return 0 if all(r["rc"] == 0 for r in runs) else 1
+
+
+def rescore(a) -> int:
+    if a.work is None:
+        raise SystemExit("--rescore needs --work, the folder holding the runs' g<GPUS>-b<BATCH>-s<SEED> folders")
+    result = json.loads(a.out.read_text())
+    for run in result["runs"]:
+        if run["rc"] == 0:
+            run.update(read_run(a.work / f"g{run['gpus']}-b{run['batch_size']}-s{run['seed']}", a.metric))
+    configs = list(dict.fromkeys((r["gpus"], r["batch_size"]) for r in result["runs"]))
+    result["summary"] = summarise(result["runs"], configs, a.metric)
+    tmp = a.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(a.out)
+    print(json.dumps(result["summary"], indent=1))
+    return 0
 
 
 if __name__ == "__main__":

@@ -424,7 +424,7 @@ def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, m
     out = tmp_path / "ddp.json"
     rc = finetune_ddp.main(["--data", str(sst2), "--model", str(tiny), "--configs", "1x8,2x8", "--seeds", "42",
                             "--epochs", "1", "--work", str(tmp_path / "work"), "--out", str(out), "--",
-                            "--device", "cpu", "--max-steps", "3"])
+                            "--device", "cpu", "--max-steps", "3", "--log-every", "1"])
     result = json.loads(out.read_text())
     assert rc == 0 and [r["rc"] for r in result["runs"]] == [0, 0]
     assert [r["world_size"] for r in result["runs"]] == [1, 2]
@@ -433,6 +433,18 @@ def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, m
     assert two["examples_per_second_vs_first"] == pytest.approx(  # rounded to 3 places
         two["train_examples_per_second"]["mean"] / one["train_examples_per_second"]["mean"], abs=5e-4)
     assert 0.0 <= two["accuracy"]["mean"] <= 1.0
+    for run in result["runs"]:  # windows of one step: the first apart, the median of steps 2 and 3
+        events = [json.loads(line) for line in (tmp_path / "work" / f"g{run['world_size']}-b8-s42" / "metrics.jsonl")
+                  .read_text().splitlines()]
+        windows = [e["seq_per_s"] for e in events if e.get("event") == "train"]
+        assert len(windows) == 3 and run["first_window_seq_per_s"] == pytest.approx(windows[0], abs=0.05)
+        assert run["later_windows_median_seq_per_s"] == pytest.approx((windows[1] + windows[2]) / 2, abs=0.05)
+    assert two["later_windows_vs_first"] == pytest.approx(
+        two["later_windows_median_seq_per_s"]["mean"] / one["later_windows_median_seq_per_s"]["mean"], abs=5e-4)
+    # --rescore re-reads the run folders (as brought back from a GPU machine) and rebuilds the same summary
+    assert finetune_ddp.main(["--rescore", "--data", str(sst2), "--model", str(tiny), "--work", str(tmp_path / "work"),
+                              "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["summary"] == result["summary"]
     with pytest.raises(SystemExit, match="not GPUSxBATCH"):
         finetune_ddp.parse_configs("2x1")
 
