@@ -1,0 +1,95 @@
+"""Where a ``bertctl`` command's time goes before and around its training steps: runs the command in
+this process with timers around its stages and prints, on stderr, a timeline in seconds since the
+process started (the kernel's start time, so the interpreter's own start-up counts too).
+
+    python benchmarks/startup_timeline.py finetune glue --task sst2 --data-dir SST-2 --model MODEL -o out
+
+Stages timed: importing torch and bertctl, the tokenizer's load, tokenising (GLUE ``featurize``), the model's
+load, CUDA's initialisation, the engine (``build_optimizer`` inside it, whose first parameter group imports
+``torch._dynamo``), each CUDA-graph capture, the training loop, the evaluations and the model's save.
+``--json PATH`` (before the command) also writes the events as JSON.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+EVENTS: list[tuple[float, str]] = []
+
+
+def since_start() -> float:
+    """Seconds since this process started, from /proc (Linux)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def mark(what: str) -> None:
+    EVENTS.append((round(since_start(), 3), what))
+    print(f"[{EVENTS[-1][0]:7.2f}] {what}", file=sys.stderr, flush=True)
+
+
+def timed(owner, attr: str, name: str) -> None:
+    """Wrap ``owner.attr`` so that its start and end are marked."""
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        mark(f"> {name}")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mark(f"< {name}")
+    setattr(owner, attr, inner)
+
+
+def instrument() -> None:
+    import torch
+    mark("torch imported")
+    for name in ("bertctl.cli.app", "bertctl.tasks.glue", "bertctl.tasks.common", "bertctl.train.engine",
+                 "bertctl.train.graphs", "bertctl.checkpoint"):
+        importlib.import_module(name)
+    mark("bertctl imported")
+    glue, common = sys.modules["bertctl.tasks.glue"], sys.modules["bertctl.tasks.common"]
+    engine, graphs = sys.modules["bertctl.train.engine"], sys.modules["bertctl.train.graphs"]
+    for owner, attr in ((common, "load_tokenizer"), (glue, "featurize"), (common, "load_for_finetuning"),
+                        (glue, "evaluate_devs"), (sys.modules["bertctl.checkpoint"], "save_pretrained"),
+                        (engine, "build_optimizer")):
+        timed(owner, attr, f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}")
+    timed(engine.Engine, "__init__", "Engine.__init__")
+    timed(engine.Engine, "run", "Engine.run")
+    timed(graphs.StepGraphs, "_capture", "capture")
+    lazy_init = torch.cuda._lazy_init
+
+    def cuda_init():
+        if torch.cuda.is_initialized():
+            return lazy_init()
+        mark("> cuda init")
+        lazy_init()
+        mark("< cuda init")
+    torch.cuda._lazy_init = cuda_init
+
+
+def main() -> None:
+    mark("interpreter up")
+    args = sys.argv[1:]
+    out = None
+    if args[:1] == ["--json"]:
+        out, args = Path(args[1]), args[2:]
+    instrument()
+    sys.argv = ["bertctl", *args]
+    try:
+        runpy.run_module("bertctl", run_name="__main__", alter_sys=True)
+    finally:
+        mark("end")
+        if out is not None:
+            out.write_text(json.dumps({"command": args, "events": EVENTS}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
