@@ -449,6 +449,34 @@ def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, m
         finetune_ddp.parse_configs("2x1")
 
 
+def test_the_startup_timeline_marks_a_whole_run_in_order(tiny, sst2, tmp_path):
+    """benchmarks/startup_timeline.py runs the command as the user starts it and marks each stage once, in the
+    order the run goes through them, on one clock since process start that the run's own account agrees with."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out, timeline = tmp_path / "out", tmp_path / "timeline.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "startup_timeline.py"), "--json", str(timeline),
+                           "finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny),
+                           "--output", str(out), "--epochs", "1", "--max-steps", "2", "--device", "cpu",
+                           "--no-progress", "--no-tensorboard"], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = json.loads(timeline.read_text())["events"]
+    times, names = [t for t, _ in events], [n for _, n in events]
+    assert times == sorted(times) and 0.0 <= times[0] < 5.0
+    order = ["interpreter up", "torch imported", "bertctl imported", "> common.load_tokenizer", "> glue.featurize",
+             "> common.load_for_finetuning", "> Engine.__init__", "> engine.build_optimizer", "> Engine.run",
+             "> glue.evaluate_devs", "< Engine.run", "> checkpoint.save_pretrained", "end"]
+    assert [n for n in names if n in order] == [n for n in order for _ in range(names.count(n))]
+    assert names.count("> Engine.run") == 1 and names.count("> glue.featurize") == 2  # train, then dev
+    seconds = json.loads((out / "metrics.json").read_text())["seconds"]
+    # metrics.json is written between the save and the end: its clock (since process start) lies between them
+    save_end = times[names.index("< checkpoint.save_pretrained")]
+    assert save_end - 0.5 <= seconds["since_process_start"] <= times[-1] + 0.5
+
+
 def test_the_multi_process_benchmark_runs_the_squad_split(tmp_path):
     """``--task squad``: ``finetune squad`` on the article split (train articles, scored on the eval ones),
     through torchrun for several GPUs, and F1 as the metric."""
