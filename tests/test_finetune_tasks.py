@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
@@ -148,6 +149,43 @@ def test_squad_end_to_end(tiny, tmp_path):
                             "--doc-stride", "64", "--quiet"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout[r.stdout.index("{"):])["f1"] == pytest.approx(metrics["f1"])
+
+
+def test_squad_scores_its_dev_set_once_by_default_and_training_does_not_depend_on_it(tiny, tmp_path):
+    """SQuAD scores the dev set once, after training (``--no-epoch-evals``, its default, as the paper's and Hugging
+    Face's scripts do); ``--epoch-evals`` adds one evaluation an epoch, whose last equals the default run's, and the
+    training is the same step for step: the same losses, the same final metrics and weights."""
+    from safetensors.torch import load_file
+
+    path = squad_slice(data_path("squad", "dev-v1.1.json"), tmp_path / "slice.json", articles=1, paragraphs=2)
+    runs = {}
+    for flag in ("", "--epoch-evals"):
+        out = tmp_path / (flag.strip("-") or "default")
+        r = runner.invoke(app, ["finetune", "squad", "--train", str(path), "--dev", str(path), "--model", str(tiny),
+                                "--output", str(out), "--epochs", "3", "--batch-size", "16", "--log-every", "1",
+                                "--max-seq-length", "128", "--doc-stride", "64", "--quiet", "--device", "cpu"]
+                               + ([flag] if flag else []))
+        assert r.exit_code == 0, r.output
+        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[flag] = out, [e for e in events if e["event"] == "eval"], train_losses(out)
+    (once, evals_once, losses_once), (each, evals_each, losses_each) = runs[""], runs["--epoch-evals"]
+    assert [e["epoch"] for e in evals_once] == [3.0] and [e["epoch"] for e in evals_each] == [1.0, 2.0, 3.0]
+    assert evals_each[-1]["f1"] == evals_once[0]["f1"] and losses_each == losses_once and len(losses_once) > 3
+    m_once, m_each = (json.loads((o / "metrics.json").read_text()) for o in (once, each))
+    assert (m_once["f1"], m_once["exact_match"]) == (m_each["f1"], m_each["exact_match"])
+    w_once, w_each = (load_file(str(o / "model" / "model.safetensors")) for o in (once, each))
+    assert all(torch.equal(w_once[k], w_each[k]) for k in w_once) and w_once.keys() == w_each.keys()
+
+
+def test_ner_refuses_no_epoch_evals(tiny, tmp_path):
+    """NER keeps the epoch with the best validation F1, so it needs an evaluation every epoch: one line, exit 2."""
+    d = tmp_path / "conll"
+    d.mkdir()
+    for name in ("train", "valid", "test"):
+        conll_slice(data_path("conll2003", f"{name}.txt"), d / f"{name}.txt", 8)
+    r = runner.invoke(app, ["finetune", "ner", "--data-dir", str(d), "--model", str(tiny), "--output",
+                            str(tmp_path / "out"), "--no-epoch-evals", "--quiet", "--device", "cpu"])
+    assert r.exit_code == 2 and "--no-epoch-evals" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
 def test_squad_v2_end_to_end(tiny, tmp_path):

@@ -55,6 +55,8 @@ GRAPH_MIN_STEPS = typer.Option(16, "--graph-min-steps", help="With CUDA graphs: 
                                "when the run has at least this many steps of it; rarer shapes train eagerly, with the "
                                "same maths (a capture costs 0.1-0.3 s). 1: every shape, as padded.")
 LOG_EVERY = typer.Option(50, "--log-every", help="Steps between logged mean training losses (metrics.jsonl).")
+EPOCH_EVALS = typer.Option(True, "--epoch-evals/--no-epoch-evals", help="Score the dev set after every epoch (a "
+                           "learning curve in metrics.jsonl), or once, after training.")
 
 
 def _train_config(v: dict) -> TrainConfig:
@@ -80,7 +82,7 @@ def _train_config(v: dict) -> TrainConfig:
                        log_every=v["log_every"], kernels=v["kernels"], dropout_masks=v["dropout_masks"],
                        attn=v["attn"], tensorboard=v["tensorboard"],
                        from_scratch=v["from_scratch"], cuda_graphs=v["cuda_graphs"],
-                       graph_min_steps=v["graph_min_steps"])
+                       graph_min_steps=v["graph_min_steps"], epoch_evals=v["epoch_evals"])
 
 
 def _shared_options(
@@ -91,7 +93,8 @@ def _shared_options(
     dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
     precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
     max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
-    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, kernels: str = opt.KERNELS,
+    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, epoch_evals: bool = EPOCH_EVALS,
+    kernels: str = opt.KERNELS,
     dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION,
@@ -183,7 +186,11 @@ def glue(
 
 
 @finetune_app.command("squad")
-@_training_options(epochs=typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."))
+@_training_options(epochs=typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."),
+                   epoch_evals=typer.Option(False, "--epoch-evals/--no-epoch-evals", help="Score the dev set after "
+                                            "every epoch (a learning curve in metrics.jsonl), or once, after training "
+                                            "(as the paper's and Hugging Face's scripts do: scoring SQuAD's dev set "
+                                            "takes a sizeable part of an epoch's time)."))
 def squad(
     train: Path = typer.Option(..., "--train", help="SQuAD training JSON."),
     dev: Path = typer.Option(..., "--dev", help="SQuAD dev JSON."),

@@ -71,6 +71,7 @@ class TrainConfig:
     save_every: int = 0                   # also checkpoint every N optimizer steps (0 = only at epoch ends)
     log_every: int = 50
     select_best: bool = False             # keep the epoch with the best dev score (NER: chosen on valid)
+    epoch_evals: bool = True              # evaluate on dev after every epoch; False: once, after training
     progress: bool = True
     tensorboard: bool | None = None       # TensorBoard events beside metrics.jsonl (None: when importable)
 
@@ -270,6 +271,9 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     """
     if not train_features:
         raise BertctlError("no training examples")
+    if cfg.select_best and not cfg.epoch_evals:
+        raise BertctlError("--no-epoch-evals: this task keeps the epoch with the best dev score, which needs a dev "
+                           "evaluation after every epoch")
     dist = _dist(cfg)
     W = dist.world_size
     if cfg.batch_size < W:
@@ -318,8 +322,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
         nonlocal best, best_state, eval_seconds
         if step % per_epoch and step != steps:
             return
-        metrics = None
-        if evaluate is not None:
+        if evaluate is not None and (cfg.epoch_evals or step == steps):
             t0 = time.perf_counter()
             with sharded_predictions(dist):  # every process predicts a share and scores the whole
                 metrics = evaluate(model)
