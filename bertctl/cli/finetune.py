@@ -189,8 +189,8 @@ def glue(
 @_training_options(epochs=typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."),
                    epoch_evals=typer.Option(False, "--epoch-evals/--no-epoch-evals", help="Score the dev set after "
                                             "every epoch (a learning curve in metrics.jsonl), or once, after training "
-                                            "(as the paper's and Hugging Face's scripts do: scoring SQuAD's dev set "
-                                            "takes a sizeable part of an epoch's time)."))
+                                            "(as the paper's and Hugging Face's scripts do; each evaluation decodes "
+                                            "every dev question's answer)."))
 def squad(
     train: Path = typer.Option(..., "--train", help="SQuAD training JSON."),
     dev: Path = typer.Option(..., "--dev", help="SQuAD dev JSON."),

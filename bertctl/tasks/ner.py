@@ -181,6 +181,7 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
     from bertctl.checkpoint import save_pretrained
     from bertctl.model import BertForTokenClassification
 
+    tcfg = _select_best(tcfg)  # before any work: it refuses --no-epoch-evals
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     train_path, valid_path, test_path = find_files(data_dir)
@@ -201,7 +202,6 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
         m = score(valid, tags)
         return {"valid_f1": m["f1"], "valid_precision": m["precision"], "valid_recall": m["recall"]}
 
-    tcfg = _select_best(tcfg)
     with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
                                           main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
@@ -233,8 +233,12 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
 
 
 def _select_best(tcfg: TrainConfig) -> TrainConfig:
+    """The recipe's epoch choice on valid: an evaluation after every epoch, the best one kept."""
     import dataclasses
 
+    if not tcfg.epoch_evals:
+        raise BertctlError("--no-epoch-evals: NER keeps the epoch with the best validation F1, which needs an "
+                           "evaluation after every epoch")
     return dataclasses.replace(tcfg, select_best=True)
 
 

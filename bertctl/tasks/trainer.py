@@ -271,9 +271,6 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     """
     if not train_features:
         raise BertctlError("no training examples")
-    if cfg.select_best and not cfg.epoch_evals:
-        raise BertctlError("--no-epoch-evals: this task keeps the epoch with the best dev score, which needs a dev "
-                           "evaluation after every epoch")
     dist = _dist(cfg)
     W = dist.world_size
     if cfg.batch_size < W:
