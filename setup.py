@@ -1,4 +1,5 @@
-"""Build bertctl and its one compiled extension, ``bertctl._C``.
+"""Build bertctl and its compiled extensions: ``bertctl._C`` (the fused ops, for torch) and, with the
+CUDA kernels, ``bertctl._encoder`` (``embed``'s own CUDA encoder, which links no torch; csrc/encoder).
 
 C++ sources always build.  CUDA sources build only when a CUDA toolkit and a
 CUDA build of torch are both present; ``BERTCTL_CUDA=1`` forces them on (and
@@ -7,8 +8,8 @@ fails loudly if impossible), ``BERTCTL_CUDA=0`` forces them off.
 The CPU kernels use at::vec's AVX-512 or AVX2 code (whichever the build machine has);
 ``BERTCTL_CPU_ISA=avx512|avx2|none`` overrides (none = a portable build).
 
-ninja compiles in ``build/ext-<flavour>-<hash>/``, one directory per set of switches, flags and
-torch/Python version, kept between installs: with csrc/ unchanged nothing is compiled or linked
+ninja compiles in ``build/ext-[<module>-]<flavour>-<hash>/``, one directory per module (``_C``'s
+unnamed) and set of switches, flags and torch/Python version, kept between installs: with csrc/ unchanged nothing is compiled or linked
 again, and an edited file recompiles only the files that include it.  ``MAX_JOBS`` caps ninja's
 parallel compiles.  pip shows a build's output only with ``-v`` (or when it fails), so the
 progress lines (which files compile, when each is done) go to the stderr of the pip that runs the
@@ -77,6 +78,13 @@ ISA_FLAGS = {
 }
 
 
+NVCC_ARCH = [
+    # Hopper first; compute_80 PTX keeps the modules loadable on older GPUs.
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_80,code=compute_80",
+]
+
+
 def extension():
     debug = os.environ.get("BERTCTL_DEBUG", "0") == "1"
     # -g0: Python's CFLAGS carry -g, and debug information for torch's headers took a third of the
@@ -86,16 +94,15 @@ def extension():
     cxx += [f"-isystem{d}" for d in cpp_extension.include_paths()]
     cxx += ISA_FLAGS[cpu_isa()]
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    headers = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True))
+    headers = sorted(h for h in glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True)
+                     if not h.startswith("csrc/encoder/"))
     kwargs = dict(extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"], depends=headers)
     if want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         nvcc = ["-O0", "-G"] if debug else ["-O3", "--use_fast_math"]
         nvcc += [
             "-std=c++20",
-            # Hopper first; compute_80 PTX keeps the module loadable on older GPUs.
-            "-gencode=arch=compute_90,code=sm_90",
-            "-gencode=arch=compute_80,code=compute_80",
+            *NVCC_ARCH,
             "-DBERTCTL_WITH_CUDA",
         ]
         kwargs["extra_compile_args"]["nvcc"] = nvcc
@@ -104,9 +111,51 @@ def extension():
     return cpp_extension.CppExtension("bertctl._C", sources, **kwargs)
 
 
+def cublaslt_paths() -> tuple[str, str]:
+    """(the directory of cublasLt.h, the libcublasLt.so.N to link): the CUDA toolkit's, else the NVIDIA
+    wheel's that a CUDA build of torch installs (nvidia/cu13 or nvidia/cublas)."""
+    import sysconfig
+
+    home = cpp_extension.CUDA_HOME
+    places = [(os.path.join(home, "include"), os.path.join(home, "lib64"))]
+    site = sysconfig.get_paths()["purelib"]
+    places += [(os.path.join(site, "nvidia", sub, "include"), os.path.join(site, "nvidia", sub, "lib"))
+               for sub in ("cu13", "cublas")]
+    for include, lib in places:
+        libraries = sorted(glob.glob(os.path.join(lib, "libcublasLt.so.[0-9]*")), key=len)
+        if os.path.exists(os.path.join(include, "cublasLt.h")) and libraries:
+            return include, libraries[0]
+    raise RuntimeError("the CUDA kernels need cuBLASLt (cublasLt.h and libcublasLt.so), found neither in "
+                       f"{home} nor in an NVIDIA wheel under {site}")
+
+
+def encoder_extension():
+    """bertctl._encoder: pybind11, the CUDA runtime (static) and cuBLASLt; no torch."""
+    import pybind11
+    from setuptools import Extension
+
+    include, library = cublaslt_paths()
+    debug = os.environ.get("BERTCTL_DEBUG", "0") == "1"
+    cxx = (["-O0", "-g"] if debug else ["-O3", "-g0"]) + ["-std=c++17"]
+    nvcc = (["-O0", "-G"] if debug else ["-O3", "--use_fast_math"]) + ["-std=c++17", *NVCC_ARCH]
+    cuda = cpp_extension.CUDA_HOME
+    return Extension(
+        "bertctl._encoder", ["csrc/encoder/module.cpp", "csrc/encoder/kernels.cu"],
+        include_dirs=[pybind11.get_include(), os.path.join(cuda, "include"), include],
+        library_dirs=[os.path.join(cuda, "lib64")],
+        libraries=["cudart_static", "rt", "dl", "pthread"],
+        # The soname (libcublasLt.so.13): bertctl.native preloads it from the wheel when the loader cannot find it.
+        extra_link_args=[f"-L{os.path.dirname(library)}", f"-l:{os.path.basename(library)}"],
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        depends=sorted(glob.glob("csrc/encoder/*.h")),
+        language="c++",
+    )
+
+
 def build_dir(ext) -> str:
-    """build/ext-<flavour>-<hash of the flags and the torch and Python versions>."""
-    flavour = "cuda" if "nvcc" in ext.extra_compile_args else "cpu"
+    """build/ext-[encoder-]<flavour>-<hash of the flags and the torch and Python versions>."""
+    flavour = "" if ext.name == "bertctl._C" else ext.name.rsplit(".", 1)[-1].strip("_") + "-"
+    flavour += "cuda" if "nvcc" in ext.extra_compile_args else "cpu"
     flavour += "-" + cpu_isa() + ("-debug" if os.environ.get("BERTCTL_DEBUG", "0") == "1" else "")
     key = [ext.extra_compile_args, ext.extra_link_args, os.environ.get("CXX", "c++"),
            cpp_extension.torch.__version__, cpp_extension.torch.version.cuda, sys.version]
@@ -202,9 +251,11 @@ class BuildExt(cpp_extension.BuildExtension):
 
     def finalize_options(self):
         super().finalize_options()
-        self.build_temp = build_dir(self.extensions[0])
+        # Before build_extensions adds torch's defines to the flags, which build_dir hashes.
+        self.build_temps = {ext.name: build_dir(ext) for ext in self.extensions}
 
     def build_extension(self, ext):
+        self.build_temp = self.build_temps[ext.name]
         target = self.get_ext_fullpath(ext.name)  # under pip: a temporary directory
         kept = os.path.join(self.build_temp, self.get_ext_filename(self.get_ext_fullname(ext.name)))
         rel = os.path.relpath(kept, ROOT)
@@ -275,6 +326,6 @@ setup(
                  *TENSORBOARD, *ONNX],
     },
     entry_points={"console_scripts": ["bertctl=bertctl.cli.app:main"]},
-    ext_modules=[extension()],
+    ext_modules=[extension()] + ([encoder_extension()] if want_cuda() else []),
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
 )

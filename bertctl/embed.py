@@ -7,9 +7,11 @@ token count and cut into batches of at most ``batch_size`` texts and ``batch_tok
 combined, pooled over real tokens, mapped by a sentence-transformers checkpoint's Dense layers (if any),
 optionally L2-normalised, and written in input order.
 
-Two backends run the encoder: PyTorch (``BertModel``, any device and dtype) and ONNX Runtime on the
-CPU (``bertctl.export.OnnxEncoder``).  The ONNX Runtime path imports no torch: numpy arrays in and
-out, pooled here with numpy (``pool`` and friends take either kind of array).
+Three backends run the encoder: PyTorch (``BertModel``, any device and dtype), ONNX Runtime on the
+CPU (``bertctl.export.OnnxEncoder``) and bertctl's own CUDA encoder on a GPU
+(``bertctl.native.NativeEncoder``, which pools there too).  The last two import no torch: numpy arrays
+in and out, the ONNX Runtime path's pooled here with numpy (``pool`` and friends take either kind of
+array).
 """
 from __future__ import annotations
 
@@ -33,9 +35,9 @@ from bertctl.workers import worker_pool
 LAYER_CHOICES = ("last", "second-to-last", "sum-last-4", "concat-last-4", "embeddings")
 POOLING_CHOICES = ("cls", "mean", "max", "mean-sqrt-len", "weighted-mean", "last")
 OUTPUT_SUFFIXES = (".npy", ".jsonl", ".safetensors")
-# auto: onnxruntime on the CPU in fp32 when installed (faster there:
-# benchmarks/results/embed-backends-cpu.json), else torch.
-BACKEND_CHOICES = ("auto", "torch", "onnxruntime")
+# auto: native (bertctl.native) on a GPU where it is built and runs the model, onnxruntime on the CPU
+# in fp32 when installed (faster there: benchmarks/results/embed-backends-cpu.json), else torch.
+BACKEND_CHOICES = ("auto", "torch", "onnxruntime", "native")
 # Padded tokens per forward pass, by device type. On the 2-core CPU (AMD EPYC, 1 MB of L2 a core) the
 # whole `embed` of 4,000 SST-2 sentences with MiniLM took 3.87 s at 1024 (batches of 512 and 768 the
 # same), 4.05 s at 2048, 4.33 s at 4096 and 4.79 s at 8192 (medians of 3): small batches stay in cache.
@@ -174,6 +176,48 @@ def resolve_backend(config: EmbedConfig, device, onnx: Path | None = None) -> st
             and not onnx_missing(export=True)
         return "onnxruntime" if fits else "torch"
     return backend
+
+
+def native_device(config: EmbedConfig, onnx: Path | None = None) -> str | None:
+    """The GPU (``cuda:N``) on which bertctl's own CUDA encoder (``bertctl.native``) runs ``config``, or
+    None where another backend runs; told without importing torch.  ``--backend native`` where it cannot
+    run is an error; ``auto`` goes on to the other backends."""
+    from bertctl import native
+
+    explicit = config.backend == "native"
+    if explicit and onnx is not None:
+        raise BertctlError("--onnx runs under onnxruntime; it cannot go with --backend native")
+    if not explicit and (config.backend != "auto" or onnx is not None):
+        return None
+    index = native.device_index(config.device)
+    if index is None:
+        if explicit:
+            raise BertctlError(f"--backend native runs on a GPU, not --device {config.device}")
+        return None
+    ok, why = native.available()
+    if ok and index >= native.device_count():
+        ok, why = False, f"--device {config.device}: there are {native.device_count()} CUDA devices"
+    if not ok and explicit:
+        raise BertctlError(f"--backend native: {why}")
+    return f"cuda:{index}" if ok else None
+
+
+def open_encoder(directory: str | Path, config: EmbedConfig, onnx: Path | None = None):
+    """The encoder ``embed`` runs for ``config``: bertctl's own CUDA encoder where it serves (torch stays
+    unloaded), else ``load_encoder`` on ``resolve_device``'s device with ``resolve_backend``'s backend."""
+    where = native_device(config, onnx)
+    if where is not None:
+        from bertctl.native import NativeEncoder
+
+        try:
+            return NativeEncoder(directory, where, resolve_precision(config.precision, where))
+        except BertctlError as e:
+            if config.backend != "auto":
+                raise
+            stderr.print(f"[yellow]native backend unavailable ({e}); embedding with torch")
+    device = resolve_device(config.device)
+    return load_encoder(directory, device, resolve_backend(config, device, onnx), onnx,
+                        fallback=config.backend == "auto", precision=config.precision)
 
 
 def load_encoder(directory: str | Path, device, backend: str = "torch", onnx: Path | None = None,
@@ -446,15 +490,20 @@ def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig
     return pool(combine_layers(states, config.layers), mask, config.pooling)
 
 
+def _features_native(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
+    return model.features(ids, mask, config.layers, config.pooling)
+
+
 def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True,
                 summary: bool | None = None, tokenizing: Tokenizing | None = None) -> np.ndarray:
-    """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel`` or an ``OnnxEncoder``.
+    """(N, D) float32 features, row i for texts[i]; ``model`` is a ``BertModel``, an ``OnnxEncoder`` or a
+    ``NativeEncoder``.
     ``progress`` shows a bar on stderr, ``summary`` (default: as ``progress``) a closing line there.
     ``tokenizing``: the texts' tokenising, begun by the caller (of ``prepare_texts``, at this model's
     ``token_limit``)."""
-    onnx = getattr(model, "runtime", "torch") == "onnxruntime"
-    features = _features_onnx if onnx else _features_torch
-    device = model.device if onnx else next(model.parameters()).device
+    runtime = getattr(model, "runtime", "torch")
+    features = {"torch": _features_torch, "onnxruntime": _features_onnx, "native": _features_native}[runtime]
+    device = next(model.parameters()).device if runtime == "torch" else model.device
     max_length = token_limit(config, model.config.max_position_embeddings)
     vocab_size = model.config.vocab_size
     batch_tokens = config.batch_tokens or BATCH_TOKENS.get(device_type(device), BATCH_TOKENS["cuda"])

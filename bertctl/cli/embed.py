@@ -49,8 +49,10 @@ def register(app: typer.Typer) -> None:
         old_dtype: str = typer.Option(None, "--dtype", hidden=True),
         device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
         backend: str = typer.Option("auto", "--backend",
-                                    help=f"{', '.join(BACKEND_CHOICES)}: auto runs onnxruntime on the CPU in fp32 "
-                                         "when installed (faster there), torch otherwise. The ONNX export of the "
+                                    help=f"{', '.join(BACKEND_CHOICES)}: auto runs native on a GPU (bertctl's "
+                                         "own CUDA encoder, built with the CUDA kernels: packed tokens, no torch "
+                                         "loaded) where it runs the model, onnxruntime on the CPU in fp32 when "
+                                         "installed (faster there), torch otherwise. The ONNX export of the "
                                          "encoder (and a copy with fused attention and GELU) is cached on first "
                                          "use."),
         onnx: Path = typer.Option(None, "--onnx", show_default=False,
@@ -64,8 +66,8 @@ def register(app: typer.Typer) -> None:
         import numpy as np
 
         from bertctl.checkpoint import load_config
-        from bertctl.embed import (Tokenizing, checkpoint_config, embed_texts, load_encoder, prepare_texts, read_texts,
-                                   resolve_backend, resolve_device, token_limit, write_embeddings)
+        from bertctl.embed import (Tokenizing, checkpoint_config, embed_texts, open_encoder, prepare_texts, read_texts,
+                                   token_limit, write_embeddings)
         from bertctl.errors import BertctlError
         from bertctl.io import check_writable
         from bertctl.progress import stderr
@@ -85,13 +87,11 @@ def register(app: typer.Typer) -> None:
             skipped = (" (its Dense modules skipped: --pooling or --layers given)"
                        if st.dense and not config.dense else "")
             stderr.print(f"{model}: a sentence-transformers checkpoint: {st.describe()}{skipped}; flags override")
-        # Tokenising starts before torch loads (its workers fork from a small process) and runs
-        # while torch, the device and the model load.
+        # Tokenising starts before CUDA or torch loads (its workers fork from a small process) and runs
+        # while the device and the model load.
         limit = token_limit(config, load_config(encoder_dir).max_position_embeddings)
         with Tokenizing(tokenizer, prepare_texts(texts, config), limit, config.workers) as tokenizing:
-            where = resolve_device(config.device)
-            encoder = load_encoder(encoder_dir, where, resolve_backend(config, where, onnx), onnx,
-                                   fallback=backend == "auto", precision=config.precision)
+            encoder = open_encoder(encoder_dir, config, onnx)
             array = embed_texts(encoder, tokenizer, texts, config, progress=not no_progress, summary=True,
                                 tokenizing=tokenizing)
         write_embeddings(array.astype(np.float32, copy=False), output)

@@ -1,0 +1,315 @@
+// Kernels of bertctl._encoder (kernels.h): LayerNorm rows a warp each, attention a thread per query
+// with the keys and values in shared memory, pooling a thread per feature.
+#include "kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cfloat>
+#include <stdexcept>
+
+namespace encoder {
+namespace {
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float(float x) { return x; }
+template <> __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kPerLane = kMaxHidden / 32;
+
+// LayerNorm of the row held in v (lane's elements lane, lane + 32, ...), two passes over registers.
+template <typename T>
+__device__ __forceinline__ void write_normalized(float (&v)[kPerLane], T* out, const float* gamma, const float* beta,
+                                                 int hidden, float eps, int lane) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+        if (lane + 32 * i < hidden) sum += v[i];
+    const float mean = warp_sum(sum) / hidden;
+    float square = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+        if (lane + 32 * i < hidden) square += (v[i] - mean) * (v[i] - mean);
+    const float rstd = rsqrtf(warp_sum(square) / hidden + eps);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        if (c < hidden) out[c] = from_float<T>((v[i] - mean) * rstd * gamma[c] + beta[c]);
+    }
+}
+
+template <typename T>
+__global__ void embed_layer_norm_kernel(const int32_t* ids, const int32_t* positions, const T* word,
+                                        const T* position, const T* type, const float* gamma, const float* beta,
+                                        T* out, int tokens, int hidden, float eps) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+    if (row >= tokens) return;
+    const T* w = word + static_cast<int64_t>(ids[row]) * hidden;
+    const T* p = position + static_cast<int64_t>(positions[row]) * hidden;
+    float v[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        v[i] = c < hidden ? to_float(w[c]) + to_float(p[c]) + to_float(type[c]) : 0.f;
+    }
+    write_normalized(v, out + static_cast<int64_t>(row) * hidden, gamma, beta, hidden, eps, lane);
+}
+
+template <typename T>
+__global__ void add_layer_norm_kernel(const T* x, T* residual, const float* gamma, const float* beta, int tokens,
+                                      int hidden, float eps) {
+    const int lane = threadIdx.x % 32;
+    const int row = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+    if (row >= tokens) return;
+    const T* a = x + static_cast<int64_t>(row) * hidden;
+    T* r = residual + static_cast<int64_t>(row) * hidden;
+    float v[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+        const int c = lane + 32 * i;
+        v[i] = c < hidden ? to_float(a[c]) + to_float(r[c]) : 0.f;
+    }
+    write_normalized(v, r, gamma, beta, hidden, eps, lane);
+}
+
+template <typename T, Act A>
+__global__ void activation_kernel(T* x, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const float v = to_float(x[i]);
+        float y;
+        if constexpr (A == Act::gelu) {
+            y = 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+        } else if constexpr (A == Act::gelu_tanh) {
+            y = 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+        } else {
+            y = fmaxf(v, 0.f);
+        }
+        x[i] = from_float<T>(y);
+    }
+}
+
+// One block per (sequence, head, chunk of blockDim.x queries); a thread holds its query and its output
+// row in registers and runs the online softmax over key tiles of KT staged in shared memory, where all
+// threads read the same key at once (a broadcast).
+template <typename T, int D, int KT>
+__global__ void attention_kernel(const T* qkv, const int32_t* cu_seqlens, T* out, int heads, float scale) {
+    const int start = cu_seqlens[blockIdx.x];
+    const int len = cu_seqlens[blockIdx.x + 1] - start;
+    const int q0 = blockIdx.z * blockDim.x;
+    if (q0 >= len) return;
+    const int head = blockIdx.y;
+    const int hidden = heads * D;
+    const int64_t row = 3 * static_cast<int64_t>(hidden);
+    __shared__ float keys[KT][D];
+    __shared__ float values[KT][D];
+
+    const int query = q0 + threadIdx.x;
+    const bool active = query < len;
+    float q[D], acc[D];
+    float running_max = -FLT_MAX, denominator = 0.f;
+    if (active) {
+        const T* src = qkv + (start + query) * row + head * D;
+#pragma unroll
+        for (int c = 0; c < D; ++c) {
+            q[c] = to_float(src[c]) * scale;
+            acc[c] = 0.f;
+        }
+    }
+    for (int k0 = 0; k0 < len; k0 += KT) {
+        const int n = min(KT, len - k0);
+        __syncthreads();
+        for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
+            const int j = e / D, c = e % D;
+            const T* src = qkv + (start + k0 + j) * row + head * D + c;
+            keys[j][c] = to_float(src[hidden]);
+            values[j][c] = to_float(src[2 * hidden]);
+        }
+        __syncthreads();
+        if (!active) continue;
+        float s[KT];
+        float tile_max = running_max;
+#pragma unroll
+        for (int j = 0; j < KT; ++j) {
+            if (j < n) {
+                float dot = 0.f;
+#pragma unroll
+                for (int c = 0; c < D; ++c) dot += q[c] * keys[j][c];
+                s[j] = dot;
+                tile_max = fmaxf(tile_max, dot);
+            }
+        }
+        const float correction = __expf(running_max - tile_max);
+        denominator *= correction;
+#pragma unroll
+        for (int c = 0; c < D; ++c) acc[c] *= correction;
+#pragma unroll
+        for (int j = 0; j < KT; ++j) {
+            if (j < n) {
+                const float p = __expf(s[j] - tile_max);
+                denominator += p;
+#pragma unroll
+                for (int c = 0; c < D; ++c) acc[c] += p * values[j][c];
+            }
+        }
+        running_max = tile_max;
+    }
+    if (active) {
+        T* dst = out + (start + query) * static_cast<int64_t>(hidden) + head * D;
+        const float inv = 1.f / denominator;
+#pragma unroll
+        for (int c = 0; c < D; ++c) dst[c] = from_float<T>(acc[c] * inv);
+    }
+}
+
+template <typename T>
+__global__ void accumulate_kernel(const T* x, float* sum, int64_t n, bool first) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        sum[i] = first ? to_float(x[i]) : sum[i] + to_float(x[i]);
+}
+
+template <typename T>
+__global__ void pool_kernel(const T* x, const int32_t* cu_seqlens, float* out, int hidden, int out_stride,
+                            int column, Pool mode) {
+    const int b = blockIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= hidden) return;
+    const int start = cu_seqlens[b];
+    const int len = cu_seqlens[b + 1] - start;
+    const T* col = x + static_cast<int64_t>(start) * hidden + j;
+    float value;
+    if (mode == Pool::cls) {
+        value = to_float(col[0]);
+    } else if (mode == Pool::last) {
+        value = to_float(col[static_cast<int64_t>(len - 1) * hidden]);
+    } else if (mode == Pool::max) {
+        value = -INFINITY;
+        for (int i = 0; i < len; ++i) value = fmaxf(value, to_float(col[static_cast<int64_t>(i) * hidden]));
+    } else {
+        const bool weighted = mode == Pool::weighted_mean;
+        float total = 0.f, count = 0.f;
+        for (int i = 0; i < len; ++i) {
+            const float w = weighted ? static_cast<float>(i + 1) : 1.f;
+            total += w * to_float(col[static_cast<int64_t>(i) * hidden]);
+            count += w;
+        }
+        count = fmaxf(count, 1e-9f);
+        value = total / (mode == Pool::mean_sqrt_len ? sqrtf(count) : count);
+    }
+    out[static_cast<int64_t>(b) * out_stride + column + j] = value;
+}
+
+int grid_for(int64_t n, int threads) {
+    const int64_t blocks = (n + threads - 1) / threads;
+    return static_cast<int>(blocks < 65536 * 8 ? (blocks > 0 ? blocks : 1) : 65536 * 8);
+}
+
+template <typename F>
+void with_type(DType dtype, F&& f) {
+    switch (dtype) {
+        case DType::f32: f(float{}); break;
+        case DType::f16: f(__half{}); break;
+        case DType::bf16: f(__nv_bfloat16{}); break;
+        default: throw std::invalid_argument("unknown dtype");
+    }
+}
+
+template <typename T, int D>
+void launch_attention(const T* qkv, const int32_t* cu_seqlens, T* out, int sequences, int max_len, int heads,
+                      cudaStream_t stream) {
+    constexpr int KT = D > 64 ? 16 : 32;
+    const int threads = max_len >= 128 ? 128 : ((max_len + 31) / 32) * 32;
+    const dim3 grid(sequences, heads, (max_len + threads - 1) / threads);
+    attention_kernel<T, D, KT><<<grid, threads, 0, stream>>>(qkv, cu_seqlens, out, heads, rsqrtf(static_cast<float>(D)));
+}
+
+}  // namespace
+
+size_t element_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+
+bool attention_supported(int head_dim) { return head_dim == 32 || head_dim == 64 || head_dim == 128; }
+
+void embed_layer_norm(DType dtype, const int32_t* ids, const int32_t* positions, const void* word,
+                      const void* position, const void* type, const float* gamma, const float* beta, void* out,
+                      int tokens, int hidden, float eps, cudaStream_t stream) {
+    with_type(dtype, [&](auto zero) {
+        using T = decltype(zero);
+        const int blocks = (tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
+        embed_layer_norm_kernel<T><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+            ids, positions, static_cast<const T*>(word), static_cast<const T*>(position), static_cast<const T*>(type),
+            gamma, beta, static_cast<T*>(out), tokens, hidden, eps);
+    });
+}
+
+void add_layer_norm(DType dtype, const void* x, void* residual, const float* gamma, const float* beta, int tokens,
+                    int hidden, float eps, cudaStream_t stream) {
+    with_type(dtype, [&](auto zero) {
+        using T = decltype(zero);
+        const int blocks = (tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
+        add_layer_norm_kernel<T><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(
+            static_cast<const T*>(x), static_cast<T*>(residual), gamma, beta, tokens, hidden, eps);
+    });
+}
+
+void activation(DType dtype, Act act, void* x, int64_t n, cudaStream_t stream) {
+    with_type(dtype, [&](auto zero) {
+        using T = decltype(zero);
+        T* p = static_cast<T*>(x);
+        const int blocks = grid_for(n, 256);
+        switch (act) {
+            case Act::gelu: activation_kernel<T, Act::gelu><<<blocks, 256, 0, stream>>>(p, n); break;
+            case Act::gelu_tanh: activation_kernel<T, Act::gelu_tanh><<<blocks, 256, 0, stream>>>(p, n); break;
+            case Act::relu: activation_kernel<T, Act::relu><<<blocks, 256, 0, stream>>>(p, n); break;
+        }
+    });
+}
+
+void attention(DType dtype, const void* qkv, const int32_t* cu_seqlens, void* out, int sequences, int max_len,
+               int heads, int head_dim, cudaStream_t stream) {
+    with_type(dtype, [&](auto zero) {
+        using T = decltype(zero);
+        const T* in = static_cast<const T*>(qkv);
+        T* o = static_cast<T*>(out);
+        switch (head_dim) {
+            case 32: launch_attention<T, 32>(in, cu_seqlens, o, sequences, max_len, heads, stream); break;
+            case 64: launch_attention<T, 64>(in, cu_seqlens, o, sequences, max_len, heads, stream); break;
+            case 128: launch_attention<T, 128>(in, cu_seqlens, o, sequences, max_len, heads, stream); break;
+            default: throw std::invalid_argument("attention: head size must be 32, 64 or 128");
+        }
+    });
+}
+
+void accumulate(DType dtype, const void* x, float* sum, int64_t n, bool first, cudaStream_t stream) {
+    with_type(dtype, [&](auto zero) {
+        using T = decltype(zero);
+        accumulate_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<const T*>(x), sum, n, first);
+    });
+}
+
+void pool(DType dtype, const void* x, const int32_t* cu_seqlens, float* out, int sequences, int hidden,
+          int out_stride, int column, Pool mode, cudaStream_t stream) {
+    with_type(dtype, [&](auto zero) {
+        using T = decltype(zero);
+        const int threads = hidden >= 256 ? 256 : ((hidden + 31) / 32) * 32;
+        const dim3 grid(sequences, (hidden + threads - 1) / threads);
+        pool_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(x), cu_seqlens, out, hidden, out_stride,
+                                                     column, mode);
+    });
+}
+
+}  // namespace encoder

@@ -1,0 +1,242 @@
+"""bertctl's own CUDA encoder for ``embed`` (bertctl/native.py, csrc/encoder).
+
+On the CPU: the weight layout it is given, the layers and pooling it is asked for, and the command's
+answers where it cannot run.  On a GPU (marker ``cuda``): its features against the PyTorch model run in
+float64 on the CPU, for every layer choice and pooling mode, in fp32, fp16 and bf16, on the real MiniLM
+and on random models of head sizes 64 and 128 with texts long enough to span several key tiles and
+query blocks; and the whole command, which must not import torch.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bertctl import native
+from bertctl.config import BertConfig
+from bertctl.embed import LAYER_CHOICES, POOLING_CHOICES, EmbedConfig, combine_layers, pool
+from bertctl.errors import BertctlError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_model(directory: Path, hidden: int, heads: int, layers: int = 4, act: str = "gelu", seed: int = 0) -> Path:
+    from bertctl.checkpoint import save_pretrained
+    from bertctl.model import BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=500, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=2 * hidden, max_position_embeddings=512, hidden_act=act)
+    model = BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():  # LayerNorm parameters away from 1 and 0, so that a swapped gamma/beta shows
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    save_pretrained(model, directory)
+    return directory
+
+
+def reference(directory: Path, ids: np.ndarray, mask: np.ndarray, layers: str, pooling: str) -> np.ndarray:
+    """The PyTorch model's features in float64 on the CPU."""
+    from bertctl.checkpoint import load_config, load_state, read_state_dict
+    from bertctl.model import BertModel
+
+    config = load_config(directory, kernels="torch", attn_implementation="explicit")
+    model = load_state(BertModel(config, add_pooling_layer=False), read_state_dict(directory)).double().eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(ids), torch.zeros_like(torch.from_numpy(ids)), torch.from_numpy(mask),
+                    output_hidden_states=True)
+    return pool(combine_layers(out.hidden_states, layers), torch.from_numpy(mask), pooling).numpy()
+
+
+def padded_batch(lengths: list[int], vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    width = max(lengths)
+    mask = (np.arange(width)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    ids = rng.integers(5, vocab, size=mask.shape) * mask
+    return ids.astype(np.int64), mask
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_pool_codes_cover_the_pooling_modes():
+    assert set(native.POOL_CODES) == set(POOLING_CHOICES)
+    assert sorted(native.POOL_CODES.values()) == list(range(len(POOLING_CHOICES)))
+
+
+@pytest.mark.parametrize("layers", LAYER_CHOICES)
+def test_hidden_states_used_match_combine_layers(layers):
+    states = [np.full((1, 1, 1), float(i)) for i in range(7)]  # 6 layers: value i is hidden state i
+    keep, summed = native.hidden_states_used(layers, 6)
+    combined = combine_layers(states, layers).ravel()
+    assert list(combined) == ([float(sum(keep))] if summed else [float(k) for k in keep])
+    with pytest.raises(BertctlError, match="at least 4 layers") if layers.endswith("-4") else nullcontext():
+        native.hidden_states_used(layers, 3)
+
+
+def test_encoder_weights_layout(tmp_path):
+    from safetensors.numpy import load_file
+
+    from bertctl.checkpoint import load_config
+
+    directory = random_model(tmp_path / "m", hidden=64, heads=2, layers=2)
+    config = load_config(directory)
+    state = load_file(str(directory / "model.safetensors"))
+    w32 = native.encoder_weights(directory, config, "fp32")
+    q, k, v = (state[f"encoder.layer.1.attention.self.{p}.weight"] for p in ("query", "key", "value"))
+    np.testing.assert_array_equal(w32["1.qkv.weight"], np.concatenate([q, k, v]))
+    np.testing.assert_array_equal(w32["type"], state["embeddings.token_type_embeddings.weight"][0])
+    np.testing.assert_array_equal(w32["0.ffn.gamma"], state["encoder.layer.0.output.LayerNorm.weight"])
+    assert len(w32) == 5 + 12 * 2 and all(a.flags.c_contiguous for a in w32.values())
+    # bf16: torch's own rounding, bit for bit; LayerNorm parameters stay float32.
+    w16 = native.encoder_weights(directory, config, "bf16")
+    want = torch.from_numpy(w32["1.qkv.weight"]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(w16["1.qkv.weight"], want)
+    assert w16["0.ffn.gamma"].dtype == np.float32 and native.encoder_weights(directory, config, "fp16")["word"].dtype == np.float16
+
+
+def test_bf16_rounding_of_ties_and_specials():
+    values = np.array([1.0, 1.00390625, 1.01171875, -2.5e-8, 3.4e38, np.inf, -np.inf, 0.0], np.float32)
+    want = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(native._bf16_bits(values), want)
+
+
+def test_unsupported_models():
+    assert native.unsupported(BertConfig(hidden_size=384, num_attention_heads=12)) is None
+    assert "heads of 48" in native.unsupported(BertConfig(hidden_size=384, num_attention_heads=8))
+    assert "hidden_act 'silu'" in native.unsupported(BertConfig(hidden_act="silu"))
+    assert "hidden size 2048" in native.unsupported(BertConfig(hidden_size=2048, num_attention_heads=16))
+    assert "relative_key" in native.unsupported(BertConfig(extra={"position_embedding_type": "relative_key"}))
+
+
+def test_device_names():
+    assert [native.device_index(n) for n in ("auto", "cuda", "cuda:3", "cpu", "mps")] == [0, 0, 3, None, None]
+
+
+def test_backend_native_where_it_cannot_run(tmp_path):
+    """One line, exit 2: on the CPU, with --onnx, and (here, without the module or a GPU) on a GPU."""
+    from typer.testing import CliRunner
+
+    from bertctl.cli.app import app
+
+    directory = random_model(tmp_path / "m", hidden=64, heads=2, layers=1)
+    from bertctl.tokenizer import BertTokenizer
+
+    BertTokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]).save_pretrained(directory)
+    texts = tmp_path / "t.txt"
+    texts.write_text("a b\nb\n", encoding="utf-8")
+    runner = CliRunner()
+    base = ["embed", "--model", str(directory), "-o", str(tmp_path / "o.npy"), str(texts), "--backend", "native"]
+    r = runner.invoke(app, [*base, "--device", "cpu"])
+    assert r.exit_code == 2 and "--backend native runs on a GPU, not --device cpu" in r.stderr, r.output
+    r = runner.invoke(app, [*base, "--onnx", str(tmp_path / "x.onnx")])
+    assert r.exit_code == 2 and "cannot go with --backend native" in r.stderr, r.output
+    if not native.available()[0]:
+        r = runner.invoke(app, [*base, "--device", "cuda"])
+        assert r.exit_code == 2 and "--backend native: " in r.stderr, r.output
+    assert not (tmp_path / "o.npy").exists()
+
+
+def test_native_module_imports_no_torch():
+    code = ("import sys; import bertctl.native, bertctl.embed; bertctl.native.available(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def gpu_native():
+    ok, why = native.available()
+    if not ok:
+        pytest.fail(f"the native encoder does not run on this GPU machine: {why}")
+
+
+TOLERANCE = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.5e-2}  # the largest error, relative to the largest feature
+
+
+def check_features(directory: Path, lengths: list[int], precision: str, layers: str, pooling: str) -> None:
+    from bertctl.checkpoint import load_config
+
+    vocab = load_config(directory).vocab_size
+    ids, mask = padded_batch(lengths, vocab)
+    encoder = native.NativeEncoder(directory, "cuda:0", precision)
+    got = encoder.features(ids, mask, layers, pooling)
+    want = reference(directory, ids, mask, layers, pooling)
+    assert got.shape == want.shape and got.dtype == np.float32
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert error < TOLERANCE[precision], (precision, layers, pooling, error)
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() > {"fp32": 1 - 1e-6, "fp16": 0.99999, "bf16": 0.9995}[precision], cos.min()
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("layers", LAYER_CHOICES)
+def test_minilm_features_every_layer_choice(gpu_native, minilm_dir, precision, layers):
+    check_features(minilm_dir, [2, 7, 13, 40, 3, 66, 9], precision, layers, "mean")
+
+
+@cuda
+@pytest.mark.parametrize("pooling", [*POOLING_CHOICES, "cls,max,mean"])
+def test_minilm_features_every_pooling(gpu_native, minilm_dir, pooling):
+    check_features(minilm_dir, [5, 3, 30, 17], "fp32", "sum-last-4", pooling)
+    check_features(minilm_dir, [5, 3, 30, 17], "fp16", "concat-last-4", pooling)
+
+
+@cuda
+@pytest.mark.parametrize("hidden,heads,act", [(128, 2, "gelu"), (256, 2, "gelu_new"), (128, 4, "relu")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_random_models_long_texts(gpu_native, tmp_path, hidden, heads, act, precision):
+    """Head sizes 64 and 32 over 2 query blocks and many key tiles, and 128 (its own tile size)."""
+    directory = random_model(tmp_path / "m", hidden=hidden, heads=heads, layers=2, act=act)
+    check_features(directory, [300, 129, 2, 64, 255], precision, "last", "mean,cls")
+
+
+@cuda
+def test_batches_reuse_buffers(gpu_native, minilm_dir):
+    """A large batch, then a small one, then a large one: the buffers grow once and stale rows never leak."""
+    encoder = native.NativeEncoder(minilm_dir, "cuda:0", "fp32")
+    big, small = padded_batch([50] * 64 + [3] * 10, 30522, seed=1), padded_batch([4, 9], 30522, seed=2)
+    first = encoder.features(*big, "last", "mean")
+    np.testing.assert_allclose(encoder.features(*small, "last", "mean"),
+                               reference(minilm_dir, *small, "last", "mean"), atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(encoder.features(*big, "last", "mean"), first)
+
+
+@cuda
+def test_command_runs_native_without_torch(gpu_native, minilm_dir, tmp_path, shared_data):
+    """The whole command on SST-2 sentences: the torch backend's vectors, and torch never imported."""
+    texts = tmp_path / "t.txt"
+    lines = (shared_data / "glue" / "SST-2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:400]
+    texts.write_text("\n".join(line.split("\t")[0] for line in lines) + "\n", encoding="utf-8")
+    code = ("import sys\nfrom bertctl.cli.app import main\nsys.argv = ['bertctl', *sys.argv[1:]]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    args = ["embed", "--model", str(minilm_dir), str(texts), "--precision", "fp32", "--normalize"]
+    subprocess.run([sys.executable, "-c", code, *args, "-o", str(tmp_path / "n.npy")], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "bertctl", *args, "--backend", "torch", "-o", str(tmp_path / "t.npy")],
+                   check=True, cwd=ROOT)
+    got, want = np.load(tmp_path / "n.npy"), np.load(tmp_path / "t.npy")
+    assert got.shape == want.shape == (399, 384)
+    assert (got * want).sum(1).min() > 1 - 1e-6
+
+
+@cuda
+def test_embed_config_auto_picks_native(gpu_native):
+    from bertctl.embed import native_device
+
+    assert native_device(EmbedConfig()) == "cuda:0"
+    assert native_device(EmbedConfig(backend="torch")) is None
+    assert native_device(EmbedConfig(device="cpu")) is None
+    with pytest.raises(BertctlError, match="there are"):
+        native_device(EmbedConfig(backend="native", device=f"cuda:{native.device_count()}"))
