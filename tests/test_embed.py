@@ -9,10 +9,13 @@ import pytest
 import torch
 import transformers
 from safetensors.numpy import load_file
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
 from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, length_batches, load_encoder
+from bertctl.errors import BertctlError
 from bertctl.tokenizer import BertTokenizer
 
 runner = CliRunner()
@@ -276,3 +279,25 @@ def test_a_forward_pass_out_of_device_memory_names_the_token_budget(tmp_path, mi
     assert result.exit_code == 2, result.output
     assert "out of CPU memory embedding 2 texts" in err and "--batch-tokens" in err and "Traceback" not in err
     assert not (tmp_path / "o.npy").exists()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "é", "\n", "\r", "\r\n", " ", "日本", "\t", ""]), max_size=30))
+def test_read_lines_is_iter_lines_at_once(tmp_path_factory, parts):
+    """``embed``'s fast read gives ``iter_lines``' lines: the same splits, \\r\\n endings, final newline."""
+    from bertctl.tokenizer import iter_lines, read_lines
+
+    path = tmp_path_factory.mktemp("lines") / "t.txt"
+    path.write_bytes("".join(parts).encode("utf-8"))
+    assert read_lines(path) == [line for _, line, _ in iter_lines(path)]
+
+
+def test_read_lines_names_the_bad_line(tmp_path):
+    from bertctl.tokenizer import read_lines
+
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"fine\nalso fine\nbad \xff byte\n")
+    with pytest.raises(BertctlError, match=r"t\.txt:3: not valid UTF-8 \(byte 0xff at column 5\)"):
+        read_lines(path)
+    with pytest.raises(BertctlError, match="no such file"):
+        read_lines(tmp_path / "missing.txt")

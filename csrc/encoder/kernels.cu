@@ -86,40 +86,54 @@ __global__ void add_layer_norm_kernel(const T* x, T* residual, const float* gamm
     write_normalized(v, r, gamma, beta, hidden, eps, lane);
 }
 
-template <typename T, Act A>
-__global__ void activation_kernel(T* x, int64_t n) {
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const float v = to_float(x[i]);
-        float y;
-        if constexpr (A == Act::gelu) {
-            y = 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
-        } else if constexpr (A == Act::gelu_tanh) {
-            y = 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
-        } else {
-            y = fmaxf(v, 0.f);
-        }
-        x[i] = from_float<T>(y);
+template <Act A>
+__device__ __forceinline__ float activate(float v) {
+    if constexpr (A == Act::gelu) {
+        return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+    } else if constexpr (A == Act::gelu_tanh) {
+        return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    } else {
+        return fmaxf(v, 0.f);
     }
 }
 
-// One block per (sequence, head, chunk of blockDim.x queries); a thread holds its query and its output
-// row in registers and runs the online softmax over key tiles of KT staged in shared memory, where all
-// threads read the same key at once (a broadcast).
-template <typename T, int D, int KT>
-__global__ void attention_kernel(const T* qkv, const int32_t* cu_seqlens, T* out, int heads, float scale) {
+// 16 bytes a thread at a time (8 half-precision values, 4 floats); the tail one at a time.
+template <typename T, Act A>
+__global__ void activation_kernel(T* x, int64_t n) {
+    constexpr int V = 16 / sizeof(T);
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    const int64_t vectors = n / V;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors; i += stride) {
+        uint4 raw = reinterpret_cast<uint4*>(x)[i];
+        T* v = reinterpret_cast<T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < V; ++k) v[k] = from_float<T>(activate<A>(to_float(v[k])));
+        reinterpret_cast<uint4*>(x)[i] = raw;
+    }
+    for (int64_t i = vectors * V + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride)
+        x[i] = from_float<T>(activate<A>(to_float(x[i])));
+}
+
+// One block per (sequence, HPB heads, chunk of QT queries); thread (query, head) holds its query and its
+// output row in registers and runs the online softmax over key tiles of KT staged in shared memory as
+// float, where the threads of a head read the same key at once (a broadcast, four values a read).
+// Short sequences (the common case of sentence embedding) take one warp a head, four heads a block.
+template <typename T, int D, int KT, int QT, int HPB>
+__global__ void __launch_bounds__(QT * HPB, D <= 32 ? 512 / (QT * HPB) : 1) attention_kernel(const T* qkv, const int32_t* cu_seqlens, T* out,
+                                                             int heads, float scale) {
     const int start = cu_seqlens[blockIdx.x];
     const int len = cu_seqlens[blockIdx.x + 1] - start;
-    const int q0 = blockIdx.z * blockDim.x;
+    const int q0 = blockIdx.z * QT;
     if (q0 >= len) return;
-    const int head = blockIdx.y;
+    const int local_head = threadIdx.x / QT;
+    const int head = blockIdx.y * HPB + local_head;
     const int hidden = heads * D;
     const int64_t row = 3 * static_cast<int64_t>(hidden);
-    __shared__ float keys[KT][D];
-    __shared__ float values[KT][D];
+    __shared__ __align__(16) float keys[HPB][KT][D];
+    __shared__ __align__(16) float values[HPB][KT][D];
 
-    const int query = q0 + threadIdx.x;
-    const bool active = query < len;
+    const int query = q0 + threadIdx.x % QT;
+    const bool active = query < len && head < heads;
     float q[D], acc[D];
     float running_max = -FLT_MAX, denominator = 0.f;
     if (active) {
@@ -133,11 +147,12 @@ __global__ void attention_kernel(const T* qkv, const int32_t* cu_seqlens, T* out
     for (int k0 = 0; k0 < len; k0 += KT) {
         const int n = min(KT, len - k0);
         __syncthreads();
-        for (int e = threadIdx.x; e < n * D; e += blockDim.x) {
-            const int j = e / D, c = e % D;
-            const T* src = qkv + (start + k0 + j) * row + head * D + c;
-            keys[j][c] = to_float(src[hidden]);
-            values[j][c] = to_float(src[2 * hidden]);
+        for (int e = threadIdx.x; e < HPB * n * D; e += QT * HPB) {
+            const int h = e / (n * D), j = (e / D) % n, c = e % D;
+            if (blockIdx.y * HPB + h >= heads) continue;
+            const T* src = qkv + (start + k0 + j) * row + (blockIdx.y * HPB + h) * D + c;
+            keys[h][j][c] = to_float(src[hidden]);
+            values[h][j][c] = to_float(src[2 * hidden]);
         }
         __syncthreads();
         if (!active) continue;
@@ -146,9 +161,17 @@ __global__ void attention_kernel(const T* qkv, const int32_t* cu_seqlens, T* out
 #pragma unroll
         for (int j = 0; j < KT; ++j) {
             if (j < n) {
-                float dot = 0.f;
+                const float4* k4 = reinterpret_cast<const float4*>(keys[local_head][j]);
+                float part[4] = {0.f, 0.f, 0.f, 0.f};  // four chains, not one of D dependent adds
 #pragma unroll
-                for (int c = 0; c < D; ++c) dot += q[c] * keys[j][c];
+                for (int c = 0; c < D / 4; ++c) {
+                    const float4 k = k4[c];
+                    part[0] += q[4 * c] * k.x;
+                    part[1] += q[4 * c + 1] * k.y;
+                    part[2] += q[4 * c + 2] * k.z;
+                    part[3] += q[4 * c + 3] * k.w;
+                }
+                const float dot = (part[0] + part[1]) + (part[2] + part[3]);
                 s[j] = dot;
                 tile_max = fmaxf(tile_max, dot);
             }
@@ -162,8 +185,15 @@ __global__ void attention_kernel(const T* qkv, const int32_t* cu_seqlens, T* out
             if (j < n) {
                 const float p = __expf(s[j] - tile_max);
                 denominator += p;
+                const float4* v4 = reinterpret_cast<const float4*>(values[local_head][j]);
 #pragma unroll
-                for (int c = 0; c < D; ++c) acc[c] += p * values[j][c];
+                for (int c = 0; c < D / 4; ++c) {
+                    const float4 v = v4[c];
+                    acc[4 * c] += p * v.x;
+                    acc[4 * c + 1] += p * v.y;
+                    acc[4 * c + 2] += p * v.z;
+                    acc[4 * c + 3] += p * v.w;
+                }
             }
         }
         running_max = tile_max;
@@ -176,6 +206,13 @@ __global__ void attention_kernel(const T* qkv, const int32_t* cu_seqlens, T* out
     }
 }
 
+template <typename From, typename To>
+__global__ void convert_kernel(const From* src, To* dst, int64_t n) {
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        dst[i] = from_float<To>(to_float(src[i]));
+}
+
 template <typename T>
 __global__ void accumulate_kernel(const T* x, float* sum, int64_t n, bool first) {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -184,8 +221,8 @@ __global__ void accumulate_kernel(const T* x, float* sum, int64_t n, bool first)
 }
 
 template <typename T>
-__global__ void pool_kernel(const T* x, const int32_t* cu_seqlens, float* out, int hidden, int out_stride,
-                            int column, Pool mode) {
+__global__ void pool_kernel(const T* x, const int32_t* cu_seqlens, const int32_t* rows, float* out, int hidden,
+                            int out_stride, int column, Pool mode) {
     const int b = blockIdx.x;
     const int j = blockIdx.y * blockDim.x + threadIdx.x;
     if (j >= hidden) return;
@@ -211,7 +248,19 @@ __global__ void pool_kernel(const T* x, const int32_t* cu_seqlens, float* out, i
         count = fmaxf(count, 1e-9f);
         value = total / (mode == Pool::mean_sqrt_len ? sqrtf(count) : count);
     }
-    out[static_cast<int64_t>(b) * out_stride + column + j] = value;
+    out[static_cast<int64_t>(rows ? rows[b] : b) * out_stride + column + j] = value;
+}
+
+// Each row divided by its L2 norm (at least 1e-12, as torch.nn.functional.normalize); a warp a row.
+__global__ void normalize_kernel(float* x, int64_t rows, int width) {
+    const int lane = threadIdx.x % 32;
+    const int64_t r = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32;
+    if (r >= rows) return;
+    float* row = x + r * width;
+    float square = 0.f;
+    for (int c = lane; c < width; c += 32) square += row[c] * row[c];
+    const float inv = 1.f / fmaxf(sqrtf(warp_sum(square)), 1e-12f);
+    for (int c = lane; c < width; c += 32) row[c] *= inv;
 }
 
 int grid_for(int64_t n, int threads) {
@@ -232,10 +281,19 @@ void with_type(DType dtype, F&& f) {
 template <typename T, int D>
 void launch_attention(const T* qkv, const int32_t* cu_seqlens, T* out, int sequences, int max_len, int heads,
                       cudaStream_t stream) {
-    constexpr int KT = D > 64 ? 16 : 32;
-    const int threads = max_len >= 128 ? 128 : ((max_len + 31) / 32) * 32;
-    const dim3 grid(sequences, heads, (max_len + threads - 1) / threads);
-    attention_kernel<T, D, KT><<<grid, threads, 0, stream>>>(qkv, cu_seqlens, out, heads, rsqrtf(static_cast<float>(D)));
+    constexpr int KT = D > 64 ? 8 : 16;
+    const float scale = rsqrtf(static_cast<float>(D));
+    if (max_len <= 32) {  // a warp a head, four heads a block
+        constexpr int HPB = 4;
+        const dim3 grid(sequences, (heads + HPB - 1) / HPB, 1);
+        attention_kernel<T, D, KT, 32, HPB><<<grid, 32 * HPB, 0, stream>>>(qkv, cu_seqlens, out, heads, scale);
+    } else if (max_len <= 64) {
+        const dim3 grid(sequences, heads, 1);
+        attention_kernel<T, D, KT, 64, 1><<<grid, 64, 0, stream>>>(qkv, cu_seqlens, out, heads, scale);
+    } else {
+        const dim3 grid(sequences, heads, (max_len + 127) / 128);
+        attention_kernel<T, D, KT, 128, 1><<<grid, 128, 0, stream>>>(qkv, cu_seqlens, out, heads, scale);
+    }
 }
 
 }  // namespace
@@ -270,7 +328,7 @@ void activation(DType dtype, Act act, void* x, int64_t n, cudaStream_t stream) {
     with_type(dtype, [&](auto zero) {
         using T = decltype(zero);
         T* p = static_cast<T*>(x);
-        const int blocks = grid_for(n, 256);
+        const int blocks = grid_for(n / (16 / sizeof(T)) + 1, 256);  // cudaMalloc'd buffers: 16-byte aligned
         switch (act) {
             case Act::gelu: activation_kernel<T, Act::gelu><<<blocks, 256, 0, stream>>>(p, n); break;
             case Act::gelu_tanh: activation_kernel<T, Act::gelu_tanh><<<blocks, 256, 0, stream>>>(p, n); break;
@@ -294,6 +352,17 @@ void attention(DType dtype, const void* qkv, const int32_t* cu_seqlens, void* ou
     });
 }
 
+void convert(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream) {
+    with_type(from, [&](auto zero_from) {
+        using From = decltype(zero_from);
+        with_type(to, [&](auto zero_to) {
+            using To = decltype(zero_to);
+            convert_kernel<From, To><<<grid_for(n, 256), 256, 0, stream>>>(static_cast<const From*>(src),
+                                                                            static_cast<To*>(dst), n);
+        });
+    });
+}
+
 void accumulate(DType dtype, const void* x, float* sum, int64_t n, bool first, cudaStream_t stream) {
     with_type(dtype, [&](auto zero) {
         using T = decltype(zero);
@@ -301,14 +370,19 @@ void accumulate(DType dtype, const void* x, float* sum, int64_t n, bool first, c
     });
 }
 
-void pool(DType dtype, const void* x, const int32_t* cu_seqlens, float* out, int sequences, int hidden,
-          int out_stride, int column, Pool mode, cudaStream_t stream) {
+void normalize(float* x, int64_t rows, int width, cudaStream_t stream) {
+    normalize_kernel<<<static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock), 32 * kWarpsPerBlock, 0,
+                       stream>>>(x, rows, width);
+}
+
+void pool(DType dtype, const void* x, const int32_t* cu_seqlens, const int32_t* rows, float* out, int sequences,
+          int hidden, int out_stride, int column, Pool mode, cudaStream_t stream) {
     with_type(dtype, [&](auto zero) {
         using T = decltype(zero);
         const int threads = hidden >= 256 ? 256 : ((hidden + 31) / 32) * 32;
         const dim3 grid(sequences, (hidden + threads - 1) / threads);
-        pool_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(x), cu_seqlens, out, hidden, out_stride,
-                                                     column, mode);
+        pool_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(x), cu_seqlens, rows, out, hidden,
+                                                     out_stride, column, mode);
     });
 }
 

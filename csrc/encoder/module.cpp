@@ -10,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
+#include <map>
 #include <cmath>
 #include <memory>
 #include <new>
@@ -104,67 +106,138 @@ class Encoder {
         if (stream_) cudaStreamDestroy(stream_);
     }
 
-    // Pooled features of one packed batch: ids and positions (tokens,), cu_seqlens (sequences + 1,).
-    // keep: the hidden states used (0 the embeddings' output, i layer i's), summed first when `sum`, else
-    // side by side; modes: the poolings, side by side.  Returns (sequences, modes x [1 or keep] x hidden).
-    py::array_t<float> features(py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
-                                py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions,
-                                py::array_t<int32_t, py::array::c_style | py::array::forcecast> cu_seqlens,
-                                int max_len, const std::vector<int>& keep, bool sum, const std::vector<int>& modes) {
-        const int tokens = static_cast<int>(ids.size());
-        const int sequences = static_cast<int>(cu_seqlens.size()) - 1;
-        if (positions.size() != tokens || sequences < 1 || keep.empty() || modes.empty())
-            throw std::invalid_argument("features: inconsistent batch");
-        int deepest = 0;
-        for (int k : keep) {
-            if (k < 0 || k > layers_) throw std::invalid_argument("features: no hidden state " + std::to_string(k));
-            deepest = std::max(deepest, k);
-        }
+    // A whole job, queued on the GPU at once with one wait at its end: sequences of `lengths` tokens,
+    // their ids packed in that order and cut into batches at `batch_ends` (sequence counts); sequence i's
+    // features go to out[rows[i]].  keep: the hidden states used (0 the embeddings' output, i layer i's),
+    // summed first when `sum`, else side by side; modes: the poolings, side by side, so that out is
+    // (rows, modes x [1 or keep] x hidden); `normalize` divides each row by its L2 norm.
+    void embed(py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids,
+               py::array_t<int32_t, py::array::c_style | py::array::forcecast> lengths,
+               py::array_t<int32_t, py::array::c_style | py::array::forcecast> rows,
+               py::array_t<int32_t, py::array::c_style | py::array::forcecast> batch_ends, py::array_t<float> out,
+               const std::vector<int>& keep, bool sum, const std::vector<int>& modes, bool normalize) {
+        const int64_t tokens = ids.size(), sequences = lengths.size(), batches = batch_ends.size();
         const int groups = sum ? 1 : static_cast<int>(keep.size());
         const int stride = static_cast<int>(modes.size()) * groups * hidden_;
-        py::array_t<float> result({sequences, stride});
-        const int32_t* host_ids = ids.data();
-        const int32_t* host_positions = positions.data();
-        const int32_t* host_cu = cu_seqlens.data();
-        float* host_out = result.mutable_data();
-        {
-            py::gil_scoped_release release;
-            check(cudaSetDevice(device_), "cudaSetDevice");
-            run(host_ids, host_positions, host_cu, tokens, sequences, max_len, keep, sum, modes, deepest, stride,
-                host_out);
+        if (keep.empty() || modes.empty()) throw std::invalid_argument("embed: no hidden states or no pooling");
+        int deepest = 0;
+        for (int k : keep) {
+            if (k < 0 || k > layers_) throw std::invalid_argument("embed: no hidden state " + std::to_string(k));
+            deepest = std::max(deepest, k);
         }
-        return result;
+        for (int m : modes)
+            if (m < 0 || m > static_cast<int>(encoder::Pool::last)) throw std::invalid_argument("embed: unknown pooling");
+        if (out.ndim() != 2 || out.shape(1) != stride || !(out.flags() & py::array::c_style) || !out.writeable())
+            throw std::invalid_argument("embed: out must be a writable C-contiguous (rows, " + std::to_string(stride) +
+                                        ") float32 array");
+        if (rows.size() != sequences || sequences == 0 || batches == 0)
+            throw std::invalid_argument("embed: rows, lengths and batches disagree");
+        const int64_t out_rows = out.shape(0);
+        const int32_t* length = lengths.data();
+        const int32_t* row = rows.data();
+        const int32_t* end = batch_ends.data();
+        // Host side: each token's position, each batch's cu_seqlens (from 0), sizes; checked before the GPU.
+        std::vector<int32_t> positions(tokens), cu(sequences + batches);
+        std::vector<int64_t> first_token(batches + 1, 0);
+        std::vector<int> max_len(batches, 0);
+        int64_t t = 0, s = 0, largest = 0;
+        for (int64_t b = 0; b < batches; ++b) {
+            if (end[b] <= s || end[b] > sequences) throw std::invalid_argument("embed: batch_ends must rise to len(lengths)");
+            const int64_t batch_start = t;
+            cu[s + b] = 0;
+            for (; s < end[b]; ++s) {
+                if (length[s] < 1 || length[s] > max_positions()) throw std::invalid_argument("embed: a length out of range");
+                if (row[s] < 0 || row[s] >= out_rows) throw std::invalid_argument("embed: a row out of range");
+                if (t + length[s] > tokens) throw std::invalid_argument("embed: more lengths than ids");
+                for (int32_t p = 0; p < length[s]; ++p) positions[t++] = p;
+                cu[s + b + 1] = static_cast<int32_t>(t - batch_start);
+                max_len[b] = std::max(max_len[b], static_cast<int>(length[s]));
+            }
+            first_token[b + 1] = t;
+            largest = std::max(largest, t - batch_start);
+        }
+        if (s != sequences || t != tokens) throw std::invalid_argument("embed: lengths do not add up to the ids");
+        const int32_t* host_ids = ids.data();
+        for (int64_t i = 0; i < tokens; ++i)
+            if (host_ids[i] < 0 || host_ids[i] >= vocab_) throw std::invalid_argument("embed: a token id past the vocabulary");
+        float* host_out = out.mutable_data();
+        py::gil_scoped_release release;
+        check(cudaSetDevice(device_), "cudaSetDevice");
+        int32_t* ints = static_cast<int32_t*>(ints_.reserve((2 * tokens + 2 * sequences + batches) * sizeof(int32_t)));
+        int32_t *d_ids = ints, *d_positions = ints + tokens, *d_cu = ints + 2 * tokens,
+                *d_rows = ints + 2 * tokens + sequences + batches;
+        check(cudaMemcpyAsync(d_ids, host_ids, tokens * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "ids");
+        check(cudaMemcpyAsync(d_positions, positions.data(), tokens * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
+              "positions");
+        check(cudaMemcpyAsync(d_cu, cu.data(), cu.size() * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "cu_seqlens");
+        check(cudaMemcpyAsync(d_rows, row, sequences * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "rows");
+        float* pooled = static_cast<float*>(pooled_.reserve(out_rows * stride * sizeof(float)));
+        reserve(largest, sum);
+        int64_t first_sequence = 0;
+        for (int64_t b = 0; b < batches; ++b) {
+            const int64_t n = end[b] - first_sequence;
+            forward(d_ids + first_token[b], d_positions + first_token[b], d_cu + first_sequence + b,
+                    d_rows + first_sequence, static_cast<int>(first_token[b + 1] - first_token[b]), static_cast<int>(n),
+                    max_len[b], keep, sum, modes, deepest, stride, pooled);
+            first_sequence = end[b];
+        }
+        if (normalize) {
+            encoder::normalize(pooled, out_rows, stride, stream_);
+            launched("normalize");
+        }
+        check(cudaMemcpyAsync(host_out, pooled, out_rows * stride * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+              "features");
+        check(cudaStreamSynchronize(stream_), "forward pass");
     }
 
   private:
+    // weights: name -> a list of arrays (float32, float16, or bfloat16 bits as uint16), concatenated;
+    // they are copied as they are (from a memory-mapped file, say) and converted here on the GPU.
     void upload(const py::dict& weights) {
-        const size_t es = encoder::element_size(dtype_);
-        auto want = [&](const std::string& name, size_t count, bool is_float) -> py::array {
-            if (!weights.contains(name)) throw std::invalid_argument("missing weight " + name);
-            py::array a = weights[name.c_str()].cast<py::array>();
-            const size_t item = is_float ? 4 : es;
-            if (static_cast<size_t>(a.size()) != count || static_cast<size_t>(a.itemsize()) != item ||
-                !(a.flags() & py::array::c_style))
-                throw std::invalid_argument("weight " + name + ": " + std::to_string(a.size()) + " elements of " +
-                                            std::to_string(a.itemsize()) + " bytes, want " + std::to_string(count) +
-                                            " of " + std::to_string(item));
-            return a;
+        struct Source {
+            py::array array;
+            DType type;
+            size_t staged;  // byte offset in the staging buffer
         };
-        // One allocation, every tensor 256-byte aligned (cuBLASLt's fast kernels want 16).
-        std::vector<std::pair<py::array, size_t>> parts;
-        size_t total = 0;
+        struct Destination {
+            std::vector<Source> sources;
+            DType type;
+            size_t offset;  // byte offset in weights_
+        };
+        std::vector<Destination> destinations;
+        size_t total = 0, staging = 0;
+        auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };  // cuBLASLt's fast kernels want 16
         auto place = [&](const std::string& name, size_t count, bool is_float) -> size_t {
-            py::array a = want(name, count, is_float);
-            const size_t offset = total;
-            total += (a.nbytes() + 255) / 256 * 256;
-            parts.emplace_back(a, offset);
-            return offset;
+            if (!weights.contains(name)) throw std::invalid_argument("missing weight " + name);
+            Destination d{{}, is_float ? DType::f32 : dtype_, total};
+            size_t elements = 0;
+            for (py::handle item : weights[name.c_str()].cast<py::list>()) {
+                py::array a = py::reinterpret_borrow<py::array>(item);
+                if (!(a.flags() & py::array::c_style)) throw std::invalid_argument("weight " + name + ": not contiguous");
+                DType type;
+                if (a.dtype().kind() == 'f' && a.itemsize() == 4) type = DType::f32;
+                else if (a.dtype().kind() == 'f' && a.itemsize() == 2) type = DType::f16;
+                else if (a.dtype().kind() == 'u' && a.itemsize() == 2) type = DType::bf16;
+                else throw std::invalid_argument("weight " + name + ": float32, float16 or bfloat16 bits (uint16) only");
+                d.sources.push_back(Source{a, type, staging});
+                staging += aligned(a.nbytes());
+                elements += a.size();
+            }
+            if (elements != count)
+                throw std::invalid_argument("weight " + name + ": " + std::to_string(elements) + " elements, want " +
+                                            std::to_string(count));
+            total += aligned(count * encoder::element_size(d.type));
+            destinations.push_back(std::move(d));
+            return destinations.back().offset;
         };
         const size_t h = hidden_, i = intermediate_;
-        const py::array word = weights["word"].cast<py::array>();
-        const py::array position = weights["position"].cast<py::array>();
-        vocab_ = static_cast<int>(word.size() / hidden_);
-        positions_ = static_cast<int>(position.size() / hidden_);
+        auto rows = [&](const char* name) {
+            size_t n = 0;
+            for (py::handle item : weights[name].cast<py::list>()) n += py::reinterpret_borrow<py::array>(item).size();
+            return static_cast<int>(n / h);
+        };
+        vocab_ = rows("word");
+        positions_ = rows("position");
         const size_t o_word = place("word", static_cast<size_t>(vocab_) * h, false);
         const size_t o_position = place("position", static_cast<size_t>(positions_) * h, false);
         const size_t o_type = place("type", h, false);
@@ -188,9 +261,22 @@ class Encoder {
             o[11] = place(p + "ffn.beta", h, true);
         }
         char* base = static_cast<char*>(weights_.reserve(total));
-        for (auto& [a, offset] : parts)
-            check(cudaMemcpyAsync(base + offset, a.data(), a.nbytes(), cudaMemcpyHostToDevice, stream_), "upload");
-        check(cudaStreamSynchronize(stream_), "upload");
+        {
+            Buffer staged;
+            char* stage = static_cast<char*>(staged.reserve(staging));
+            for (const Destination& d : destinations) {
+                size_t done = 0;  // elements of d written
+                for (const Source& src : d.sources) {
+                    check(cudaMemcpyAsync(stage + src.staged, src.array.data(), src.array.nbytes(),
+                                          cudaMemcpyHostToDevice, stream_), "upload");
+                    encoder::convert(src.type, stage + src.staged, d.type,
+                                     base + d.offset + done * encoder::element_size(d.type), src.array.size(), stream_);
+                    launched("convert");
+                    done += src.array.size();
+                }
+            }
+            check(cudaStreamSynchronize(stream_), "upload");
+        }
         word_ = base + o_word;
         position_ = base + o_position;
         type_ = base + o_type;
@@ -234,12 +320,18 @@ class Encoder {
             check(cublasLtMatmulPreferenceCreate(&preference), "preference");
             check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                        &workspace_bytes_, sizeof(workspace_bytes_)), "workspace");
-            cublasLtMatmulHeuristicResult_t found{};
-            int count = 0;
-            check(cublasLtMatmulAlgoGetHeuristic(lt_, op, a, b, c, c, preference, 1, &found, &count), "heuristic");
-            if (count == 0) throw std::runtime_error("cuBLASLt has no algorithm for this product");
+            // The heuristic's answer, once a shape: asking it takes longer than the product itself.
+            const std::array<int, 3> shape{tokens, n, k};
+            auto known = algorithms_.find(shape);
+            if (known == algorithms_.end()) {
+                cublasLtMatmulHeuristicResult_t found{};
+                int count = 0;
+                check(cublasLtMatmulAlgoGetHeuristic(lt_, op, a, b, c, c, preference, 1, &found, &count), "heuristic");
+                if (count == 0) throw std::runtime_error("cuBLASLt has no algorithm for this product");
+                known = algorithms_.emplace(shape, found.algo).first;
+            }
             const float one = 1.f, zero = 0.f;
-            check(cublasLtMatmul(lt_, op, &one, w, a, x, b, &zero, y, c, y, c, &found.algo, workspace_.as<void>(),
+            check(cublasLtMatmul(lt_, op, &one, w, a, x, b, &zero, y, c, y, c, &known->second, workspace_.as<void>(),
                                  workspace_bytes_, stream_), "matmul");
         } catch (...) {
             release();
@@ -248,25 +340,27 @@ class Encoder {
         release();
     }
 
-    void run(const int32_t* ids, const int32_t* positions, const int32_t* cu, int tokens, int sequences, int max_len,
-             const std::vector<int>& keep, bool sum, const std::vector<int>& modes, int deepest, int stride,
-             float* out) {
-        const size_t es = encoder::element_size(dtype_);
-        const size_t t = tokens, h = hidden_;
-        int32_t* ints = static_cast<int32_t*>(ints_.reserve((2 * t + sequences + 1) * sizeof(int32_t)));
-        void* hidden = hidden_buffer_.reserve(t * h * es);
-        void* qkv = qkv_.reserve(t * 3 * h * es);
-        void* context = context_.reserve(t * h * es);
-        void* ffn = ffn_.reserve(t * intermediate_ * es);
-        float* total = sum ? static_cast<float*>(sum_.reserve(t * h * sizeof(float))) : nullptr;
-        float* pooled = static_cast<float*>(pooled_.reserve(static_cast<size_t>(sequences) * stride * sizeof(float)));
-        check(cudaMemcpyAsync(ints, ids, t * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "ids");
-        check(cudaMemcpyAsync(ints + t, positions, t * sizeof(int32_t), cudaMemcpyHostToDevice, stream_), "positions");
-        check(cudaMemcpyAsync(ints + 2 * t, cu, (sequences + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_),
-              "cu_seqlens");
-        const int32_t* d_cu = ints + 2 * t;
+    // The activations of a batch of `tokens` tokens (buffers grow, never shrink: a wait each time).
+    void reserve(int64_t tokens, bool sum) {
+        const size_t es = encoder::element_size(dtype_), t = tokens, h = hidden_;
+        hidden_buffer_.reserve(t * h * es);
+        qkv_.reserve(t * 3 * h * es);
+        context_.reserve(t * h * es);
+        ffn_.reserve(t * intermediate_ * es);
+        if (sum) sum_.reserve(t * h * sizeof(float));
+    }
 
-        const int group_width = static_cast<int>(h);
+    // One batch, queued: the layers up to `deepest`, the pooled features into pooled's rows.
+    void forward(const int32_t* ids, const int32_t* positions, const int32_t* cu, const int32_t* rows, int tokens,
+                 int sequences, int max_len, const std::vector<int>& keep, bool sum, const std::vector<int>& modes,
+                 int deepest, int stride, float* pooled) {
+        const size_t t = tokens, h = hidden_;
+        void* hidden = hidden_buffer_.as<void>();
+        void* qkv = qkv_.as<void>();
+        void* context = context_.as<void>();
+        void* ffn = ffn_.as<void>();
+        float* total = sum_.as<float>();
+        const int group_width = hidden_;
         const int mode_width = (sum ? 1 : static_cast<int>(keep.size())) * group_width;
         bool first = true;
         auto take = [&](int state) {
@@ -278,7 +372,7 @@ class Encoder {
                     launched("accumulate");
                 } else {
                     for (size_t m = 0; m < modes.size(); ++m) {
-                        encoder::pool(dtype_, hidden, d_cu, pooled, sequences, hidden_, stride,
+                        encoder::pool(dtype_, hidden, cu, rows, pooled, sequences, hidden_, stride,
                                       static_cast<int>(m) * mode_width + static_cast<int>(k) * group_width,
                                       static_cast<encoder::Pool>(modes[m]), stream_);
                         launched("pool");
@@ -287,14 +381,14 @@ class Encoder {
             }
         };
 
-        encoder::embed_layer_norm(dtype_, ints, ints + t, word_, position_, type_, gamma_, beta_, hidden, tokens,
+        encoder::embed_layer_norm(dtype_, ids, positions, word_, position_, type_, gamma_, beta_, hidden, tokens,
                                   hidden_, eps_, stream_);
         launched("embeddings");
         take(0);
         for (int l = 0; l < deepest; ++l) {
             const Layer& w = layer_[l];
             linear(hidden, w.qkv_weight, w.qkv_bias, qkv, tokens, 3 * hidden_, hidden_);
-            encoder::attention(dtype_, qkv, d_cu, context, sequences, max_len, heads_, hidden_ / heads_, stream_);
+            encoder::attention(dtype_, qkv, cu, context, sequences, max_len, heads_, hidden_ / heads_, stream_);
             launched("attention");
             linear(context, w.attention_weight, w.attention_bias, qkv, tokens, hidden_, hidden_);
             encoder::add_layer_norm(dtype_, qkv, hidden, w.attention_gamma, w.attention_beta, tokens, hidden_, eps_,
@@ -310,14 +404,11 @@ class Encoder {
         }
         if (sum) {
             for (size_t m = 0; m < modes.size(); ++m) {
-                encoder::pool(DType::f32, total, d_cu, pooled, sequences, hidden_, stride,
+                encoder::pool(DType::f32, total, cu, rows, pooled, sequences, hidden_, stride,
                               static_cast<int>(m) * mode_width, static_cast<encoder::Pool>(modes[m]), stream_);
                 launched("pool");
             }
         }
-        check(cudaMemcpyAsync(out, pooled, static_cast<size_t>(sequences) * stride * sizeof(float),
-                              cudaMemcpyDeviceToHost, stream_), "features");
-        check(cudaStreamSynchronize(stream_), "forward pass");
     }
 
     int device_, layers_, hidden_, heads_, intermediate_;
@@ -332,6 +423,7 @@ class Encoder {
     const void *word_ = nullptr, *position_ = nullptr, *type_ = nullptr;
     const float *gamma_ = nullptr, *beta_ = nullptr;
     std::vector<Layer> layer_;
+    std::map<std::array<int, 3>, cublasLtMatmulAlgo_t> algorithms_;  // (tokens, n, k) -> the heuristic's first
 
   public:
     int vocab() const { return vocab_; }
@@ -349,6 +441,13 @@ int device_count() {
     return count;
 }
 
+// The device's CUDA context, started (the runtime's primary context, which an Encoder then uses): it
+// takes a tenth of a second or more, which the caller may spend reading the weights meanwhile.
+void start_device(int device) {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    check(cudaFree(nullptr), "starting the CUDA context");
+}
+
 std::string device_name(int device) {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
@@ -361,12 +460,14 @@ PYBIND11_MODULE(_encoder, m) {
     m.doc() = "A BERT encoder's inference forward pass and pooling on one GPU, without torch (bertctl/native.py).";
     m.def("device_count", &device_count, "CUDA devices visible (0 without a driver or a device).");
     m.def("device_name", &device_name, py::arg("device"));
+    m.def("start_device", &start_device, py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+          "Start the device's CUDA context (the GIL released meanwhile).");
     py::class_<Encoder>(m, "Encoder")
         .def(py::init<int, const std::string&, int, int, int, int, float, const std::string&, const py::dict&>(),
              py::arg("device"), py::arg("dtype"), py::arg("layers"), py::arg("hidden"), py::arg("heads"),
              py::arg("intermediate"), py::arg("eps"), py::arg("act"), py::arg("weights"))
-        .def("features", &Encoder::features, py::arg("ids"), py::arg("positions"), py::arg("cu_seqlens"),
-             py::arg("max_len"), py::arg("keep"), py::arg("sum"), py::arg("modes"))
+        .def("embed", &Encoder::embed, py::arg("ids"), py::arg("lengths"), py::arg("rows"), py::arg("batch_ends"),
+             py::arg("out"), py::arg("keep"), py::arg("sum"), py::arg("modes"), py::arg("normalize"))
         .def_property_readonly("vocab", &Encoder::vocab)
         .def_property_readonly("max_positions", &Encoder::max_positions);
 }
