@@ -59,7 +59,8 @@ def instrument_embed() -> None:
     embed, native = sys.modules["bertctl.embed"], sys.modules["bertctl.native"]
     for owner, attr in ((embed, "read_texts"), (sys.modules["bertctl.tokenizer"], "load_tokenizer"),
                         (embed, "open_encoder"), (embed, "embed_texts"), (embed, "finish_features"),
-                        (embed, "write_embeddings"), (native, "_load"), (native, "encoder_weights"),
+                        (embed, "write_embeddings"), (native, "start"), (native, "started"),
+                        (native, "encoder_weights"),
                         (embed, "resolve_device"), (embed, "load_encoder")):
         timed(owner, attr, f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}")
     for cls, attr in ((embed.Tokenizing, "__init__"), (embed.Tokenizing, "result"), (native.NativeEncoder, "__init__"),
@@ -104,9 +105,11 @@ def main() -> None:
         out, args = Path(args[1]), args[2:]
     instrument(args)
     sys.argv = ["bertctl", *args]
-    leave = os._exit
+    leave, main_process = os._exit, os.getpid()
 
     def exit_marked(code: int) -> None:  # bertctl's main leaves so after a native embed: mark it first
+        if os.getpid() != main_process:  # a forked worker's own exit
+            leave(code)
         mark(f"os._exit({code})")
         if out is not None:
             out.write_text(json.dumps({"command": args, "events": EVENTS}, indent=1) + "\n")
