@@ -122,7 +122,7 @@ _starts: dict[int, tuple[threading.Thread, list]] = {}
 
 def start(device: str) -> None:
     """Load the module (and cuBLASLt) and start ``device``'s CUDA context in a thread, once: 0.3 s on an
-    H200, which ``embed`` spends reading and tokenising its texts meanwhile (``started`` waits for it)."""
+    H200, which the encoder spends mapping its weights meanwhile (``started`` waits for it)."""
     index = device_index(device)
     with _loading:
         if index in _starts:
