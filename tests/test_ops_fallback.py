@@ -49,14 +49,15 @@ def test_ops_without_compiled_module():
     assert out.stdout.strip().endswith("ok")
 
 
-# `bertctl env --json` in a process where importing bertctl._C fails, as after a failed or stale build.
+# `bertctl env --json` in a process where importing bertctl._C (and the native encoder) fails, as after a failed
+# or stale build.
 HIDDEN = r"""
 import sys
 class Hide:
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name == "bertctl._C":
-            raise ImportError("bertctl._C hidden by the test")
+        if name in ("bertctl._C", "bertctl._encoder"):
+            raise ImportError(f"{name} hidden by the test")
 sys.meta_path.insert(0, Hide)
 from bertctl.cli.app import main
 main(["env", "--json"])
@@ -76,6 +77,7 @@ def test_missing_module_is_an_error_under_require_ext():
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["compiled_module"] is None and info["kernels"] == {}
+    assert info["native_encoder"].startswith("unavailable: bertctl._encoder did not load (bertctl._encoder hidden by")
     assert "compiled kernels unavailable (bertctl._C hidden by the test)" in out.stderr
     out = run("1")
     assert out.returncode == 2 and out.stdout == "", out.stderr

@@ -1,4 +1,4 @@
-"""``bertctl env``: versions, devices and which compiled kernels loaded where."""
+"""``bertctl env``: versions, devices, which compiled kernels loaded where, and embed's native encoder."""
 from __future__ import annotations
 
 import json
@@ -29,6 +29,10 @@ def environment() -> dict:
     }
     if compiled() is not None and hasattr(compiled(), "build_info"):
         info["build"] = compiled().build_info()
+    from bertctl.native import _load
+
+    encoder, why = _load()  # embed's own CUDA encoder (bertctl.native), built with the CUDA kernels
+    info["native_encoder"] = encoder.__file__ if encoder is not None else f"unavailable: {why}"
     return info
 
 
