@@ -1,9 +1,10 @@
 """bertctl's own CUDA encoder for ``embed``: the compiled ``bertctl._encoder`` (csrc/encoder).
 
 It runs a BERT encoder's forward pass and the pooling on one GPU with cuBLASLt and bertctl's kernels, on
-packed tokens (no padding), and imports no torch: on an H200, ``import torch`` and torch's CUDA start-up
-took 2.1 s, this module's CUDA context and cuBLASLt 0.3 s (``benchmarks/results/embed-vs-st-h200-*``), and
-for a short job such as embedding SST-2's 67,349 sentences start-up is most of the run.  fp32 runs
+packed tokens (no padding), and imports no torch: on an H200, ``import torch`` took 2.1-2.4 s and torch's
+CUDA start-up 0.5 s more (``benchmarks/results/embed-startup-h200-3133cda.json``), this module's load with
+cuBLASLt and its CUDA context 0.31 s (``embed-startup-h200-native-d02edce.json``), and for a short job such
+as embedding SST-2's 67,349 sentences start-up is most of the run.  fp32 runs
 cuBLAS's fp32 products (no TF32); bf16 and fp16 keep weights and activations in half precision, with the
 LayerNorm, softmax and pooling arithmetic in fp32.
 
