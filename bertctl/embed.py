@@ -207,19 +207,40 @@ def native_device(config: EmbedConfig, onnx: Path | None = None) -> str | None:
     return None if why else f"cuda:{index}"
 
 
-def open_encoder(directory: str | Path, config: EmbedConfig, onnx: Path | None = None):
+#: ``--backend auto`` keeps the native encoder for texts of at most this many tokens, weighted by their
+#: length (sum of squares over sum: attention's cost against the rest's). Its attention runs on CUDA cores,
+#: a thread a query, and was measured only on short texts (SST-2's: 20), where it is the faster;
+#: longer texts go to torch's fused attention unless ``--backend native`` asks for it.
+NATIVE_AUTO_TOKENS = 64
+
+
+def native_suits(lengths: np.ndarray) -> bool:
+    """Whether texts of these token counts are short enough for ``auto`` to run the native encoder."""
+    lengths = lengths.astype(np.float64)
+    return bool((lengths ** 2).sum() <= NATIVE_AUTO_TOKENS * lengths.sum())
+
+
+def open_encoder(directory: str | Path, config: EmbedConfig, onnx: Path | None = None, lengths=None):
     """The encoder ``embed`` runs for ``config``: bertctl's own CUDA encoder where it serves (torch stays
-    unloaded), else ``load_encoder`` on ``resolve_device``'s device with ``resolve_backend``'s backend."""
+    unloaded), else ``load_encoder`` on ``resolve_device``'s device with ``resolve_backend``'s backend.
+    ``lengths``, a callable giving the texts' token counts (the tokenising's result, waited for once the
+    native encoder has started), lets ``auto`` send long texts to torch instead (``native_suits``)."""
     where = native_device(config, onnx)
     if where is not None:
         from bertctl.native import NativeEncoder
 
         try:
-            return NativeEncoder(directory, where, resolve_precision(config.precision, where))
+            encoder = NativeEncoder(directory, where, resolve_precision(config.precision, where))
         except BertctlError as e:
             if config.backend != "auto":
                 raise
             stderr.print(f"[yellow]native backend unavailable ({e}); embedding with torch")
+        else:
+            if config.backend != "auto" or lengths is None or native_suits(lengths()):
+                return encoder
+            del encoder  # its GPU memory
+            stderr.print(f"[dim]texts longer than {NATIVE_AUTO_TOKENS} tokens (weighted by length): embedding with "
+                         "torch, whose attention is the faster there (--backend native runs them on bertctl's)")
     device = resolve_device(config.device)
     return load_encoder(directory, device, resolve_backend(config, device, onnx), onnx,
                         fallback=config.backend == "auto", precision=config.precision)

@@ -147,6 +147,32 @@ def test_backend_native_where_it_cannot_run(tmp_path):
     assert not (tmp_path / "o.npy").exists()
 
 
+def test_auto_keeps_the_native_encoder_for_short_texts_only(tmp_path, monkeypatch, capsys):
+    """``auto`` on a GPU: the native encoder for texts of up to NATIVE_AUTO_TOKENS tokens weighted by length,
+    torch beyond (its attention is measured faster only on short texts); an explicit ``native`` keeps it.
+    The GPU is stood in for: the decision is the CPU's."""
+    import bertctl.embed as embed
+
+    assert embed.native_suits(np.array([20] * 1000 + [66])) and not embed.native_suits(np.array([80, 60, 70]))
+    assert embed.native_suits(np.array([64, 64])) and not embed.native_suits(np.array([65, 65]))
+
+    class Started:
+        runtime = "native"
+
+        def __init__(self, directory, device, precision):
+            self.device, self.precision = device, precision
+
+    directory = random_model(tmp_path / "m", hidden=64, heads=2, layers=1)
+    monkeypatch.setattr(embed, "native_device", lambda config, onnx=None: "cuda:0")
+    monkeypatch.setattr(native, "NativeEncoder", Started)
+    monkeypatch.setattr(embed, "resolve_device", lambda name: torch.device("cpu"))
+    short, long = (lambda: np.array([12, 30, 7])), (lambda: np.array([300, 120]))
+    assert isinstance(embed.open_encoder(directory, EmbedConfig(precision="fp16"), lengths=short), Started)
+    assert isinstance(embed.open_encoder(directory, EmbedConfig(precision="bf16"), lengths=long), torch.nn.Module)
+    assert "texts longer than 64 tokens (weighted by length): embedding with torch" in capsys.readouterr().err
+    assert isinstance(embed.open_encoder(directory, EmbedConfig(backend="native"), lengths=long), Started)
+
+
 def test_native_module_imports_no_torch():
     code = ("import sys; import bertctl.native, bertctl.embed; bertctl.native.available(); "
             "assert 'torch' not in sys.modules, 'torch imported'")

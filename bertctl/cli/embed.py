@@ -93,7 +93,7 @@ def register(app: typer.Typer) -> None:
         # and 3): starting the workers, their tokenising and the embedding itself all took longer.)
         limit = token_limit(config, load_config(encoder_dir).max_position_embeddings)
         with Tokenizing(tokenizer, prepare_texts(texts, config), limit, config.workers) as tokenizing:
-            encoder = open_encoder(encoder_dir, config, onnx)
+            encoder = open_encoder(encoder_dir, config, onnx, lengths=lambda: tokenizing.result()[1])
             array = embed_texts(encoder, tokenizer, texts, config, progress=not no_progress, summary=True,
                                 tokenizing=tokenizing)
         write_embeddings(array.astype(np.float32, copy=False), output)
