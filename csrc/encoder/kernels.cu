@@ -1,5 +1,14 @@
-// Kernels of bertctl._encoder (kernels.h): LayerNorm rows a warp each, attention a thread per query
-// with the keys and values in shared memory, pooling a thread per feature.
+// Kernels of bertctl._encoder (kernels.h), for inference on packed tokens (no padding):
+// - LayerNorm (after the embeddings' sum, or a residual add): a warp a row, the row in registers (32
+//   values a lane: hidden sizes up to 1024), mean and variance in fp32 over two passes, BERT's eps 1e-12.
+// - attention: a thread a query over its own text's keys, online softmax in fp32 over key tiles staged in
+//   shared memory as fp32; short texts (<= 32 tokens) a warp a head, four heads a block; head sizes 32,
+//   64, 128. Its work grows with the square of the length on CUDA cores, so `embed --backend auto` keeps
+//   it for short texts (bertctl/embed.py: NATIVE_AUTO_TOKENS).
+// - GELU (erf, or tanh for the gelu_new family) and ReLU in place, 16 bytes a thread.
+// - pooling: a thread a feature of a text, fp32 sums; every mode writes its own column block of a row.
+// - normalisation: a warp a row; conversion between fp32, fp16 and bf16 (round to nearest even).
+// Activations are T (float, __half or __nv_bfloat16); all arithmetic is fp32.
 #include "kernels.h"
 
 #include <cuda_bf16.h>
