@@ -192,8 +192,9 @@ def gpu_native():
 
 
 # The largest error, relative to the largest feature, against float64. fp32: single-precision sums in
-# cuBLAS's order and the kernels' (2^-24 a rounding). fp16 (10-bit mantissa, 2^-11 a rounding) and bf16 (7 bits, 2^-8): the weights
-# and each layer's activations are rounded once a step over six layers; the bounds are a few roundings.
+# cuBLAS's order and the kernels' (2^-24 a rounding). fp16 (10-bit mantissa, 2^-11 a rounding) and bf16
+# (7 bits, 2^-8): the weights and each layer's activations are rounded once a step over six layers; the
+# bounds are a few roundings.
 TOLERANCE = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 
 
