@@ -550,22 +550,6 @@ def _embed_native(model, flat: np.ndarray, lengths: np.ndarray, batches: list[np
         out[order] = model.embed(flat, lengths, chunk, config.layers, config.pooling, normalize, local=True)
         advance(len(order))
     return out, normalize
-    out = np.empty((len(lengths), width), np.float32)
-    for chunk in chunks:
-        order = np.concatenate(chunk)
-        local = np.empty(len(order), np.int64)
-        local[np.argsort(order)] = np.arange(len(order))  # text -> its row in this chunk's output
-        starts = np.cumsum(lengths) - lengths
-        keep = np.zeros(len(lengths), bool)
-        keep[order] = True
-        texts = np.sort(order)
-        picked = flat[np.concatenate([np.arange(starts[t], starts[t] + lengths[t]) for t in texts])] if len(texts) else flat[:0]
-        rows = np.searchsorted(texts, order)
-        part = model.embed(picked, lengths[texts], [rows[sum(map(len, chunk[:i])):sum(map(len, chunk[:i + 1]))]
-                                                    for i in range(len(chunk))], config.layers, config.pooling, normalize)
-        out[texts] = part
-        advance(len(order))
-    return out, normalize
 
 
 def embed_texts(model, tokenizer, texts: list[str], config: EmbedConfig, progress: bool = True,
