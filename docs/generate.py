@@ -1,0 +1,284 @@
+"""Write docs/measured.md from the result files in benchmarks/results/.
+
+Every figure the docs give has one home, a committed result file; this script turns those files
+into tables, so that a new result file changes the page only by running it again (and the unit
+test `tests/unit/test_docs.py` fails until someone does). Commit hashes appear only here, in the
+"commit" columns, taken from the files.
+
+    python docs/generate.py           # rewrite docs/measured.md
+    python docs/generate.py --check   # exit 1 if docs/measured.md is not what this script writes
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+OUTPUT = os.path.join(ROOT, "docs", "measured.md")
+
+
+def load(name: str) -> dict:
+    with open(os.path.join(RESULTS, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def link(name: str) -> str:
+    """A link from docs/ to the result file (or folder) that holds a figure."""
+    return f"[`{name}`](../benchmarks/results/{name})"
+
+
+def short(commit) -> str:
+    """The 7-character commit a result file names, whatever form the file gives it in."""
+    if isinstance(commit, list):
+        return ", ".join(dict.fromkeys(short(c) for c in commit))
+    m = re.match(r"[0-9a-f]{7,40}", str(commit or ""))
+    return m.group(0)[:7] if m else "?"
+
+
+def num(x, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def mean_std(s: dict, digits: int = 2, scale: float = 1.0) -> str:
+    if s.get("n", len(s.get("values", [None]))) > 1:
+        return f"{s['mean'] * scale:.{digits}f} ± {s['std'] * scale:.{digits}f}"
+    return f"{s['mean'] * scale:.{digits}f}"
+
+
+def table(header: list[str], rows: list[list[str]], right_from: int = 1) -> list[str]:
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out + [""]
+
+
+# --- the training step against transformers ---------------------------------------------------
+
+MODEL_FILES = ["model-h200-b401318.json", "model-h200-d2af69e.json", "model-h100.json"]
+PROVIDERS = {
+    "bertctl": "bertctl, eager",
+    "bertctl/graphs": "bertctl, CUDA graphs",
+    "bertctl/unpadded": "bertctl, unpadded",
+    "bertctl+compile": "bertctl, `torch.compile`",
+    "hf": "transformers",
+    "hf+compile": "transformers, `torch.compile`",
+}
+
+
+def model_step() -> list[str]:
+    out = ["## The training step against `transformers`", "",
+           "`bertctl bench model --compare hf`: one pretraining step (MLM + NSP, bf16, fused AdamW) of "
+           "BERT-Base, bertctl's model against `transformers`' `BertForPreTraining` on the same batches; "
+           "sequences a second, median of 3 repeats. `base-mixed` is fine-tuning's mix of lengths at "
+           "batch 256.", ""]
+    for name in MODEL_FILES:
+        d = load(name)
+        dev = d["device"]
+        hf = {r["case"]: r["seq_per_s"] for r in d["train"] if r["provider"] == "hf"}
+        rows = []
+        for r in d["train"]:
+            if r["provider"] not in PROVIDERS:
+                continue
+            base = hf.get(r["case"])
+            rows.append([f"`{r['case']}`", PROVIDERS[r["provider"]], num(r["seq_per_s"]),
+                         f"{r['step_ms']:.1f}", f"{r.get('peak_mem_gib', float('nan')):.1f}",
+                         f"{r['seq_per_s'] / base:.2f}×" if base else ""])
+        out += [f"{dev['name']}, torch {dev['torch']}, commit {short(dev['commit'])}, "
+                f"{dev['date'][:10]} ({link(name)}):", ""]
+        out += table(["case", "model", "sequences/s", "ms a step", "peak GiB", "against transformers"],
+                     rows, right_from=2)
+    return out
+
+
+# --- fine-tuning against the transformers Trainer ---------------------------------------------
+
+QUALITY = [("sst2", "SST-2 (MiniLM)"), ("acceptability", "acceptability (CoLA-style)"),
+           ("paraphrase", "paraphrase (MRPC-style)"), ("similarity", "similarity (STS-B-style)"),
+           ("rte_size", "RTE-size task"), ("conll", "CoNLL-2003 NER"), ("squad", "SQuAD split")]
+
+
+def finetune_quality() -> list[str]:
+    out = ["## Fine-tuning quality against the `transformers` Trainer", "",
+           "The same checkpoint, recipe and seeds fine-tuned by `bertctl finetune` and by the "
+           "`transformers` Trainer (`benchmarks/finetune_vs_hf.py`); mean ± standard deviation over the "
+           "seeds, in points. The target is a difference of at least −0.3 points.", ""]
+    rows = []
+    for task, label in QUALITY:
+        name = f"finetune-{task}.json"
+        d = load(name)
+        m = d["metric"]
+        diff = d["difference"][m]
+        rows.append([label, m, mean_std(d["bertctl"][m]), mean_std(d["hf"][m]),
+                     f"{diff['mean']:+.2f} (se {diff['standard_error']:.2f})", str(d["bertctl"][m]["n"]),
+                     short(d["environment"]["commit"]), link(name)])
+    return out + table(["task", "metric", "bertctl", "Trainer", "difference", "seeds", "commits", "file"],
+                       rows, right_from=2)
+
+
+def finetune_speed() -> list[str]:
+    out = ["## Fine-tuning speed against the `transformers` Trainer", "",
+           "Whole runs, one at a time on one GPU: seconds from process start to `metrics.json`, and "
+           "training examples a second as each side reports it.", ""]
+    rows = []
+    for task in ("sst2", "squad", "rte_size"):
+        name = f"finetune-speed-{task}.json"
+        d = load(name)
+        eps = d["train_examples_per_second"]
+        rows.append([task, d["environment"]["device"], mean_std(d["bertctl"]["seconds_to_metrics"], 1),
+                     mean_std(d["hf"]["seconds_to_metrics"], 1), num(eps["bertctl"]["mean"]),
+                     num(eps["hf"]["mean"]), f"{eps['ratio']:.1f}×", short(d["environment"]["commit"]),
+                     link(name)])
+    return out + table(["task", "device", "bertctl s", "Trainer s", "bertctl examples/s",
+                        "Trainer examples/s", "examples/s ratio", "commits", "file"], rows, right_from=2)
+
+
+def finetune_gpus() -> list[str]:
+    out = ["## Fine-tuning on two GPUs", "",
+           "`torchrun --nproc-per-node 2 -m bertctl finetune ...` against one GPU, MiniLM, 3 epochs, "
+           "CUDA graphs; mean ± std over seeds (`benchmarks/finetune_ddp.py`).", ""]
+    rows = []
+    for name in ("finetune-ddp-sst2-2xh200-4502972.json", "finetune-ddp-squad-2xh200-4502972.json"):
+        d = load(name)
+        one = next(s for s in d["summary"] if s["gpus"] == 1)
+        task = "SST-2" if "sst2" in name else "SQuAD split"
+        for s in d["summary"]:
+            metric = "accuracy" if "accuracy" in s else "f1"
+            scale = 100 if s[metric]["mean"] <= 1 else 1
+            rows.append([task, str(s["gpus"]), str(s["batch_size"]), mean_std(s["train_examples_per_second"], 0),
+                         f"{s['train_examples_per_second']['mean'] / one['train_examples_per_second']['mean']:.2f}×",
+                         f"{metric} {mean_std(s[metric], 2, scale)}", short(d["commit"]), link(name)])
+    return out + table(["task", "GPUs", "global batch", "examples/s", "against 1 GPU", "metric", "commit",
+                        "file"], rows, right_from=1)
+
+
+# --- embedding --------------------------------------------------------------------------------
+
+EMBED_FILES = ["embed-vs-st-h200-fp16-d02edce.json", "embed-vs-st-h200-fp32-d02edce.json",
+               "embed-vs-st-h200-fp16-torch-d02edce.json", "embed-vs-st-cpu-c153e17.json",
+               "embed-vs-st-cpu-f6c588f.json"]
+
+
+def embed_vs_st() -> list[str]:
+    out = ["## `bertctl embed` against sentence-transformers", "",
+           "The whole `bertctl embed` command (process start to the written file) against a warm "
+           "`SentenceTransformer.encode` in its own process on the same texts (67,349 SST-2 train "
+           "sentences on the GPU, 2,000 on the CPU), all-MiniLM-L6-v2; medians, the sides alternating "
+           "(`benchmarks/bench_embed_vs_st.py`).", ""]
+    rows = []
+    for name in EMBED_FILES:
+        d = load(name)
+        what = name[len("embed-vs-st-"):-len(".json")]
+        rows.append([d["device"], what.rsplit("-", 1)[0], f"{d['bertctl_median_s']:.2f}",
+                     f"{d['sentence_transformers_median_s']:.2f}", f"{d['speedup_median']:.2f}×",
+                     short(d["commit"]), link(name)])
+    out += table(["device", "run", "bertctl s", "sentence-transformers s", "speed-up", "commit", "file"],
+                 rows, right_from=2)
+    d = load("embed-backends-cpu-f6c588f.json")
+    r = d["results"]
+    out += ["`embed` inside one process on the 2-core CPU, all-MiniLM-L6-v2 over 4,000 SST-2 sentences, "
+            f"{d['settings']['threads']} threads ({link('embed-backends-cpu-f6c588f.json')}, commit "
+            f"{short(d['commit'])}): ONNX Runtime {num(r['onnxruntime']['median_texts_per_s'])} texts/s, "
+            f"PyTorch {num(r['torch']['median_texts_per_s'])} ({d['onnxruntime_over_torch']:.2f}×); least "
+            f"cosine between the two {d['min_cosine_torch_vs_onnxruntime']:.12f}.", ""]
+    return out
+
+
+# --- pretraining ------------------------------------------------------------------------------
+
+def _default_runs(name: str, d: dict):
+    """(label, commit, summary) for each run a default-job file holds; the files come in two forms."""
+    if "runs" in d:
+        for label, run in d["runs"].items():
+            first, _, rest = label.partition(" ")
+            if re.fullmatch(r"[0-9a-f]{7,40}", first):  # "<commit> <what>": the run's own commit
+                yield rest.strip("()") or "CPU", first, run
+            else:
+                yield label, d["benchmark"].get("commit"), run
+    elif "summary" in d:
+        yield d["device"], d["commit"], {**d["summary"], "eval_start_mlm_acc": d["summary"]["eval_start"]["mlm_acc"]}
+    else:
+        yield d.get("precision", ""), d["benchmark"].get("commit"), {**d, "eval_start_mlm_acc": d["eval_start"]["mlm_acc"]}
+
+
+def default_job() -> list[str]:
+    out = ["## The built-in job (`bertctl pretrain` with no data)", "",
+           "Two minutes of a tiny BERT on Python's own documentation; the job re-plans its steps from the "
+           "machine's pace, so the step count moves with the load. Held-out masked-LM accuracy on 2,832 "
+           "masked tokens (one standard error about 0.007; the majority-token baseline 0.047).", ""]
+    rows = []
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "pretrain-default-job-*.json")))
+    for name in names:
+        d = load(name)
+        for label, commit, run in _default_runs(name, d):
+            end = run["eval_end"]
+            install = run.get("install_seconds") or d.get("benchmark", {}).get("install_seconds")
+            rows.append([short(commit), str(label) if "runs" in d else ("H200" if "h200" in name else "CPU"),
+                         num(run["steps"]), f"{run['seconds']:.0f}", f"{end['mlm_acc']:.3f}",
+                         f"{end['nsp_acc']:.3f}" if "nsp_acc" in end else "",
+                         f"{install} s" if install else "", link(name)])
+    return out + table(["commit", "run", "steps", "training s", "held-out MLM", "held-out NSP",
+                        "install", "file"], rows, right_from=2)
+
+
+def convergence() -> list[str]:
+    name = "convergence-seeds-h200-f29cc4e.json"
+    d = load(name)
+    p = d["pretraining"]
+    out = ["## Pretraining that works (`benchmarks/convergence/run.py`)", "",
+           f"A medium BERT pretrained for {d['settings']['minutes']} minutes on one H200 over "
+           f"{len(d['pretraining_seeds'])} pretraining seeds, then fine-tuned with the paper's recipe from "
+           "that checkpoint (a) and from random weights (b), fine-tuning seeds "
+           f"{', '.join(map(str, d['settings']['seeds']))} ({link(name)}, commits {short(d['run_commits'])}; "
+           "the method is in [pretraining.md](pretraining.md)).", "",
+           f"Pretraining: {num(p['steps']['mean'])} ± {num(p['steps']['std'])} steps in the box, held-out "
+           f"MLM accuracy {mean_std(p['heldout_mlm_acc'], 3)}, NSP {mean_std(p['heldout_nsp_acc'], 3)} "
+           f"(target {p['nsp_target']}).", ""]
+    rows = []
+    for task, f in d["finetune"].items():
+        a, b = f["pretrained_over_pretraining_seeds"], f["scratch"]
+        rows.append([task, f["metric"], mean_std(a), mean_std(b), f"{f['gap_pretrained_minus_scratch']:+.2f}",
+                     f"≥ {f['target_gap']:g}"])
+    return out + table(["task", "metric", "pretrained (a)", "random init (b)", "(a) − (b)", "target"], rows,
+                       right_from=2)
+
+
+SECTIONS = [model_step, finetune_quality, finetune_speed, finetune_gpus, embed_vs_st, default_job, convergence]
+
+
+def render() -> str:
+    lines = ["<!-- Generated by docs/generate.py from benchmarks/results/; edit the script, not this file. -->",
+             "", "# Measured", "",
+             "Every table here is generated from the result files in `benchmarks/results/` (each names its "
+             "device, versions, date and commit); [the results index](../benchmarks/results/INDEX.md) says "
+             "what every file is, and [the measurement log](measurement-log.md) keeps the earlier studies' "
+             "notes. GPU figures are from one NVIDIA H200 or H100 as named; CPU figures from the project's "
+             "2-core x86-64 machine.", ""]
+    for section in SECTIONS:
+        lines += section()
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/measured.md is out of date")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        with open(OUTPUT, encoding="utf-8") as f:
+            if f.read() != text:
+                print("docs/measured.md is out of date: run python docs/generate.py", file=sys.stderr)
+                return 1
+        return 0
+    with open(OUTPUT, "w", encoding="utf-8") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
