@@ -21,7 +21,7 @@ import torch
 from bertctl.train import state
 from conftest import kill_at_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

@@ -23,7 +23,7 @@ from bertctl.errors import BertctlError
 from test_cli import all_command_paths
 from test_finetune_support import data_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "##s", "."]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 

@@ -16,7 +16,7 @@ import torch
 
 from bertctl._ext import OP_NAMES, compiled, kernels_loaded
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A parent like pip: it runs the hook with stdout and stderr captured and prints that output only
 # on failure.  Its own stderr is the test's pipe.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():

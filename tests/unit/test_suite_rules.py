@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where the conftest under test lives
 
 SCRATCH = '''
 import pytest

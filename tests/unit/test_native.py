@@ -22,7 +22,7 @@ from bertctl.config import BertConfig
 from bertctl.embed import LAYER_CHOICES, POOLING_CHOICES, EmbedConfig, combine_layers, pool
 from bertctl.errors import BertctlError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def random_model(directory: Path, hidden: int, heads: int, layers: int = 4, act: str = "gelu", seed: int = 0) -> Path:

@@ -417,7 +417,7 @@ def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, m
     every run succeeds, and the summary holds each configuration's metric and its examples/s ratio."""
     import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
     import finetune_ddp
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -456,7 +456,7 @@ def test_the_startup_timeline_marks_a_whole_run_in_order(tiny, sst2, tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out, timeline = tmp_path / "out", tmp_path / "timeline.json"
     proc = subprocess.run([sys.executable, str(root / "benchmarks" / "startup_timeline.py"), "--json", str(timeline),
                            "finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny),
@@ -483,7 +483,7 @@ def test_the_multi_process_benchmark_runs_the_squad_split(tmp_path):
     import sys
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
     import finetune_ddp
 
     a = SimpleNamespace(task="squad", data=tmp_path, model=tmp_path / "m", epochs=1.0, extra=["--no-cuda-graphs"])

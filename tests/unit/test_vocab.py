@@ -127,7 +127,7 @@ def test_held_out_unk_rate_and_pieces(inaugural_vocab):
     assert all(any(c not in tok.vocab for c in w) for w in unk_words), unk_words
 
 
-RECORDED = Path(__file__).resolve().parent / "data" / "vocab-corpus-3000.txt"
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "vocab-corpus-3000.txt"
 
 
 @needs_data

@@ -1,12 +1,13 @@
 """Pretraining on a GPU (marked cuda): a run killed and resumed continues its loss curve within
 the run-to-run noise of bf16 GPU training, and fp16 with loss scaling trains.
 
-Same shards as tests/test_pretrain.py (conftest's data_dir: a few inaugural addresses, a small
+Same shards as tests/unit/test_pretrain.py (conftest's data_dir: a few inaugural addresses, a small
 WordPiece vocabulary); a mini BERT (4 layers, hidden 256), so each run takes seconds.
 """
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 
 from bertctl.train import state
 from conftest import kill_at_checkpoint
-from test_pretrain import ENV
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 pytestmark = pytest.mark.cuda
 
