@@ -33,6 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bertctl.bench import harness  # noqa: E402
 from bertctl.bench.model import hf_model  # noqa: E402
 from bertctl.config import BertConfig  # noqa: E402
 from bertctl.data import PretrainingData  # noqa: E402
@@ -144,13 +145,14 @@ def main(argv=None) -> int:
     emit(event="config", model_size=a.model_size, config=config.to_dict(), batch_size=a.batch_size, lr=lr,
          parameters=sum(p_.numel() for p_ in model.parameters()), torch=torch.__version__,
          transformers=__import__("transformers").__version__,
-         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+         environment=harness.environment(device))
     t_eval = time.perf_counter()
     ev = evaluate(model, held, eval_batch, a.eval_batches, a.seed, device)
     eval_seconds = time.perf_counter() - t_eval
     emit(event="eval", step=0, **ev)
     steps_per_epoch = data.steps_per_epoch(a.batch_size)
-    step, train_seconds, t_start = 0, 0.0, time.perf_counter()
+    step, train_seconds = 0, 0.0
     losses = []
     pace_mark, anchor = None, None
     epoch = 0

@@ -22,7 +22,7 @@ Stages (each resumable: a finished step is skipped when its record exists, ``--f
   (batch 32, lr 5e-5, 3 epochs, warm-up 10%) for every init; ``--jobs`` processes share the GPU,
   the longest runs (SST-2) first.
   Scores are recomputed from the prediction files with the official metrics
-  (``finetune_vs_hf.score``).
+  (``benchmarks/finetune/vs_hf.py``'s ``score``).
 - ``race``: transformers' BertForPreTraining (``hf_pretrain.py``) for ``--race-minutes`` and
   ``bertctl pretrain`` for 0.6 times that, same shards, model, recipe and seed, one process at a
   time; wall-clock from process start. The target: bertctl's final held-out MLM accuracy at least
@@ -65,9 +65,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "finetune"))
 
-import finetune_vs_hf  # noqa: E402  (scoring from prediction files, commit and environment)
+import vs_hf as finetune_vs_hf  # noqa: E402  (scoring from prediction files, commit and environment)
 
 BERTCTL = [sys.executable, "-m", "bertctl"]
 
@@ -186,7 +186,7 @@ def pretrain_cmd(a, data: str, out: Path, *, minutes: float | None = None, max_s
 
 
 #: Seconds a pretraining process takes beyond its time box: start-up, the final evaluation and the
-#: export (501.6 s for an 8-minute box at 43ab90f, 501.4 s for the ablation's).
+#: export (the ``pretrain`` records' seconds in ``benchmarks/results/convergence-h100-43ab90f.json``).
 PRETRAIN_OVERHEAD_S = 25.0
 #: Seconds kept back from the budget when planning the boxes: the plan rests on measured stages.
 PLAN_MARGIN_S = 30.0
@@ -769,7 +769,7 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dupe", type=int, default=5,
-                   help="build-data --dupe-factor of the main and ablation data (20 was tried at bd90980: no better)")
+                   help="build-data --dupe-factor of the main and ablation data (20 scored no better: convergence-h100-bd90980.json)")
     p.add_argument("--holdout", type=float, default=0.02)
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--model-size", default="medium")

@@ -1,7 +1,9 @@
-"""The timing harness every bertctl benchmark uses.
+"""The timing harness every bertctl benchmark uses (``bertctl bench`` and the scripts in ``benchmarks/``).
 
 - ``device_block(device)``: the JSON ``device`` block (device name, torch / CUDA versions, date,
   git commit, CPU threads, measured device-to-device copy bandwidth).
+- ``environment(device, packages)``: the same row without the bandwidth, plus the host and the
+  versions of ``packages``: for benchmarks that time whole processes rather than kernels.
 - ``copy_bandwidth(device)``: GB/s of a large tensor copy, counting bytes read + written: the
   practical ceiling for memory-bound kernels, measured in the same run.
 - ``measure(fn, inputs, device)``: warm-up, then the median of many timed calls.  On CUDA each
@@ -16,9 +18,12 @@
 - ``kernel_span(fn, inputs, device)`` (CUDA): the same calls under the profiler (CUPTI); per call
   the span from its first kernel's start to its last kernel's end, i.e. kernel time without the
   device launch latency before and after (gaps between a call's kernels are counted).
+- ``profile_summary(prof, per, unit)``: what a torch.profiler trace says about the host side of a
+  loop (kernels, host-device synchronisations, the operators with the most host time), per unit of work.
 """
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import os
 import platform
@@ -49,8 +54,10 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def git_commit(repo: Path | None = None) -> str:
-    """HEAD of the checkout this package lives in, '+dirty' when it has local changes; 'unknown' outside git.
+def git_commit(repo: Path | None = None, paths: Sequence[str] = ()) -> str:
+    """HEAD of the checkout this package lives in, '+dirty' when it has local changes (only under
+    ``paths`` when given, so a benchmark writing its results into the tree stays clean); 'unknown'
+    outside git.
 
     ``BERTCTL_COMMIT`` overrides it (a copy of the tree without .git, e.g. on a remote GPU machine)."""
     if os.environ.get("BERTCTL_COMMIT"):
@@ -60,7 +67,7 @@ def git_commit(repo: Path | None = None) -> str:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *paths], cwd=repo,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -192,6 +199,30 @@ def kernel_span(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.d
     return _percentiles([us * 1e-3 for us in spans])
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+D2H_COPIES = ("Memcpy DtoH (Device -> Pinned)", "Memcpy DtoH (Device -> Pageable)")
+
+
+def profile_summary(prof, per: int, unit: str, rows: int = 15) -> dict[str, Any]:
+    """The trace of ``per`` units (steps, batches) of work, per ``unit``: CUDA kernels and their busy
+    time, host-device synchronisations, device-to-host copies, the operators with the most host time."""
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    syncs = collections.Counter(e.name for e in events if e.name in SYNC_CALLS)
+    top = sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[:rows]
+    busy: collections.Counter = collections.Counter()
+    for e in kernels:
+        busy[e.name[:90]] += e.device_time_total
+    return {f"gpu_kernel_ms_per_{unit}": sum(e.device_time_total for e in kernels) / 1e3 / per,
+            f"kernels_per_{unit}": len(kernels) / per,
+            f"syncs_per_{unit}": {name: count / per for name, count in syncs.items()},
+            f"d2h_copies_per_{unit}": sum(1 for e in events if e.name in D2H_COPIES) / per,
+            "top_host_ops": [{"op": k.key, f"calls_per_{unit}": k.count / per,
+                              f"self_host_ms_per_{unit}": k.self_cpu_time_total / 1e3 / per} for k in top],
+            "top_kernels": [{"kernel": name, f"gpu_ms_per_{unit}": us / 1e3 / per}
+                            for name, us in busy.most_common(rows)]}
+
+
 def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, reps: int = 20) -> float:
     """GB/s (1e9 bytes/s) of ``dst.copy_(src)``, counting bytes read plus bytes written."""
     device = torch.device(device)
@@ -204,8 +235,11 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, reps: 
     return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
 
 
-def device_block(device: torch.device | str, copy_gbps: float | None = None) -> dict[str, Any]:
-    """What the numbers were measured on: device, versions, date, commit, copy bandwidth (GB/s)."""
+def environment(device: torch.device | str = "cpu", packages: Sequence[str] = (),
+                commit_paths: Sequence[str] = ()) -> dict[str, Any]:
+    """What a run was measured on: device, host, versions (torch, CUDA, Python and ``packages``), commit, date."""
+    from importlib import metadata
+
     device = torch.device(device)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -222,17 +256,32 @@ def device_block(device: torch.device | str, copy_gbps: float | None = None) -> 
         from bertctl import allocator
 
         extra = {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "allocator": allocator.status()}
-    return {
+    row = {
         "type": device.type,
         "name": name,
         **extra,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "commit": git_commit(),
+        "commit": git_commit(paths=commit_paths),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "copy_gbps": float(f"{copy_gbps if copy_gbps is not None else copy_bandwidth(device):.6g}"),
     }
+    if packages:
+        def version(pkg: str) -> str | None:
+            try:
+                return metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                return None
+
+        row["host_cpus"] = os.cpu_count()
+        row["versions"] = {pkg: version(pkg) for pkg in packages}
+    return row
+
+
+def device_block(device: torch.device | str, copy_gbps: float | None = None) -> dict[str, Any]:
+    """What the numbers were measured on (``environment``) and its copy bandwidth (GB/s)."""
+    return {**environment(device),
+            "copy_gbps": float(f"{copy_gbps if copy_gbps is not None else copy_bandwidth(device):.6g}")}
 
 
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""The rule-built fine-tuning tasks of benchmarks/corpus_tasks.py, built from the shared corpus: sizes, labels,
+"""The rule-built fine-tuning tasks of benchmarks/finetune/corpus_tasks.py, built from the shared corpus: sizes, labels,
 the train/dev paragraph split, that the similarity scores order the kinds of pair as the rules say, and that a
 build is a pure function of its seed."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "finetune"))
 import corpus_tasks  # noqa: E402
 
 

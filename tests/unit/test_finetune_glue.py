@@ -413,12 +413,12 @@ def test_from_scratch_keeps_the_architecture_and_draws_every_weight_afresh(tiny,
 
 
 def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, monkeypatch):
-    """benchmarks/finetune_ddp.py end to end on the CPU (one process, then torchrun with 2 gloo processes):
+    """benchmarks/finetune/ddp.py end to end on the CPU (one process, then torchrun with 2 gloo processes):
     every run succeeds, and the summary holds each configuration's metric and its examples/s ratio."""
     import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
-    import finetune_ddp
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks" / "finetune"))
+    import ddp as finetune_ddp
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "ddp.json"
@@ -450,7 +450,7 @@ def test_the_multi_process_benchmark_runs_and_summarises(tiny, sst2, tmp_path, m
 
 
 def test_the_startup_timeline_marks_a_whole_run_in_order(tiny, sst2, tmp_path):
-    """benchmarks/startup_timeline.py runs the command as the user starts it and marks each stage once, in the
+    """benchmarks/finetune/startup_timeline.py runs the command as the user starts it and marks each stage once, in the
     order the run goes through them, on one clock since process start that the run's own account agrees with."""
     import subprocess
     import sys
@@ -458,7 +458,7 @@ def test_the_startup_timeline_marks_a_whole_run_in_order(tiny, sst2, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     out, timeline = tmp_path / "out", tmp_path / "timeline.json"
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "startup_timeline.py"), "--json", str(timeline),
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "finetune" / "startup_timeline.py"), "--json", str(timeline),
                            "finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny),
                            "--output", str(out), "--epochs", "1", "--max-steps", "2", "--device", "cpu",
                            "--no-progress", "--no-tensorboard"], capture_output=True, text=True, cwd=root)
@@ -483,8 +483,8 @@ def test_the_multi_process_benchmark_runs_the_squad_split(tmp_path):
     import sys
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
-    import finetune_ddp
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks" / "finetune"))
+    import ddp as finetune_ddp
 
     a = SimpleNamespace(task="squad", data=tmp_path, model=tmp_path / "m", epochs=1.0, extra=["--no-cuda-graphs"])
     cmd = finetune_ddp.command(2, 32, 42, tmp_path / "out", a)

@@ -1,4 +1,4 @@
-"""benchmarks/finetune_vs_hf.py's check that both sides fine-tuned one checkpoint: the weights' digest each run
+"""benchmarks/finetune/vs_hf.py's check that both sides fine-tuned one checkpoint: the weights' digest each run
 records, and the summaries' warning when runs disagree or predate it."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("finetune_vs_hf", ROOT / "benchmarks" / "finetune_vs_hf.py")
+    spec = importlib.util.spec_from_file_location("finetune_vs_hf", ROOT / "benchmarks" / "finetune" / "vs_hf.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up there
     spec.loader.exec_module(mod)

@@ -2,13 +2,13 @@
 # Builds the CUDA extension on a machine without a GPU, for a GPU machine whose Python and torch are known, so
 # that the GPU machine's time goes to tests and timings instead of nvcc. Needs nvcc (CUDA 13 here) and network
 # access to PyPI. Run from the repo root:
-#   benchmarks/build_cuda_ext.sh [OUT.tar.xz]      (default .device/so.tar.xz, what finetune_vs_hf.sh loads)
+#   benchmarks/ops/build_cuda_ext.sh [OUT.tar.xz]      (default .device/so.tar.xz, what finetune/vs_hf.sh loads)
 # PYTHON (default python3.12) and TORCH (default torch==2.11.0, whose PyPI wheel is the +cu130 build) must match
 # the GPU machine's; the venv (4.7 GB, torch's CUDA libraries included) is kept in BUILD_ENV
 # (default ~/.cache/bertctl-cuda-build) for the next build. The CPU kernels' instruction set is this machine's
 # (BERTCTL_CPU_ISA, see setup.py): set it to the GPU machine's where they differ (the H200 hosts seen: avx512). The tree is built from a copy in $BUILD_ENV/tree, so
-# the checkout's own CPU build stays as it is. On the 2-core machine a first build took about 7 minutes (the
-# five .cu files at two at a time), a rebuild after a change to the dropout hash about 4.
+# the checkout's own CPU build stays as it is. On a 2-core machine a build takes minutes (the .cu files compile
+# two at a time).
 set -euo pipefail
 out=${1:-.device/so.tar.xz}
 env_dir=${BUILD_ENV:-$HOME/.cache/bertctl-cuda-build}

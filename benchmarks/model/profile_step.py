@@ -1,8 +1,9 @@
 """Where a BERT-Base pretraining step spends its GPU time: torch.profiler over a few steps.
 
-    python benchmarks/profile_model_step.py [--case base-128] [--attn sdpa] [--kernels fused]
+    python benchmarks/model/profile_step.py [--case base-128] [--attn sdpa] [--kernels fused]
 
-Prints the step's wall time (CUDA events, unprofiled), its kernel time by kind (matmuls, attention,
+The step is ``bench model``'s (``bertctl`` provider: bf16 autocast, fused AdamW, clipping). Prints
+the device row, the step's wall time (CUDA events over 20 steps back to back, unprofiled), its kernel time by kind (matmuls, attention,
 bertctl's fused ops, copies and casts, the optimizer, the rest), the gap between the two (the GPU
 idle between kernels), and the kernels by total time.  bertctl's kernels are launched with
 programmatic dependent launch, so each one's profiled duration includes its wait for the kernel
@@ -11,10 +12,12 @@ before: run with BERTCTL_PDL=0 for each kernel's own time.
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bertctl.bench import harness
 from bertctl.bench.model import CASES, _train_step_fn, bertctl_model, synthetic_batches
 from bertctl.config import BertConfig
 from bertctl.train.optim import build_optimizer
@@ -37,12 +40,13 @@ def kind(name: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--case", default="base-128")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", default="base-128", choices=sorted(CASES))
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
+    print(json.dumps(harness.environment("cuda")))
     size, seq, batch = CASES[args.case]
     config = BertConfig.preset(size, attn_implementation=args.attn, kernels=args.kernels)
     model = bertctl_model(config, "cuda")
@@ -57,6 +61,8 @@ def main() -> None:
     for i in range(5):
         step(dev[i % 4])
     torch.cuda.synchronize()
+    # Back to back, not the harness's per-call timing (which queues each call ahead behind a device-side
+    # sleep): the gap between this and the kernels' time is the GPU idle between them.
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for i in range(20):

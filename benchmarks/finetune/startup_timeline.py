@@ -2,7 +2,7 @@
 this process with timers around its stages and prints, on stderr, a timeline in seconds since the
 process started (the kernel's start time, so the interpreter's own start-up counts too).
 
-    python benchmarks/startup_timeline.py finetune glue --task sst2 --data-dir SST-2 --model MODEL -o out
+    python benchmarks/finetune/startup_timeline.py finetune glue --task sst2 --data-dir SST-2 --model MODEL -o out
 
 Stages timed: importing torch and bertctl, the tokenizer's load, tokenising (GLUE ``featurize``), the model's
 load, CUDA's initialisation, the engine (``build_optimizer`` inside it, whose first parameter group imports
@@ -52,16 +52,18 @@ def timed(owner, attr: str, name: str) -> None:
 
 
 def instrument_embed() -> None:
-    """``embed``: the stages of its path that imports no torch (bertctl.native) and of the others."""
-    for name in ("bertctl.cli.app", "bertctl.embed", "bertctl.native", "bertctl.tokenizer"):
+    """``embed``: the stages of its path that imports no torch (the native backend) and of the others."""
+    for name in ("bertctl.cli.app", "bertctl.inference.embed", "bertctl.inference.backends",
+                 "bertctl.inference.backends.native", "bertctl.tokenizer"):
         importlib.import_module(name)
     mark("bertctl imported")
-    embed, native = sys.modules["bertctl.embed"], sys.modules["bertctl.native"]
+    embed, backends = sys.modules["bertctl.inference.embed"], sys.modules["bertctl.inference.backends"]
+    native = sys.modules["bertctl.inference.backends.native"]
     for owner, attr in ((embed, "read_texts"), (sys.modules["bertctl.tokenizer"], "load_tokenizer"),
-                        (embed, "open_encoder"), (embed, "embed_texts"), (embed, "finish_features"),
+                        (backends, "open_encoder"), (embed, "embed_texts"), (embed, "finish_features"),
                         (embed, "write_embeddings"), (native, "start"), (native, "started"),
                         (native, "encoder_weights"),
-                        (embed, "resolve_device"), (embed, "load_encoder")):
+                        (backends, "resolve_device"), (backends, "load_encoder")):
         timed(owner, attr, f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}")
     for cls, attr in ((embed.Tokenizing, "__init__"), (embed.Tokenizing, "result"), (native.NativeEncoder, "__init__"),
                       (native.NativeEncoder, "features")):

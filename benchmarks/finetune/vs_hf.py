@@ -2,7 +2,7 @@
 
 Both sides are separate processes started the way a user starts them: ``python -m bertctl
 finetune glue|ner|squad ...`` (the ``bertctl`` entry point runs the same function) and
-``python benchmarks/hf_finetune.py glue|ner|squad ...`` (run_glue.py / run_ner.py / run_qa.py
+``python benchmarks/finetune/hf_finetune.py glue|ner|squad ...`` (run_glue.py / run_ner.py / run_qa.py
 logic on ``transformers.Trainer``). They get the same pretrained directory, data files, recipe and
 seed, and their prediction files are scored here by the same code (``bertctl.tasks.metrics``).
 
@@ -45,10 +45,10 @@ file exists (rc 0, same commit and settings) is skipped unless ``--force``, so a
 repeated by running the same command again. The summaries are rebuilt from all run files after
 each call and by ``--merge`` alone. SIGTERM stops the children and keeps finished runs.
 
-    python benchmarks/finetune_vs_hf.py --model MODEL --data ../shared/data --out benchmarks/results \\
+    python benchmarks/finetune/vs_hf.py --model MODEL --data ../shared/data --out benchmarks/results \\
         --tasks paraphrase,acceptability --seeds 42,43,44,45,46 --jobs 4
-    python benchmarks/finetune_vs_hf.py --mode speed --tasks rte_size,squad --seeds 42,43,44 ...
-    python benchmarks/finetune_vs_hf.py --merge --out benchmarks/results
+    python benchmarks/finetune/vs_hf.py --mode speed --tasks rte_size,squad --seeds 42,43,44 ...
+    python benchmarks/finetune/vs_hf.py --merge --out benchmarks/results
 """
 from __future__ import annotations
 
@@ -68,9 +68,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 sys.path.append(str(ROOT))  # after PYTHONPATH, so a pinned copy of the package can be benchmarked
-sys.path.append(str(ROOT / "benchmarks"))
+sys.path.append(str(HERE))
 
 import corpus_tasks  # noqa: E402
 from bertctl.tasks.metrics import (accuracy, binary_f1, conlleval, matthews_corrcoef, pearson,  # noqa: E402
@@ -290,7 +291,7 @@ def commands(task: str, side: str, seed: int, inputs: dict, out: Path, a) -> lis
         cmd = a.bertctl + ["finetune", t.kind] + a.bertctl_args
         flags = a.bertctl_flags
     else:
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_finetune.py"), t.kind]
+        cmd = [sys.executable, str(HERE / "hf_finetune.py"), t.kind]
         flags = {k: "--" + k.replace("_", "-") for k in values}
     common = ["--model", str(a.model), "--output", str(out)]
     for key, value in values.items():
@@ -388,16 +389,11 @@ def _pythonpath() -> str:
 
 
 def commit() -> str:
-    if os.environ.get("BERTCTL_COMMIT"):
-        return os.environ["BERTCTL_COMMIT"]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "bertctl", "csrc", "setup.py"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The commit measured: '+dirty' only for changes to the code that runs (results written into the
+    tree during a run leave it clean, so finished runs are still recognised)."""
+    from bertctl.bench import harness
+
+    return harness.git_commit(ROOT, paths=("bertctl", "csrc", "setup.py"))
 
 
 def environment(a) -> dict:

