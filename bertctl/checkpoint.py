@@ -45,7 +45,8 @@ def tokenizer_vocab_size(directory: str | Path) -> tuple[Path, int] | None:
     """(file, token count) of the tokenizer that ``load_tokenizer`` would load here: a SentencePiece
     model, else ``tokenizer.json``, else ``vocab.txt``; None when there is none (or it is unreadable:
     loading the tokenizer reports that)."""
-    from bertctl.tokenizer import find_spm_model, load_tokenizer
+    from bertctl.text import load_tokenizer
+    from bertctl.text.sentencepiece import find_spm_model
 
     directory = Path(directory)
     tokenizer_json, vocab_txt = directory / "tokenizer.json", directory / "vocab.txt"

@@ -147,8 +147,8 @@ def prepare_default_data(work: str | Path, *, vocab_size: int = 4000, max_seq_le
     Returns {"corpus": stats, "vocabulary": path, "tokenizer": BertTokenizer, "data": shard folder}.
     """
     from bertctl.data import DataConfig, build_data
-    from bertctl.tokenizer import BertTokenizer
-    from bertctl.vocab import VocabConfig, train_vocab, write_vocab
+    from bertctl.text.vocab_training import VocabConfig, train_vocab, write_vocab
+    from bertctl.text.wordpiece import BertTokenizer
 
     work = Path(work)
     corpus = work / "python-docs"

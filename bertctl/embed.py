@@ -28,7 +28,7 @@ import numpy as np
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, atomic_path, parse_json_line
 from bertctl.progress import stderr, track
-from bertctl.tokenizer import iter_lines, read_lines
+from bertctl.text.files import iter_lines, read_lines
 from bertctl.workers import worker_pool
 
 # Table 7 of the paper: which hidden states feed the features.

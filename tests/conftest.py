@@ -87,7 +87,7 @@ def small_vocab(texts: list[str], n_words: int = 600) -> list[str]:
 @pytest.fixture(scope="session")
 def data_dir(shared_data, tmp_path_factory) -> Path:
     from bertctl.data import DataConfig, build_data
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     files = [shared_data / "corpus" / "inaugural" / f"{n}.txt" for n in PRETRAIN_FILES]
     tok = BertTokenizer(small_vocab([f.read_text(encoding="utf-8", errors="replace") for f in files]))

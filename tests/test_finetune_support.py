@@ -36,7 +36,7 @@ def make_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
     from bertctl.checkpoint import save_pretrained
     from bertctl.config import BertConfig
     from bertctl.model import BertModel
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     torch.manual_seed(seed)
     tok = BertTokenizer.from_pretrained(minilm_dir())

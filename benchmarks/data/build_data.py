@@ -43,7 +43,7 @@ def config():
 def run_one(corpus: str, workers: int) -> dict:
     """One build in this process; prints its summary, time and peak memory."""
     from bertctl.data.build import build_data
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     tokenizer = BertTokenizer.from_vocab_file(vocab_path())
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +74,7 @@ def stage_breakdown(corpus: str) -> dict:
     from bertctl.data.instances import InstanceStats, create_instances_from_document, mask_batch
     from bertctl.data.sentences import split_sentences
     from bertctl.data.shards import npy_bytes, record_dtype, to_records
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     cfg = config().resolved()
     tokenizer = BertTokenizer.from_vocab_file(vocab_path())

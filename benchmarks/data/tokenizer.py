@@ -92,7 +92,7 @@ def main() -> None:
 
     import transformers
 
-    from bertctl.tokenizer import BertTokenizer, read_vocab
+    from bertctl.text.wordpiece import BertTokenizer, read_vocab
 
     lines = corpus_lines()
     n_bytes = sum(len(line.encode("utf-8")) for line in lines)

@@ -36,7 +36,7 @@ def hf_wordpiece_vocab(train_files: list[Path], size: int, min_frequency: int, l
     """Hugging Face's WordPieceTrainer with BERT's normaliser and pre-tokenizer, same inputs."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    from bertctl.vocab import iter_text_lines
+    from bertctl.text.vocab_training import iter_text_lines
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -58,8 +58,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from bertctl.bench import harness
-    from bertctl.tokenizer import BertTokenizer, read_vocab
-    from bertctl.vocab import VocabConfig, iter_text_lines, train_vocab, vocab_stats
+    from bertctl.text.vocab_training import VocabConfig, iter_text_lines, train_vocab, vocab_stats
+    from bertctl.text.wordpiece import BertTokenizer, read_vocab
 
     files = sorted(p for p in CORPUS.rglob("*.txt"))
     held = [CORPUS / name for name in HELD_OUT]

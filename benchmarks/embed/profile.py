@@ -28,7 +28,7 @@ from bertctl.inference.backends import load_encoder  # noqa: E402
 from bertctl.inference.backends.torch import TorchEncoder  # noqa: E402
 from bertctl.inference.embed import EmbedConfig, embed_texts, length_batches, tokenize_texts  # noqa: E402
 from bertctl._ext import kernels_loaded  # noqa: E402
-from bertctl.tokenizer import load_tokenizer  # noqa: E402
+from bertctl.text import load_tokenizer  # noqa: E402
 from bertctl.bench import harness  # noqa: E402
 from bertctl.io import write_json  # noqa: E402
 

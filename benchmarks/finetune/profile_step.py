@@ -43,7 +43,7 @@ from bertctl.nn.attention import varied_shapes  # noqa: E402
 from bertctl.tasks import squad  # noqa: E402
 from bertctl.tasks.glue import featurize, read_glue_tsv, task_spec  # noqa: E402
 from bertctl.tasks.trainer import TaskObjective  # noqa: E402
-from bertctl.tokenizer import BertTokenizer  # noqa: E402
+from bertctl.text.wordpiece import BertTokenizer  # noqa: E402
 from bertctl.train import distributed, graphs  # noqa: E402
 from bertctl.train.engine import Engine, EngineConfig  # noqa: E402
 from bertctl.train.loader import Prefetcher, steps_per_epoch, task_batches  # noqa: E402

@@ -54,12 +54,12 @@ def timed(owner, attr: str, name: str) -> None:
 def instrument_embed() -> None:
     """``embed``: the stages of its path that imports no torch (the native backend) and of the others."""
     for name in ("bertctl.cli.app", "bertctl.inference.embed", "bertctl.inference.backends",
-                 "bertctl.inference.backends.native", "bertctl.tokenizer"):
+                 "bertctl.inference.backends.native", "bertctl.text"):
         importlib.import_module(name)
     mark("bertctl imported")
     embed, backends = sys.modules["bertctl.inference.embed"], sys.modules["bertctl.inference.backends"]
     native = sys.modules["bertctl.inference.backends.native"]
-    for owner, attr in ((embed, "read_texts"), (sys.modules["bertctl.tokenizer"], "load_tokenizer"),
+    for owner, attr in ((embed, "read_texts"), (sys.modules["bertctl.text"], "load_tokenizer"),
                         (backends, "open_encoder"), (embed, "embed_texts"), (embed, "finish_features"),
                         (embed, "write_embeddings"), (native, "start"), (native, "started"),
                         (native, "encoder_weights"),

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         if debug or message is None:
             raise
         _fail(message)
-    except UnicodeDecodeError as e:  # a reader that skipped bertctl.tokenizer.iter_lines: still one line
+    except UnicodeDecodeError as e:  # a reader that skipped bertctl.text.files.iter_lines: still one line
         if debug:
             raise
         _fail(f"input is not valid UTF-8 ({e})")

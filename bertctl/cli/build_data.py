@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
         from bertctl.data.build import build_data
         from bertctl.data.config import DataConfig
         from bertctl.errors import BertctlError
-        from bertctl.tokenizer import load_tokenizer
+        from bertctl.text import load_tokenizer
 
         if vocab is None and spm_model is None:
             raise BertctlError("give --vocab VOCAB.txt|DIR or --spm-model FILE.model (train a vocabulary from the same "

@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
         from bertctl.errors import BertctlError
         from bertctl.io import check_writable
         from bertctl.progress import stderr
-        from bertctl.tokenizer import load_tokenizer
+        from bertctl.text import load_tokenizer
 
         config, encoder_dir, st = checkpoint_config(
             model, pooling=pooling, layers=layers, normalize=normalize, prompt=prompt, prompt_name=prompt_name,

@@ -26,7 +26,8 @@ _CASED = typer.Option(False, "--cased", help="Keep case and accents (with --voca
 
 
 def _tokenizer(vocab: Path | None, model: Path | None, cased: bool, spm_model: Path | None = None):
-    from bertctl.tokenizer import BertTokenizer, load_tokenizer
+    from bertctl.text import load_tokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     if sum(x is not None for x in (vocab, model, spm_model)) != 1:
         raise BertctlError("give exactly one of --vocab VOCAB.txt, --spm-model FILE.model or --model DIR")
@@ -74,7 +75,7 @@ def encode(
     a line that is not UTF-8, or lacks the pair separator, stops with an error naming the line.
     """
     from bertctl.io import check_writable
-    from bertctl.tokenizer import encode_file
+    from bertctl.text.files import encode_file
 
     check_writable(output)
     tok = _tokenizer(vocab, model, cased, spm_model)
@@ -96,7 +97,7 @@ def decode(
 ) -> None:
     """Turn ids back into text, one line per input row (Hugging Face's decode)."""
     from bertctl.io import atomic_open
-    from bertctl.tokenizer import decode_file
+    from bertctl.text.files import decode_file
 
     tok = _tokenizer(vocab, model, False, spm_model)
     lines = decode_file(tok, input, skip_special_tokens=not keep_special)
@@ -181,7 +182,7 @@ def train(
     <pad> 0, <unk> 1, [CLS] 2, [SEP] 3, [MASK] 4, \\[unused0..K-1], then the pieces.
     """
     from bertctl.io import check_writable
-    from bertctl.vocab import ALGORITHMS, VocabConfig, train_sentencepiece, train_vocab, write_vocab
+    from bertctl.text.vocab_training import ALGORITHMS, VocabConfig, train_sentencepiece, train_vocab, write_vocab
 
     check_writable(output)  # before the (long) training, not after
     if save_dir is not None:
@@ -196,7 +197,7 @@ def train(
         raise BertctlError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if algorithm != "wordpiece":
         from bertctl.io import atomic_open
-        from bertctl.tokenizer import SentencePieceTokenizer
+        from bertctl.text.sentencepiece import SentencePieceTokenizer
 
         wordpiece_only = [flag for flag, given in (("--no-strip-accents", no_strip_accents),
                                                    ("--min-frequency", min_frequency != 2),
@@ -219,7 +220,7 @@ def train(
     tokens = train_vocab(inputs, config, progress=not no_progress, workers=workers or usable_cpus())
     write_vocab(tokens, output)
     if save_dir is not None:
-        from bertctl.tokenizer import BertTokenizer
+        from bertctl.text.wordpiece import BertTokenizer
 
         BertTokenizer(tokens, do_lower_case=config.do_lower_case, strip_accents=config.strip_accents).save_pretrained(
             save_dir)

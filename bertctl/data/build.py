@@ -563,7 +563,7 @@ def _as_tokenizer(tokenizer):
     """A tokenizer object, or one loaded from a vocab.txt path (uncased), a SentencePiece .model or a tokenizer folder."""
     if hasattr(tokenizer, "ids_to_tokens"):
         return tokenizer
-    from bertctl.tokenizer import load_tokenizer
+    from bertctl.text import load_tokenizer
 
     return load_tokenizer(tokenizer)
 
@@ -574,7 +574,7 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
                on_unit_done: Callable[[dict], None] | None = None) -> dict:
     """Build pretraining shards from raw text; returns the summary (also stored in the manifest).
 
-    ``inputs``: files or folders; ``tokenizer``: a ``bertctl.tokenizer.BertTokenizer``, or
+    ``inputs``: files or folders; ``tokenizer``: a ``bertctl.text.wordpiece.BertTokenizer``, or
     a tokenizer folder / vocab.txt path (``vocab=`` says the same; a bare vocab.txt
     is read uncased); ``config``: a ``DataConfig`` (defaults when None);
     ``workers``: processes (the output does not depend on it); ``resume``:

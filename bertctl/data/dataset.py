@@ -200,7 +200,7 @@ class PretrainingData:
 
     def _special_ids(self) -> SpecialIds:
         if self._special is None:
-            from bertctl.tokenizer import load_tokenizer  # the data folder holds the tokenizer it was built with
+            from bertctl.text import load_tokenizer  # the data folder holds the tokenizer it was built with
 
             tokens = _vocab_tokens(self.dir / "vocab.txt")
             if vocab_sha256(tokens) != self.manifest["tokenizer"]["vocab_sha256"]:

@@ -37,7 +37,7 @@ def model_dir_of(path: str | Path) -> Path:
 
 
 def load_tokenizer(model_dir: str | Path):
-    from bertctl.tokenizer import load_tokenizer
+    from bertctl.text import load_tokenizer
 
     return load_tokenizer(model_dir_of(model_dir))
 

@@ -641,7 +641,7 @@ def _data_tokenizer(data_dir: Path, manifest: dict):
     """The tokenizer the data was built with: its SentencePiece model, or vocab.txt with the manifest's settings."""
     if not (data_dir / "vocab.txt").is_file():
         return None
-    from bertctl.tokenizer import load_tokenizer
+    from bertctl.text import load_tokenizer
 
     return load_tokenizer(data_dir)  # a build-data folder is a tokenizer directory
 

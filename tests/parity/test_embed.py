@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from bertctl.cli.app import app
 from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, length_batches, load_encoder
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import BertTokenizer
+from bertctl.text.wordpiece import BertTokenizer
 
 runner = CliRunner()
 
@@ -285,7 +285,7 @@ def test_a_forward_pass_out_of_device_memory_names_the_token_budget(tmp_path, mi
 @given(st.lists(st.sampled_from(["a", "é", "\n", "\r", "\r\n", " ", "日本", "\t", ""]), max_size=30))
 def test_read_lines_is_iter_lines_at_once(tmp_path_factory, parts):
     """``embed``'s fast read gives ``iter_lines``' lines: the same splits, \\r\\n endings, final newline."""
-    from bertctl.tokenizer import iter_lines, read_lines
+    from bertctl.text.files import iter_lines, read_lines
 
     path = tmp_path_factory.mktemp("lines") / "t.txt"
     path.write_bytes("".join(parts).encode("utf-8"))
@@ -293,7 +293,7 @@ def test_read_lines_is_iter_lines_at_once(tmp_path_factory, parts):
 
 
 def test_read_lines_names_the_bad_line(tmp_path):
-    from bertctl.tokenizer import read_lines
+    from bertctl.text.files import read_lines
 
     path = tmp_path / "t.txt"
     path.write_bytes(b"fine\nalso fine\nbad \xff byte\n")

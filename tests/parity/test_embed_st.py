@@ -21,7 +21,7 @@ from bertctl.cli.app import app
 from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, finish_features, load_encoder, prepare_texts
 from bertctl.st_modules import Dense, encoder_dir, read_modules
 from bertctl.tasks.common import model_dir_of
-from bertctl.tokenizer import load_tokenizer
+from bertctl.text import load_tokenizer
 
 runner = CliRunner()
 # Both sides compute in fp32 with different kernels (fused LayerNorm, softmax and GELU here; the

@@ -24,7 +24,9 @@ from typer.testing import CliRunner
 
 from bertctl.cli.app import app
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import BertTokenizer, SentencePieceTokenizer, load_tokenizer
+from bertctl.text import load_tokenizer
+from bertctl.text.sentencepiece import SentencePieceTokenizer
+from bertctl.text.wordpiece import BertTokenizer
 from test_finetune_support import conll_slice, data_path, squad_slice
 
 runner = CliRunner()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import BertTokenizer, read_vocab
+from bertctl.text.wordpiece import BertTokenizer, read_vocab
 
 from tokenizer_data import data_texts
 
@@ -94,7 +94,7 @@ def test_google_research_examples():
 
 def test_basic_tokenizer_rules():
     tok = BertTokenizer(TOY)
-    words = lambda t, text: [w for w, _ in t._normalized_words(text)]  # noqa: E731
+    words = lambda t, text: [w for w, _ in t.basic.words(text)]  # noqa: E731
     # Accents stripped with lower-casing; CJK split; punctuation isolated; controls dropped.
     assert words(tok, " \tHeLLo!how  \n Are yoU?  ") == ["hello", "!", "how", "are", "you", "?"]
     assert words(tok, "H\u00e9llo") == ["hello"]
@@ -166,7 +166,7 @@ _pieces = st.one_of(
 def _interesting_chars() -> list[str]:
     """Where tokenizers' Unicode tables have edges: ends of character-class and mark runs, the
     NFD exceptions, case mappings, and letters whose NFD holds punctuation."""
-    from bertctl import _wordpiece_tables as tables
+    from bertctl.text import char_tables as tables
 
     cps = {cp for run in tables.CLASS_RUNS for cp in run[:2]} | {cp for run in tables.MARK_RUNS for cp in run}
     cps |= set(tables.NFD) | set(list(tables.LOWER)[::7]) | {0x1FEF, 0x2260, 0x226E, 0x226F, 0x0338, 0x0130}

@@ -50,7 +50,7 @@ def tiny_model(directory: Path, extra_tokens: int = 0) -> Path:
     from bertctl.checkpoint import save_pretrained
     from bertctl.config import BertConfig
     from bertctl.model import BertModel
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     torch.manual_seed(0)
     tokens = SPECIALS + WORDS
@@ -211,7 +211,7 @@ def test_smaller_vocabulary_is_fine(tmp_path, texts):
 def test_token_ids_past_the_embedding_at_encode_time(tmp_path):
     """A tokenizer handed in by a library caller: ids past the table are an error, not an IndexError."""
     from bertctl.embed import EmbedConfig, embed_texts, load_encoder
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     model = load_encoder(tiny_model(tmp_path / "model"), torch.device("cpu"))
     tokenizer = BertTokenizer(SPECIALS + WORDS + ["zebra"])

@@ -24,7 +24,7 @@ from bertctl.data.documents import ReadStats, list_inputs, read_documents
 from bertctl.data.dataset import PretrainingData
 from bertctl.data.sentences import split_sentences
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import BertTokenizer
+from bertctl.text.wordpiece import BertTokenizer
 
 NON_UTF8 = ["1970-Nixon.txt", "1971-Nixon.txt", "1972-Nixon.txt", "1973-Nixon.txt", "1974-Nixon.txt"]
 

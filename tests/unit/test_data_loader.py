@@ -13,7 +13,7 @@ from bertctl.data.build import build_data
 from bertctl.data.config import DataConfig
 from bertctl.data.dataset import PretrainingData
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import BertTokenizer
+from bertctl.text.wordpiece import BertTokenizer
 
 
 @pytest.fixture(scope="module")

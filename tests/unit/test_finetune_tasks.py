@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     return BertTokenizer.from_pretrained(minilm_dir())
 

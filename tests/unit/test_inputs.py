@@ -25,8 +25,8 @@ from bertctl.data.build import build_data
 from bertctl.data.config import DataConfig
 from bertctl.data.documents import ReadStats, list_inputs, open_input, read_documents, read_lines
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import BertTokenizer
-from bertctl.vocab import VocabConfig, train_vocab
+from bertctl.text.vocab_training import VocabConfig, train_vocab
+from bertctl.text.wordpiece import BertTokenizer
 
 COMPRESS = {
     "gz": gzip.compress,

@@ -130,7 +130,7 @@ def test_backend_native_where_it_cannot_run(tmp_path):
     from bertctl.cli.app import app
 
     directory = random_model(tmp_path / "m", hidden=64, heads=2, layers=1)
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     BertTokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]).save_pretrained(directory)
     texts = tmp_path / "t.txt"
@@ -283,7 +283,7 @@ def test_many_batches_and_chunks_match_torch(gpu_native, minilm_dir, shared_data
     into the output), against the torch backend's batches one by one."""
     import bertctl.embed as embed
     from bertctl.embed import embed_texts, load_encoder
-    from bertctl.tokenizer import load_tokenizer
+    from bertctl.text import load_tokenizer
 
     lines = (shared_data / "glue" / "SST-2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:700]
     texts = [line.split("\t")[0] for line in lines]

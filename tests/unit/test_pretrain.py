@@ -313,7 +313,7 @@ def test_phase_two_continues_from_phase_one(trained, data_dir, tmp_path):
 def minilm_data_dir(shared_data, minilm_dir, tmp_path_factory) -> Path:
     """Shards built with MiniLM's own vocabulary (continued pretraining needs the model's vocabulary)."""
     from bertctl.data import DataConfig, build_data
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     from conftest import PRETRAIN_FILES
 

@@ -14,7 +14,7 @@ from test_finetune_support import data_path, minilm_dir
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     return BertTokenizer.from_pretrained(minilm_dir())
 

@@ -123,7 +123,7 @@ def test_train_command(tmp_path):
     assert tokens[:7] == ["[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     assert len(tokens) <= 120 and "the" in tokens and "cafe" in tokens
     ref = transformers.AutoTokenizer.from_pretrained(str(save))
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     ours = BertTokenizer.from_pretrained(save)
     text = "The lazy dog, naïve café!"
@@ -163,11 +163,11 @@ def test_errors_are_one_line_exit_2(tmp_path, capsys):
 
 def test_train_and_encode_take_no_progress(tmp_path, monkeypatch):
     """--no-progress, as every long command has it, reaches the trainer and the encoder."""
-    import bertctl.tokenizer
-    import bertctl.vocab
+    import bertctl.text.files
+    import bertctl.text.vocab_training
 
     seen = []
-    for module, name in ((bertctl.vocab, "train_vocab"), (bertctl.tokenizer, "encode_file")):
+    for module, name in ((bertctl.text.vocab_training, "train_vocab"), (bertctl.text.files, "encode_file")):
         original = getattr(module, name)
 
         def spy(*args, _original=original, **kwargs):
@@ -190,16 +190,16 @@ def test_train_workers(tmp_path, monkeypatch, capsys):
     leaves the vocabulary as it is; SentencePiece training refuses it."""
     import os
 
-    import bertctl.vocab
+    import bertctl.text.vocab_training
 
     seen = []
-    original = bertctl.vocab.train_vocab
+    original = bertctl.text.vocab_training.train_vocab
 
     def spy(*args, **kwargs):
         seen.append(kwargs["workers"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(bertctl.vocab, "train_vocab", spy)
+    monkeypatch.setattr(bertctl.text.vocab_training, "train_vocab", spy)
     corpus = tmp_path / "a.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 20, encoding="utf-8")
     written = []

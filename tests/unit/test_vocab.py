@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import BertTokenizer
-from bertctl.vocab import VocabConfig, iter_text_lines, train_from_counts, train_vocab, vocab_stats
+from bertctl.text.vocab_training import VocabConfig, iter_text_lines, train_from_counts, train_vocab, vocab_stats
+from bertctl.text.wordpiece import BertTokenizer
 
 from tokenizer_data import DATA
 
@@ -147,7 +147,7 @@ def test_vocabulary_equals_the_recorded_one():
 def test_word_counts_do_not_depend_on_workers_or_batches(monkeypatch):
     """Counting in batches, in 1 to 3 processes, gives the counts of counting one line at a time,
     pruning included (max_word_types is small, so the counter is pruned inside batches)."""
-    from bertctl import vocab
+    from bertctl.text import vocab_training as vocab
 
     files = sorted((CORPUS / "inaugural").glob("*.txt"))
     config = VocabConfig(max_word_types=3000)
@@ -243,7 +243,7 @@ def test_latin1_files_are_counted(tmp_path):
 def test_sampling_bounds_what_is_read(tmp_path):
     path = tmp_path / "big.txt"
     path.write_text("".join(f"word{k % 50} common\n" for k in range(2000)), encoding="utf-8")
-    from bertctl.vocab import _pretokenizer, count_words
+    from bertctl.text.vocab_training import _pretokenizer, count_words
 
     config = VocabConfig(sample_bytes=2000, seed=1)
     counts = count_words([path], config, _pretokenizer(config))

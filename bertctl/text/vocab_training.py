@@ -1,7 +1,7 @@
-"""Learn a BERT WordPiece vocabulary from raw text.
+"""Learn a BERT WordPiece vocabulary, or a SentencePiece model, from raw text.
 
-Pre-tokenisation is bertctl's BERT basic tokenizer (cleaning, lower-casing and accent stripping,
-CJK and punctuation splitting), so training sees exactly the words that encoding will see. The
+Pre-tokenisation is bertctl's BERT basic tokenizer (``basic.py``: cleaning, lower-casing and accent
+stripping, CJK and punctuation splitting), so training sees exactly the words that encoding will see. The
 pieces are learnt as Hugging Face's ``WordPieceTrainer`` learns them (BPE over word counts with
 ``##`` continuation symbols; Sennrich et al., 2016): each word starts as ``c1 ##c2 ##c3 ...`` and
 the most frequent adjacent pair is merged until the vocabulary is full or no pair occurs
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from bertctl.errors import BertctlError
-from bertctl.tokenizer import SPECIAL_TOKENS, BertTokenizer
+from bertctl.text.wordpiece import SPECIAL_TOKENS, BertTokenizer
 from bertctl.workers import worker_pool
 
 SPECIALS_AFTER_UNUSED = ("[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -255,7 +255,7 @@ def train_from_counts(counts: dict[str, int], config: VocabConfig, *, progress: 
             char_counts[c] += k * n
     alphabet = sorted(char_counts, key=lambda c: (-char_counts[c], c))[: config.limit_alphabet]
     # Punctuation and CJK ideographs are always one-character words, so they never need "##".
-    lone = {c for c in alphabet if pretok._normalize_char(c)[0] in ("p", "c")}
+    lone = {c for c in alphabet if pretok.basic.normalize_char(c)[0] in ("p", "c")}
     initial = [c for c in alphabet]
     continuing = ["##" + c for c in alphabet if c not in lone]
     room = config.vocab_size - len(head)
@@ -403,7 +403,7 @@ def train_sentencepiece(
     """
     import io
 
-    from bertctl.tokenizer import _sentencepiece
+    from bertctl.text.sentencepiece import sentencepiece_module
 
     config = config or VocabConfig()
     if algorithm not in ("unigram", "bpe"):
@@ -422,7 +422,7 @@ def train_sentencepiece(
     control = [*SPM_CONTROL_SYMBOLS, *(f"[unused{k}]" for k in range(config.reserved_unused))]
     model = io.BytesIO()
     try:
-        _sentencepiece().SentencePieceTrainer.train(
+        sentencepiece_module().SentencePieceTrainer.train(
             sentence_iterator=sentences(), model_writer=model, model_type=algorithm, vocab_size=config.vocab_size,
             pad_id=0, unk_id=1, bos_id=-1, eos_id=-1, control_symbols=control,
             normalization_rule_name="nmt_nfkc_cf" if config.do_lower_case else "nmt_nfkc",
