@@ -1,8 +1,8 @@
-"""The build of bertctl._C (setup.py): progress lines that reach the user under pip, an
-incremental build in a kept directory, and a module in the source tree left alone when unchanged.
+"""The build of bertctl._C (setup.py): a progress line per compiled file, an incremental build in a
+kept directory, and a module in the source tree left alone when unchanged.
 
-Each build runs setuptools' PEP 517 editable hook the way pip does: in a child process whose
-output the parent captures, so only lines written to the parent's own stderr are seen.
+Each build runs setuptools' PEP 517 editable hook as pip does, in a child process; its stderr is
+what ``pip install -v`` shows.
 """
 from __future__ import annotations
 
@@ -18,23 +18,13 @@ from bertctl._ext import OP_NAMES, compiled, kernels_loaded
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A parent like pip: it runs the hook with stdout and stderr captured and prints that output only
-# on failure.  Its own stderr is the test's pipe.
-PIP_LIKE = r"""
-import subprocess, sys
-hook = "from setuptools import build_meta; build_meta.build_editable(sys.argv[1])"
-r = subprocess.run([sys.executable, "-c", "import sys; " + hook, sys.argv[1]],
-                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-if r.returncode:
-    sys.stdout.buffer.write(r.stdout)
-sys.exit(r.returncode)
-"""
+HOOK = "import sys; from setuptools import build_meta; build_meta.build_editable(sys.argv[1])"
 
 
 def build(wheels: Path) -> str:
-    """Build as pip does (same BERTCTL_* switches as the module under test); what the user sees."""
+    """Build as pip does (same BERTCTL_* switches as the module under test); the build's stderr."""
     wheels.mkdir()
-    r = subprocess.run([sys.executable, "-c", PIP_LIKE, str(wheels)], cwd=ROOT, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", HOOK, str(wheels)], cwd=ROOT, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, f"build failed:\n{r.stdout}\n{r.stderr}"
     return r.stderr
