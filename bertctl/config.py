@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bertctl.errors import BertctlError
 from bertctl.io import read_json_object, write_json
+from bertctl.runtime import ATTENTION_BACKENDS, DROPOUT_MASK_CHOICES, KERNEL_CHOICES
 
 # (layers, hidden, heads): BERT-Base/Large from the paper (§3), the small sizes from
 # Turc et al. 2019 ("Well-Read Students Learn Better").  Intermediate = 4 * hidden.
@@ -24,38 +25,6 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "large": (24, 1024, 16),
 }
 
-ATTENTION_BACKENDS = ("sdpa", "explicit", "unpadded")
-EXPORTABLE_ATTENTION = ("sdpa", "explicit")  # unpadded packs by data-dependent indices: no static graph
-ATTENTION_CHOICES = ("auto", *ATTENTION_BACKENDS)  # auto: see resolve_attention
-
-
-def resolve_attention(name: str, device_type: str, compiled: bool = False, packed_data: bool = False,
-                      fused_kernels: bool = False, graphs: bool = False) -> str:
-    """``auto`` -> ``unpadded``, except ``sdpa`` under torch.compile (its graphs break at unpadded's
-    data-dependent sizes) and whole-step CUDA graphs (which need fixed sizes), and, for ``packed_data`` (pretraining's sequences, packed to length), ``sdpa``
-    on a GPU and ``explicit`` on the CPU when the compiled kernels are there (``fused_kernels``).
-
-    Measured: on a CPU 2.45x the padded fine-tuning step on SST-2's batches. On a GPU (bf16, FlashAttention's
-    variable-length kernel) whole fine-tuning runs take 0.86x (SST-2) and 0.77x (SQuAD) the padded time
-    on an H100, with the same quality over 5 seeds (SST-2, CoNLL-2003, the SQuAD split); on nearly full
-    batches (pretraining) the padded step is as fast or faster (0.96x at seq 128, 0.89x at 512). On the
-    2-core CPU the full-batch pretraining step with the fused softmax and dropout (``explicit``) took
-    0.93x (tiny, batch 8) and 0.95x (mini, batch 32) the time of SDPA, whose attention dropout draws
-    from a Mersenne Twister.
-    """
-    if name != "auto":
-        return name
-    if compiled or graphs:
-        return "sdpa"
-    if packed_data and device_type != "cpu":
-        return "sdpa"
-    if packed_data and fused_kernels:
-        return "explicit"
-    return "unpadded"
-
-
-KERNEL_CHOICES = ("auto", "fused", "torch")
-DROPOUT_MASK_CHOICES = ("fused", "torch")
 # hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 RUNTIME_FIELDS = ("attn_implementation", "kernels", "dropout_masks")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bertctl.config import EXPORTABLE_ATTENTION
+from bertctl.runtime import EXPORTABLE_ATTENTION
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_path
 from bertctl.progress import stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from bertctl.config import EXPORTABLE_ATTENTION
+from bertctl.runtime import EXPORTABLE_ATTENTION
 
 export_app = typer.Typer(name="export", help="Export a model for serving (ONNX).", no_args_is_help=True)
 

@@ -137,13 +137,13 @@ def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps
     if precision is not None:
         choice("--precision", precision, ("auto", "bf16", "fp16", "fp32"))
     if attn is not None:
-        from bertctl.config import ATTENTION_CHOICES
+        from bertctl.runtime import ATTENTION_CHOICES
 
         choice("--attn", attn, ATTENTION_CHOICES)
     if kernels is not None:
         choice("--kernels", kernels, ("auto", "fused", "torch"))
     if dropout_masks is not None:
-        from bertctl.config import DROPOUT_MASK_CHOICES
+        from bertctl.runtime import DROPOUT_MASK_CHOICES
 
         choice("--dropout-masks", dropout_masks, DROPOUT_MASK_CHOICES)
 

@@ -13,7 +13,7 @@ import torch
 from bertctl.errors import BertctlError
 from bertctl.io import write_json
 from bertctl.progress import MetricsLog, stderr
-from bertctl.tasks.trainer import TrainConfig, TrainResult, fine_tune, lr_sweep_values, resolve_device, with_lr
+from bertctl.tasks.trainer import TrainConfig, TrainResult, fine_tune, lr_sweep_values, runtime_of, with_lr
 
 MODEL_SUBDIR = "model"
 
@@ -37,7 +37,7 @@ def model_dir_of(path: str | Path) -> Path:
 
 
 def load_tokenizer(model_dir: str | Path):
-    from bertctl.text import load_tokenizer
+    from bertctl.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir_of(model_dir))
 
@@ -52,15 +52,10 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     initialised afresh, the paper's "no pretraining" baseline.
     """
     from bertctl.checkpoint import load_config, load_pretrained
-    from bertctl.config import resolve_attention
-    from bertctl.tasks.trainer import uses_graphs
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
-        attn = resolve_attention(cfg.attn, device_for(cfg).type, compiled=cfg.compile, graphs=uses_graphs(cfg))
-        # By default torch's dropout masks, which measured better than the fused sub-layer op's own
-        # (bertctl.model.own_masks).
-        overrides.update(kernels=cfg.kernels, attn_implementation=attn, dropout_masks=cfg.dropout_masks)
+        overrides.update(runtime_of(cfg).model_overrides())
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     if cfg is not None and cfg.from_scratch:
@@ -224,7 +219,3 @@ def _process_age() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)
-
-
-def device_for(cfg: TrainConfig) -> torch.device:
-    return resolve_device(cfg.device)

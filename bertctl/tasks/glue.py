@@ -33,7 +33,7 @@ from bertctl.io import atomic_open, iter_jsonl
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import GLUE_METRICS, glue_metrics
-from bertctl.tasks.trainer import TrainConfig, device_info, predict
+from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
 
 
 @dataclass(frozen=True)
@@ -505,7 +505,7 @@ def run_eval(data: GlueData, model_dir: str | Path, cfg: TrainConfig, *, max_seq
     for _, path, ex in data.devs:
         normalise_labels(ex, data.task, str(path))
     tokenizer = common.load_tokenizer(model_dir)
-    model.to(common.device_for(cfg))
+    model.to(runtime_of(cfg).torch_device)
     metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.progress)
     result = {"task": data.task.name, **metrics, "examples": sum(len(e) for _, _, e in data.devs)}
     if skipped:

@@ -23,7 +23,7 @@ from bertctl.model import IGNORE_INDEX
 from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import conlleval
-from bertctl.tasks.trainer import TrainConfig, device_info, predict
+from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
 
 
 @dataclass
@@ -255,7 +255,7 @@ def run_eval(data_path: str | Path, model_dir: str | Path, tcfg: TrainConfig, *,
         raise BertctlError(f"{data_path}: tags {', '.join(unknown)} are not among the model's labels "
                            f"({', '.join(labels)})")
     tokenizer = common.load_tokenizer(model_dir)
-    model.to(common.device_for(tcfg))
+    model.to(runtime_of(tcfg).torch_device)
     tags, feats = _predict_tags(model, data, tokenizer, labels, tcfg, max_seq_length, tcfg.progress)
     m = score(data, tags)
     result = {"task": "ner", **{k: m[k] for k in ("precision", "recall", "f1", "accuracy")},

@@ -28,7 +28,7 @@ from bertctl.io import read_json_object, write_json
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import squad_v1_evaluate, squad_v2_evaluate
-from bertctl.tasks.trainer import TrainConfig, device_info, predict
+from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
 from bertctl.workers import map_in_order, usable_cpus
 
 NULL_THRESHOLD_KEY = "squad_null_score_diff_threshold"
@@ -454,7 +454,7 @@ def run_eval(dev: SquadData, model_dir: str | Path, tcfg: TrainConfig, scfg: Squ
 
     model = common.load_finetuned(BertForQuestionAnswering, model_dir, task="squad")
     tokenizer = common.load_tokenizer(model_dir)
-    model.to(common.device_for(tcfg))
+    model.to(runtime_of(tcfg).torch_device)
     contexts = tokenize_contexts(dev.contexts, tokenizer)
     features = featurize(dev, tokenizer, scfg, training=False, contexts=contexts)
     preds = decode(dev, features, _logits(model, features, tcfg, tcfg.progress), contexts, scfg)

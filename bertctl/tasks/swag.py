@@ -20,7 +20,7 @@ from bertctl.io import atomic_open, iter_jsonl
 from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import accuracy
-from bertctl.tasks.trainer import TrainConfig, device_info, predict
+from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
 
 NUM_CHOICES = 4
 COLUMNS = ("sent1", "sent2", "ending0", "ending1", "ending2", "ending3")
@@ -170,7 +170,7 @@ def run_eval(data_path, model_dir, tcfg: TrainConfig, *, max_seq_length: int = 1
 
     model = common.load_finetuned(BertForMultipleChoice, model_dir, task="swag")
     tokenizer = common.load_tokenizer(model_dir)
-    model.to(common.device_for(tcfg))
+    model.to(runtime_of(tcfg).torch_device)
     examples = read_swag(data_path, need_label=False)
     feats = featurize(examples, tokenizer, max_seq_length)
     logits = _choices(model, feats, tcfg, tcfg.progress)

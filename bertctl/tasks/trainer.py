@@ -35,9 +35,9 @@ from bertctl.embed import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError, Stopped
 from bertctl.model import IGNORE_INDEX, cudnn_training_attention, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
-from bertctl.train import distributed, state
-from bertctl.train import graphs
-from bertctl.train.engine import Engine, EngineConfig, autocast, resolve_precision, to_device, warmup_steps
+from bertctl.runtime import Runtime, resolve, resolve_precision
+from bertctl.train import distributed, graphs, state
+from bertctl.train.engine import Engine, EngineConfig, autocast, to_device, warmup_steps
 from bertctl.train.loader import (Prefetcher, collate, feature_length, median_step_length, steps_per_epoch,
                                  task_batches)
 
@@ -92,40 +92,30 @@ class TrainResult:
         return self.train_examples / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise BertctlError(f"--device {name}: no CUDA device is available")
-    return torch.device(name)
+def runtime_of(cfg: TrainConfig) -> Runtime:
+    """Where and how fine-tuning runs: the runtime ``cfg`` asks for. Decided before the model is built,
+    since with CUDA graphs ``--attn auto`` picks the padded attention; graphs asked for where they cannot
+    run are one clear error."""
+    return resolve(cfg.device, cfg.precision, attn=cfg.attn, kernels=cfg.kernels, dropout_masks=cfg.dropout_masks,
+                   compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
 
 
-def uses_graphs(cfg: TrainConfig) -> bool:
-    """Whether the steps replay as CUDA graphs: ``cfg.cuda_graphs``, or (None) wherever they apply.
-    Asked for where they cannot run, a clear error; decided before the model is built, since with
-    graphs ``--attn auto`` picks the padded attention."""
-    device = resolve_device(cfg.device)
-    return graphs.wanted(cfg.cuda_graphs, device=device, precision=resolve_precision(cfg.precision, device),
-                         optimizer="adamw", compile=cfg.compile, attn=cfg.attn)
-
-
-def eager_ddp_note(cfg: TrainConfig, world_size: int, device: torch.device, graphs_on: bool) -> str | None:
+def eager_ddp_note(runtime: Runtime, world_size: int, graphs_on: bool) -> str | None:
     """A note for several GPUs stepping eagerly: at fine-tuning's batches each step waits on the host
     issuing its kernels, which DDP adds to, so more GPUs can be slower than one (measured: BERT-Large
     on SQuAD, 16 rows a GPU, 2 H200s at 0.74x one, ``finetune-ddp-squad-large-eager-*.json``)."""
-    if world_size < 2 or device.type != "cuda" or graphs_on:
+    if world_size < 2 or runtime.device_type != "cuda" or graphs_on:
         return None
-    why = graphs.graphs_unsupported(device=device, precision=resolve_precision(cfg.precision, device),
-                                    optimizer="adamw", compile=cfg.compile, attn=cfg.attn) or "--no-cuda-graphs"
+    why = runtime.graphs_unsupported or "--no-cuda-graphs"
     return (f"note: {world_size} processes without CUDA graphs ({why}): each step waits on the host issuing its "
             f"kernels, and at a few dozen rows a GPU more GPUs can be slower than one (BERT-Large on SQuAD, 16 rows a "
             f"GPU: 2 GPUs ran 0.74x one); CUDA graphs, the default, need bf16 or fp32, padded attention and no "
             f"--compile")
 
 
-def _dist(cfg: TrainConfig) -> distributed.Dist:
+def _dist(runtime: Runtime) -> distributed.Dist:
     """This process's place: under torchrun one rank per GPU; otherwise the configured device."""
-    device = resolve_device(cfg.device)
+    device = runtime.torch_device
     dist = distributed.setup(device.type)
     if not dist.enabled and device.type == "cuda" and device.index is not None:
         dist.device = device
@@ -165,7 +155,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
     run slower, 65536 on a GPU); a multiple-choice feature counts its choices' tokens. Within
     ``sharded_predictions`` the processes split the batches."""
     device = device or next(model.parameters()).device
-    precision = resolve_precision(precision, device)
+    precision = resolve_precision(precision, device.type)
     was_training = model.training
     model.eval()
     cost = np.array([f["input_ids"].size for f in features], dtype=np.int64)  # (S,) or (C, S)
@@ -271,7 +261,8 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     """
     if not train_features:
         raise BertctlError("no training examples")
-    dist = _dist(cfg)
+    runtime = runtime_of(cfg)
+    dist = _dist(runtime)
     W = dist.world_size
     if cfg.batch_size < W:
         raise BertctlError(f"--batch-size {cfg.batch_size} is smaller than the {W} processes")
@@ -283,14 +274,14 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
                         lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
                         warmup_steps=warmup_steps(steps, None, cfg.warmup_fraction), max_grad_norm=cfg.max_grad_norm,
                         seed=cfg.seed, precision=cfg.precision, compile=cfg.compile, compile_dynamic=True,
-                        cuda_graphs=uses_graphs(cfg) and (cfg.cuda_graphs or getattr(
+                        cuda_graphs=runtime.cuda_graphs and (cfg.cuda_graphs or getattr(
                             getattr(model, "config", None), "attn_implementation", None) != "unpadded"),
                         graph_min_steps=cfg.graph_min_steps, log_every=max(1, cfg.log_every),
                         save_every=cfg.save_every or None, keep=1, show_progress=cfg.progress and dist.is_main,
                         description="finetune")
     engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)
     model = engine.model
-    note = eager_ddp_note(cfg, W, engine.device, ecfg.cuda_graphs)
+    note = eager_ddp_note(runtime, W, ecfg.cuda_graphs)
     if note and dist.is_main:
         stderr.print(note)
     history: list[dict] = []

@@ -49,8 +49,9 @@ import torch
 
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, progress
+from bertctl.runtime import graphs_unsupported, resolve_precision
 from bertctl.train import distributed, state
-from bertctl.train.graphs import StepGraphs, graphs_unsupported
+from bertctl.train.graphs import StepGraphs
 from bertctl.train.optim import build_optimizer, build_scheduler
 
 
@@ -121,16 +122,6 @@ class Objective(Protocol):
 
     def info(self, rec: dict) -> str:
         """The progress line's text for a log record."""
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    if precision == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if precision not in ("bf16", "fp16", "fp32"):
-        raise BertctlError(f"--precision must be auto, bf16, fp16 or fp32, not {precision!r}")
-    if precision == "fp16" and device.type != "cuda":
-        raise BertctlError("--precision fp16 needs a GPU (use fp32 or bf16 on CPU)")
-    return precision
 
 
 def autocast(precision: str, device: torch.device, cache: bool = True):
@@ -258,13 +249,13 @@ class Engine:
         self.cfg, self.objective, self.dist = cfg, objective, dist
         self.device = dist.device
         self.run_dir = Path(run_dir) if run_dir is not None else None  # where checkpoints go
-        self.precision = resolve_precision(cfg.precision, self.device)
+        self.precision = resolve_precision(cfg.precision, self.device.type)
         self.reduce_dtype = distributed.REDUCE_DTYPES[distributed.ddp_options().get("reduce", "fp32")]
         self.log = log or MetricsLog(None)
         self.flops = flops  # counts -> training FLOPs of a step (for TFLOP/s and MFU), optional
         self.model = model.to(self.device)
         if cfg.cuda_graphs:
-            why = graphs_unsupported(device=self.device, precision=self.precision, optimizer=cfg.optimizer,
+            why = graphs_unsupported(device_type=self.device.type, precision=self.precision, optimizer=cfg.optimizer,
                                      compile=cfg.compile,
                                      attn=getattr(getattr(model, "config", None), "attn_implementation", None))
             if why:

@@ -61,34 +61,6 @@ from bertctl.errors import BertctlError
 MIN_SHAPE_STEPS = 16
 
 
-def graphs_unsupported(*, device: torch.device, precision: str, optimizer: str, compile: bool,
-                       attn: str | None = None) -> str | None:
-    """Why whole-step CUDA graphs cannot run this job, or None when they can."""
-    if device.type != "cuda":
-        return "they need a CUDA device"
-    if precision == "fp16":
-        return "not with fp16 (the loss scaler decides on the host)"
-    if optimizer.lower() != "adamw":
-        return "only with AdamW"
-    if compile:
-        return "not with --compile"
-    if attn == "unpadded":
-        return "not with --attn unpadded (its sizes depend on the data)"
-    return None
-
-
-def wanted(requested: bool | None, *, device: torch.device, precision: str, optimizer: str, compile: bool,
-           attn: str | None = None) -> bool:
-    """``--cuda-graphs`` resolved: False when turned off; None (the default) where they can run; asked
-    for (True) where they cannot, one clear error."""
-    if requested is False:
-        return False
-    why = graphs_unsupported(device=device, precision=precision, optimizer=optimizer, compile=compile, attn=attn)
-    if why and requested:
-        raise BertctlError(f"--cuda-graphs: {why}")
-    return why is None
-
-
 class StepGraphs:
     """Captures and replays ``body(static_micro)``, one graph per micro-batch shape signature.
 

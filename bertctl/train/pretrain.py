@@ -33,13 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bertctl.config import resolve_attention
 from bertctl.errors import BertctlError
 from bertctl.model import IGNORE_INDEX, masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
-from bertctl.train import distributed, graphs, state
-from bertctl.train.engine import (Engine, EngineConfig, autocast, load_optimizer_state, resolve_precision, to_device,
-                                  warmup_steps)
+from bertctl.runtime import Runtime, resolve
+from bertctl.train import distributed, state
+from bertctl.train.engine import Engine, EngineConfig, autocast, load_optimizer_state, to_device, warmup_steps
 from bertctl.train.loader import Prefetcher, bucketed_batches, pretraining_step, trim
 from bertctl.train.metrics import plot_curves, train_flops_6nt
 from bertctl.train.optim import build_scheduler
@@ -79,7 +78,7 @@ class TrainConfig:
     kernels: str = "auto"
     attn: str = "auto"                    # auto: unpadded on a CPU, sdpa on a GPU (packed data)
     compile: bool = False
-    cuda_graphs: bool | None = None       # each step one CUDA graph; None: wherever they can run (graphs.wanted)
+    cuda_graphs: bool | None = None       # each step one CUDA graph; None: wherever they can run (runtime.graphs_wanted)
     bucket_lengths: bool = False          # length-bucketed batch order (less padding for varied lengths)
     device: str | None = None             # cpu | cuda | None (cuda when available)
     # Never lose work.
@@ -259,13 +258,12 @@ def collapse_warning(previous: dict | None, ev: dict, step: int, warmup: int, ma
 class Trainer:
     """A pretraining run: data, model and evaluation around the one training engine."""
 
-    def __init__(self, cfg: TrainConfig, dist: distributed.Dist, tokenizer=None):
-        self.cfg, self.dist = cfg, dist
+    def __init__(self, cfg: TrainConfig, dist: distributed.Dist, runtime: Runtime, tokenizer=None):
+        self.cfg, self.dist, self.runtime = cfg, dist, runtime
         self.device = dist.device
         self.out = Path(cfg.output)
-        self.precision = resolve_precision(cfg.precision, self.device)
-        self.use_graphs = graphs.wanted(cfg.cuda_graphs, device=self.device, precision=self.precision,
-                                        optimizer=cfg.optimizer, compile=cfg.compile, attn=cfg.attn)
+        self.precision = runtime.precision
+        self.use_graphs = runtime.cuda_graphs
         self.tokenizer = tokenizer
         self.log = MetricsLog(None)  # opened in run(), once data and model are known to be good
         self.collapsed = False
@@ -319,13 +317,7 @@ class Trainer:
         from bertctl import checkpoint
         from bertctl.config import BertConfig
 
-        from bertctl.ops import fused_available
-
-        attn = resolve_attention(self.cfg.attn, self.device.type, compiled=self.cfg.compile, packed_data=True,
-                                 graphs=self.use_graphs,
-                                 fused_kernels=self.cfg.kernels != "torch" and fused_available())
-        runtime = dict(attn_implementation=attn, kernels=self.cfg.kernels)
-        over = {**self.cfg.model_overrides, **runtime}
+        over = {**self.cfg.model_overrides, **self.runtime.model_overrides()}
         if ckpt_state is not None:  # resume, or init from a previous run's checkpoint
             return BertConfig.from_dict(ckpt_state["configs"]["model"], **over), None
         if self.cfg.init_from:
@@ -387,8 +379,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         if hf_dir is not None and init_state is None:
             model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True,
-                                               attn_implementation=mconf.attn_implementation, kernels=cfg.kernels,
-                                               **cfg.model_overrides)
+                                               **{**cfg.model_overrides, **self.runtime.model_overrides()})
         else:
             model = model_cls(mconf)
         if init_state is not None and resume_from is None:
@@ -641,18 +632,20 @@ def _data_tokenizer(data_dir: Path, manifest: dict):
     """The tokenizer the data was built with: its SentencePiece model, or vocab.txt with the manifest's settings."""
     if not (data_dir / "vocab.txt").is_file():
         return None
-    from bertctl.text import load_tokenizer
+    from bertctl.tokenizer import load_tokenizer
 
     return load_tokenizer(data_dir)  # a build-data folder is a tokenizer directory
 
 
 def pretrain(cfg: TrainConfig, tokenizer=None) -> dict[str, Any]:
     """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``TrainConfig``."""
-    dist = distributed.setup(cfg.device)
+    runtime = resolve(cfg.device, cfg.precision, attn=cfg.attn, kernels=cfg.kernels, compile=cfg.compile,
+                      cuda_graphs=cfg.cuda_graphs, optimizer=cfg.optimizer, packed_data=True)
+    dist = distributed.setup(runtime.device_type)
     finished = False
     trainer = None
     try:
-        trainer = Trainer(cfg, dist, tokenizer=tokenizer)
+        trainer = Trainer(cfg, dist, runtime, tokenizer=tokenizer)
         summary = trainer.run()
         finished = True
         return summary

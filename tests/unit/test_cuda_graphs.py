@@ -162,23 +162,24 @@ def test_no_memory_to_capture_is_one_clear_error_naming_the_way_out(monkeypatch)
 
 
 def test_where_graphs_do_not_apply():
-    cuda_dev = torch.device("cuda")
-    ok = dict(device=cuda_dev, precision="bf16", optimizer="adamw", compile=False, attn="sdpa")
-    assert G.graphs_unsupported(**ok) is None
-    for change, words in [({"device": torch.device("cpu")}, "CUDA"), ({"precision": "fp16"}, "fp16"), ({"optimizer": "lamb"}, "AdamW"),
+    from bertctl.runtime import graphs_unsupported
+
+    ok = dict(device_type="cuda", precision="bf16", optimizer="adamw", compile=False, attn="sdpa")
+    assert graphs_unsupported(**ok) is None
+    for change, words in [({"device_type": "cpu"}, "CUDA"), ({"precision": "fp16"}, "fp16"), ({"optimizer": "lamb"}, "AdamW"),
                           ({"compile": True}, "--compile"), ({"attn": "unpadded"}, "unpadded")]:
-        assert words in G.graphs_unsupported(**{**ok, **change})
+        assert words in graphs_unsupported(**{**ok, **change})
 
 
 def test_auto_is_off_on_the_cpu_and_asking_there_is_one_clear_error():
-    assert not T.uses_graphs(T.TrainConfig(device="cpu"))
-    assert not T.uses_graphs(T.TrainConfig(device="cpu", cuda_graphs=False))
+    assert not T.runtime_of(T.TrainConfig(device="cpu")).cuda_graphs
+    assert not T.runtime_of(T.TrainConfig(device="cpu", cuda_graphs=False)).cuda_graphs
     with pytest.raises(BertctlError, match="--cuda-graphs: they need a CUDA device"):
-        T.uses_graphs(T.TrainConfig(device="cpu", cuda_graphs=True))
+        T.runtime_of(T.TrainConfig(device="cpu", cuda_graphs=True))
 
 
 def test_attention_auto_is_padded_under_graphs():
-    from bertctl.config import resolve_attention
+    from bertctl.runtime import resolve_attention
 
     assert resolve_attention("auto", "cuda") == "unpadded"
     assert resolve_attention("auto", "cuda", graphs=True) == "sdpa"

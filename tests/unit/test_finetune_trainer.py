@@ -269,13 +269,19 @@ def test_a_step_across_processes_never_waits_for_the_gpu(tmp_path, monkeypatch):
 def test_several_gpus_stepping_eagerly_get_a_note_naming_why():
     """Under torchrun on GPUs without CUDA graphs the run says why graphs are off and what it costs; one
     process, the CPU, or graphs on: nothing."""
-    cuda = torch.device("cuda", 0)
-    cfg = T.TrainConfig(compile=True)
-    note = T.eager_ddp_note(cfg, 2, cuda, graphs_on=False)
+    from bertctl.runtime import Runtime, graphs_unsupported
+
+    def on_gpu(precision="bf16", compile=False):  # the runtime resolve() gives on a GPU (this machine may have none)
+        return Runtime(device="cuda:0", precision=precision, compile=compile, graphs_unsupported=graphs_unsupported(
+            device_type="cuda", precision=precision, compile=compile, attn="auto"))
+
+    compiled = on_gpu(compile=True)
+    note = T.eager_ddp_note(compiled, 2, graphs_on=False)
     assert note.startswith("note: 2 processes without CUDA graphs (not with --compile)") and "0.74x" in note
-    assert "(--no-cuda-graphs)" in T.eager_ddp_note(T.TrainConfig(cuda_graphs=False), 4, cuda, graphs_on=False)
-    assert "(not with fp16" in T.eager_ddp_note(T.TrainConfig(precision="fp16"), 2, cuda, graphs_on=False)
-    for args in ((cfg, 1, cuda, False), (cfg, 2, torch.device("cpu"), False), (T.TrainConfig(), 2, cuda, True)):
+    assert "(--no-cuda-graphs)" in T.eager_ddp_note(on_gpu(), 4, graphs_on=False)
+    assert "(not with fp16" in T.eager_ddp_note(on_gpu(precision="fp16"), 2, graphs_on=False)
+    on_cpu = Runtime(device="cpu", graphs_unsupported="they need a CUDA device")
+    for args in ((compiled, 1, False), (on_cpu, 2, False), (on_gpu(), 2, True)):
         assert T.eager_ddp_note(*args) is None
 
 

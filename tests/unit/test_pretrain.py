@@ -83,6 +83,7 @@ def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
     from bertctl import checkpoint
     from bertctl.data import PretrainingData
     from bertctl.model import BertForPreTraining
+    from bertctl.runtime import resolve
     from bertctl.train.pretrain import Trainer, TrainConfig
     from bertctl.train import distributed
 
@@ -91,7 +92,7 @@ def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
     ds = PretrainingData(data_dir, split="eval")
     batch = next(ds.batches(16, seed=0, epoch=0))
     t = Trainer(TrainConfig(output=str(out / "x"), data=str(data_dir), eval_batches=1, eval_batch_size=16,
-                            device="cpu", seed=0), distributed.Dist())
+                            device="cpu", seed=0), distributed.Dist(), resolve("cpu"))
     t.data, t.eval_data, t.model, t.model_config, t.precision = ds, ds, model, model.config, "fp32"
     ev = t.evaluate()
     model.eval()  # evaluate() hands the model back in training mode
@@ -313,7 +314,7 @@ def test_phase_two_continues_from_phase_one(trained, data_dir, tmp_path):
 def minilm_data_dir(shared_data, minilm_dir, tmp_path_factory) -> Path:
     """Shards built with MiniLM's own vocabulary (continued pretraining needs the model's vocabulary)."""
     from bertctl.data import DataConfig, build_data
-    from bertctl.text.wordpiece import BertTokenizer
+    from bertctl.tokenizer import BertTokenizer
 
     from conftest import PRETRAIN_FILES
 

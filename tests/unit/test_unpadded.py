@@ -164,8 +164,6 @@ def test_finetune_runs_unpadded_and_export_refuses_it(tmp_path):
 
 def test_a_batch_with_little_padding_runs_padded(monkeypatch):
     """Packing a full batch costs more than it saves (8% on the CPU): such batches take the padded path."""
-    import bertctl.model as model_module
-
     padded, unpadded = twins(BertModel, "torch")
     ids, types, mask = batch()
     full = torch.ones_like(mask)
@@ -174,7 +172,7 @@ def test_a_batch_with_little_padding_runs_padded(monkeypatch):
     def refuse(*_):
         raise AssertionError("a full batch was packed")
 
-    monkeypatch.setattr(model_module.Packed, "__init__", refuse)
+    monkeypatch.setattr(Packed, "__init__", refuse)
     torch.testing.assert_close(unpadded(ids, types, full).last_hidden_state, expected)
     with pytest.raises(AssertionError, match="was packed"):
         unpadded(ids, types, mask)
@@ -263,7 +261,7 @@ def test_varlen_attention_dropout_backward_replays_the_forward_mask():
 
 
 def test_auto_attention_is_unpadded_except_compiled_or_pretraining():
-    from bertctl.config import resolve_attention
+    from bertctl.runtime import resolve_attention
 
     assert resolve_attention("auto", "cpu") == resolve_attention("auto", "cuda") == "unpadded"
     assert resolve_attention("auto", "cpu", packed_data=True) == "unpadded"  # no compiled kernels
