@@ -1,0 +1,84 @@
+"""The documentation stays true to its sources: docs/measured.md is what docs/generate.py makes of
+benchmarks/results/ (so a new or changed result file must regenerate it), the README stays short,
+and every relative link in the README and docs/ points at a file or heading that exists."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_measured_is_the_generators_output():
+    expected = generator().render()
+    actual = (DOCS / "measured.md").read_text(encoding="utf-8")
+    assert actual == expected, "docs/measured.md is out of date: run python docs/generate.py"
+
+
+def test_the_generator_reads_the_result_files(tmp_path, monkeypatch):
+    """A figure in a result file reaches the page: change one and the table changes with it."""
+    gen = generator()
+    results = tmp_path / "results"
+    results.mkdir()
+    for f in (ROOT / "benchmarks" / "results").glob("*.json"):
+        (results / f.name).write_bytes(f.read_bytes())
+    d = json.loads((results / "finetune-sst2.json").read_text())
+    d["bertctl"]["accuracy"]["mean"] = 12.3456
+    (results / "finetune-sst2.json").write_text(json.dumps(d))
+    monkeypatch.setattr(gen, "RESULTS", str(results))
+    page = gen.render()
+    row = next(line for line in page.splitlines() if line.startswith("| SST-2 (MiniLM) |"))
+    assert "| 12.35 ± 0.56 |" in row
+    assert page != (DOCS / "measured.md").read_text(encoding="utf-8")
+
+
+def test_check_flag_fails_on_a_stale_page(tmp_path, monkeypatch):
+    gen = generator()
+    stale = tmp_path / "measured.md"
+    stale.write_text("# Measured\n")
+    monkeypatch.setattr(gen, "OUTPUT", str(stale))
+    assert gen.main(["--check"]) == 1
+    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+
+
+def test_readme_is_short_and_names_no_commits():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    # Figures and the commits they were measured at live in docs/measured.md, generated.
+    assert not re.findall(r"(?<![0-9a-zA-Z_./-])[0-9a-f]{7,40}(?![0-9a-zA-Z_])", text)
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for heading in re.findall(r"^#+ (.+)$", markdown, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_relative_links_resolve():
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # an absolute URL
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text(encoding="utf-8")):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
