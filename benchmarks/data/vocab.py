@@ -7,7 +7,7 @@ and reports on the held-out files: the [UNK] rate (per piece and per word) and t
 pieces per word. For reference, the same numbers for Hugging Face's ``WordPieceTrainer``
 (``tokenizers``, same pre-tokenisation, size, min frequency and alphabet limit) trained on the same
 files, and for the bert-base-uncased vocabulary; the same numbers out of domain on the SQuAD v1.1
-dev contexts. Writes benchmarks/results/vocab-<size>k.json, with the harness's environment row.
+dev contexts. Writes ``--out-dir``/vocab-<size>k.json (default benchmarks/results), with the harness's environment row.
 """
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[8000, 30000])
     parser.add_argument("--min-frequency", type=int, default=2)
     parser.add_argument("--limit-alphabet", type=int, default=1000)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results",
+                        help="where vocab-<size>k.json goes (default benchmarks/results)")
     args = parser.parse_args()
 
     from bertctl.bench import harness
@@ -107,7 +109,7 @@ def main() -> None:
             "machine": {"host": socket.gethostname(), "platform": platform.platform()},
             "environment": environment,
         }
-        out = ROOT / "benchmarks" / "results" / f"vocab-{size // 1000}k.json"
+        out = args.out_dir / f"vocab-{size // 1000}k.json"
         out.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps({k: report[k] for k in ("bertctl", "hf_wordpiece_trainer", "bert_base_uncased_vocab")}),
               file=sys.stderr)
