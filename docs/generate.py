@@ -157,6 +157,32 @@ def finetune_gpus() -> list[str]:
                         "file"], rows, right_from=1)
 
 
+def finetune_graphs() -> list[str]:
+    name = "finetune-graphs-h100.json"
+    d = load(name)
+    run = d["runs"][0]
+    out = ["## Fine-tuning steps as CUDA graphs", "",
+           f"{run['model']}, {num(run['steps'])} SST-2 steps at batch 32 on one H100, training examples a "
+           f"second in each mode ({link(name)}, commit {short(run['commit'])}):", ""]
+    rows = [[mode, " and ".join(num(v) for v in (eps if isinstance(eps, list) else [eps]))]
+            for mode, eps in run["examples_per_second"].items()]
+    out += table(["step", "examples/s"], rows)
+    name = "finetune-graph-min-steps-h200-9b4adab.json"
+    d = load(name)
+    out += ["Whole runs on an H200 with every batch shape captured (`--graph-min-steps 1`) against the default "
+            f"(16), the runs alternating ({link(name)}, commit {short(d['commit'])}):", ""]
+    rows = []
+    for case, by_setting in d["summary"].items():
+        for setting in sorted(by_setting, key=lambda k: int(k.split()[-1])):
+            runs = by_setting[setting]
+            rows.append([d["cases"][case], setting.split()[-1],
+                         " and ".join(f"{r['wall_seconds']:.1f}" for r in runs),
+                         str(runs[0]["graphs"]), " and ".join(f"{r['capture_seconds']:.1f}" for r in runs),
+                         str(runs[0]["rare_shape_steps"])])
+    return out + table(["run", "--graph-min-steps", "wall s", "graphs", "capturing s", "steps eager"], rows,
+                       right_from=1)
+
+
 # --- embedding --------------------------------------------------------------------------------
 
 EMBED_FILES = ["embed-vs-st-h200-fp16-d02edce.json", "embed-vs-st-h200-fp32-d02edce.json",
@@ -248,7 +274,7 @@ def convergence() -> list[str]:
                        right_from=2)
 
 
-SECTIONS = [model_step, finetune_quality, finetune_speed, finetune_gpus, embed_vs_st, default_job, convergence]
+SECTIONS = [model_step, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence]
 
 
 def render() -> str:
