@@ -10,8 +10,8 @@
 // shifted; BERT-Base pretraining (32,768 tokens x 768 x 24 sub-layers a step) draws 2^32 mask
 // elements every 7 steps.  XOR-ing b in before the hash gives every call its own sequence: where
 // call 2's window would have been call 1's moved by d, its inputs are call 1's XOR b1 ^ b2, which
-// the hash's avalanche makes unrelated.  A second lowbias32 round keyed by b (f3569a0) did the same
-// at a quarter more time in the CPU op's forward and backward; the XOR costs one instruction.
+// the hash's avalanche makes unrelated.  A second lowbias32 round keyed by b does the same at more
+// cost (benchmarks/results/dropout-hash-cpu-a1b71e4.json); the XOR costs one instruction.
 #pragma once
 #include <cstdint>
 

@@ -4,8 +4,8 @@
 // bertctl.ops.reference.dropout_forward. Elements are split into chunks of 32,768 over the threads;
 // the mask depends only on the index, not on the threads. Arithmetic in float (double for fp64).
 // At most 2^32 elements (the index is 32 bits). PyTorch's CPU dropout draws each element from a
-// Mersenne Twister (bernoulli_): 0.59 ms for 131,072 floats on 2 threads of the 2-core machine,
-// against 0.026 ms for this mask on one. There is no CUDA kernel: PyTorch's CUDA dropout already
+// Mersenne Twister (bernoulli_), many times the cost of this hash (the pretraining step with each:
+// benchmarks/results/cpu-step-494a53f.json). There is no CUDA kernel: PyTorch's CUDA dropout already
 // draws from a counter-based generator (Philox) at memory speed.
 #include "../common.h"
 #include "cpu_util.h"
@@ -21,8 +21,8 @@ void dropout_elements(const scalar_t* x, scalar_t* y, int64_t n, const DropoutMa
   const acc_t scale = static_cast<acc_t>(1.0 / (1.0 - p));
   at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
     // Local copies, and x read for every element: a load under the condition, through the lambda's
-    // captured pointer, kept GCC 12 from vectorising the loop (786,432 floats on one thread: 1.19 ms
-    // scalar, 0.074 ms vectorised).
+    // captured pointer, kept GCC 12 from vectorising the loop, which then ran many times slower
+    // (benchmarks/ops/NOTES-kernels.md, "CPU bias + dropout + residual + LayerNorm").
     const DropoutMask m = mask;
     const scalar_t* xp = x;
     scalar_t* yp = y;

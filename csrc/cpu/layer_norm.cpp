@@ -4,18 +4,17 @@
 // y = (h - mean) * rstd * w + b.  Backward: one chunk of rows per thread; per row pass 1 forms
 // g*w (into an L1 scratch row), its row sums and the chunk's dweight/dbias partials, pass 2 writes
 // dx once; the chunks' partials are added in chunk order (deterministic for a thread count).
-// Memory traffic, not arithmetic, bounds both (fp32, 2 threads, 2-core Zen 4), so:
+// Memory traffic, not arithmetic, bounds both, so:
 // - Large tensors (see kStreamTraffic*) get their output through streaming stores: a store that
 //   misses first reads the line from memory (read-for-ownership), which the backward's dx, and
 //   the forward's y, never need.  The backward also prefetches its rows kAheadRows ahead into
-//   L2.  4096 x 768 with residual, op alone: backward 0.6-0.8x the time (streaming alone or the
-//   prefetch alone gave ~0.9x; streaming with the next row prefetched into L1, as before, gained
-//   nothing: L1 cannot hold it beside the row being worked on), forward 0.75-0.85x.
+//   L2, not L1, which cannot hold the next row beside the one being worked on; the two changes
+//   gain together what neither gains alone (benchmarks/ops/NOTES-kernels.md, "CPU LayerNorm rework").
 // - Every thread works in its own 64-byte-aligned buffer (copies of w and b, partials, scratch
 //   rows; std::vector's 16-byte alignment split AVX-512 loads across lines).  dweight/dbias
-//   partials in one shared allocation, updated on every row, cost up to half of the backward's
-//   time at 2 threads when a line near the boundary between two threads' partials bounced
-//   between the cores (it depended on where the allocation fell).
+//   partials in one shared allocation, updated on every row, cost much of the backward's time
+//   when a line near the boundary between two threads' partials bounced between the cores (it
+//   depended on where the allocation fell).
 // 16-bit tensors go through converted acc_t rows and ordinary stores.
 // Below the LayerNorm: bias + dropout + residual + LayerNorm in one op (see its section), whose backward
 // also runs from the output y instead of x and residual.
@@ -76,16 +75,14 @@ inline const acc_t* moments_row(const scalar_t* x, const scalar_t* res, acc_t* b
 
 // Outputs are written with streaming stores (and, in the backward, rows are prefetched into L2
 // kAheadRows ahead) once the bytes an op reads and writes reach these sizes; below them the output
-// is written through the cache, where the next op finds it.  Measured with 2 threads on a 2-core
-// EPYC (Zen 4, 32 MiB L3), fp32, hidden 768, with residual, op alone and with a read of its whole
-// output straight after (the worst case for streaming):
-// - forward (reads x, res; writes y): alone 1.3-1.6x the time at y = 2-4.5 MiB, 0.94-1.1x at 6-8
-//   MiB, 0.76-0.86x at 9-24 MiB; with the read after, 1.05-1.25x at 9-24 MiB and worse below (the
-//   end of y would still have been in L3).  So y is streamed only once the op moves more than the
-//   L3 holds (32 MiB: 4096 x 768 with residual, 36 MiB, streams; 2048 x 768 does not).
-// - backward (reads x, res, dy; writes dx): alone 0.98-1.03x at dx <= 2.6 MiB (read after: 1.3x),
-//   0.75-0.9x at 2.8-3 MiB (read after: 1.0-1.2x), 0.6-0.8x at 4.5-12 MiB (read after: 0.8-1.04x).
-//   Threshold 16 MiB moved: dx of 4 MiB with a residual.
+// is written through the cache, where the next op finds it.  The thresholds come from timing the op
+// alone and with a read of its whole output straight after, the worst case for streaming
+// (benchmarks/ops/NOTES-kernels.md, "CPU LayerNorm rework"):
+// - forward (reads x, res; writes y): y is streamed only once the op moves more than the L3 holds
+//   (32 MiB on the 2-core Zen 4 it was tuned on: 4096 x 768 with residual, 36 MiB, streams;
+//   2048 x 768 does not), since below that the next op would still have found y in L3.
+// - backward (reads x, res, dy; writes dx): streaming pays from a few MiB of dx even when dx is
+//   read straight after; threshold 16 MiB moved: dx of 4 MiB with a residual.
 constexpr int64_t kStreamTrafficForward = int64_t(32) << 20;
 constexpr int64_t kStreamTrafficBackward = int64_t(16) << 20;
 constexpr int64_t kAheadRows = 2;
@@ -113,7 +110,7 @@ inline void with_bools(bool a, bool b, Fn&& fn) {
 
 // One output row: y = (h - mean) * rstd * w + b from the acc_t row h, through out_buf for 16-bit y.
 // The next row's x and residual are prefetched into L1 while this one is written (see prefetch in
-// cpu_util.h): here that measured faster than the backward's way (two rows ahead, into L2, in pass 1).
+// cpu_util.h): here that is faster than the backward's way (two rows ahead, into L2, in pass 1).
 template <bool Large, typename scalar_t, typename acc_t>
 inline void normalize_row(const acc_t* h, acc_t mean, acc_t rstd, const acc_t* w, const acc_t* b, scalar_t* y,
                           acc_t* out_buf, int64_t cols, const scalar_t* next_x, const scalar_t* next_res) {

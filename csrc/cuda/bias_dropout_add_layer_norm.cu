@@ -371,8 +371,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bias_drop
     constexpr int V = 16 / sizeof(T);
     if (const int gt = block_group_threads<V>(cols, wide); gt > 0 && gt <= kGroupThreads) {
       // One group a block: a group waits at its row's barrier for itself alone.  Four groups a block
-      // (BERT-Base's 96-thread rows in blocks of 384) waited for the slowest of the four at every row:
-      // the BERT-Base step on an H200 ran 5,949 and 5,947 seq/s against 5,885 and 5,897.
+      // (BERT-Base's 96-thread rows in blocks of 384) waited for the slowest of the four at every row
+      // (side E-ln of benchmarks/results/model-step-changes-ab-h200-b401318.json).
       const int groups = 1;
       const size_t gsmem = ln_bwd_groups_smem(cols, groups, true);
       if (gsmem <= 48 * 1024) {

@@ -5,10 +5,9 @@
 // fp32 values; scalar when H is not a multiple or a tensor is not 16-byte aligned), whose
 // bias stays in registers.  Forward: one block per chunk of two rows (blockIdx.y, and
 // blockIdx.z past 65535 chunks), both rows' loads in flight before the math, no loop; it
-// reads x and writes y once (the minimum: 4 bytes per element for 16-bit types).  Measured
-// on an H200 (bf16, 8192 / 32768 x 3072, % of copy bandwidth): 84 / 96 %, against 73 / 85 %
-// for the same body inside a grid-stride loop over the chunks and 74 / 87 % for one wave of
-// resident blocks walking four-row chunks.
+// reads x and writes y once (the minimum: 4 bytes per element for 16-bit types).  No loop:
+// the same body inside a grid-stride loop, or one wave of resident blocks walking four-row
+// chunks, keeps fewer loads in flight (benchmarks/ops/NOTES-kernels.md, runs 12 to 15).
 // Backward: blockIdx.y picks a band of rows, walked two rows at a time; it reads dy
 // and x, writes dx, and keeps each thread's fp32 column sums of dx over its band; each
 // band writes one (H,) partial row and column_sums adds the bands (two stages, no atomics:
@@ -29,9 +28,9 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kFwdRows = 2;  // rows per forward block
-// Backward: rows in flight per step, and blocks an SM (64 registers a thread, 1024 threads).  On an H200
-// (BERT-Base step, seq 128 batch 256, alternating in one process): 5,927 and 5,907 seq/s against 5,885
-// and 5,897 for 4 rows at 94 registers (5 blocks an SM).
+// Backward: rows in flight per step, and blocks an SM (64 registers a thread, 1024 threads): two rows
+// at 64 registers keep 8 blocks an SM, where 4 rows at 94 registers kept 5 (side E-gelu of
+// benchmarks/results/model-step-changes-ab-h200-b401318.json).
 constexpr int kUnroll = 2;
 constexpr int kBwdBlocks = 8;
 constexpr float kInvSqrt2Pi = 0.39894228040143267794f;

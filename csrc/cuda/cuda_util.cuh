@@ -20,17 +20,16 @@ constexpr int kWarp = 32;
 
 // Programmatic dependent launch (sm_90): every bertctl kernel is launched with programmatic
 // stream serialisation, so the GPU may set up and schedule it while the kernel before it in
-// the stream drains, instead of after a launch gap (about 1 us between back-to-back kernels).
+// the stream drains, instead of after a launch gap between back-to-back kernels.
 // The first statement of every kernel is pdl_wait(): it waits for the previous grid to
 // complete and its memory to be visible (griddepcontrol.wait) before any global access.
 // Kernels of one wave of resident blocks (the backward passes and the column sums) then call
 // pdl_trigger(), which lets the next programmatically launched grid be scheduled once all of
 // their blocks have started; kernels of many short blocks leave the trigger to their exit
-// (triggering in each of 32768 one-warp LayerNorm blocks cost 6 %, waiting alone nothing).
+// (a trigger in each of thousands of one-warp blocks costs more than the overlap gains).
 // Kernels not launched that way (ATen's, cuBLAS's) are unaffected: a grid that follows them
-// waits for their completion as usual.  Off before sm_90 and with BERTCTL_PDL=0.
-// Measured on an H200 (bf16, BERTCTL_PDL=0 against 1 in the same minutes): LayerNorm
-// forward+backward at 8192 x 768 43.9 -> 40.5 us, bias+GELU at 8192 x 3072 94.6 -> 91.9 us.
+// waits for their completion as usual.  Off before sm_90 and with BERTCTL_PDL=0 (the A/B:
+// benchmarks/results/ops-h200-bf16-fused-pdl-off.json against ops-h200-bf16-fused-pdl-on.json).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -95,7 +94,7 @@ template <> struct Pair<at::Half> {
 // The N values of a pack (as loaded) in fp32.  Bits = true: bf16 by a shift and a mask of each
 // 32-bit word (exact, the same values); ptxas allocates the two forms differently: with the
 // intrinsic the LayerNorm backward spilled at its 80-register cap, while the LayerNorm forward
-// that re-converts its packed row three times ran 4 % faster with it (H100, 8192 x 768).
+// that re-converts its packed row three times is faster with it (NOTES-kernels.md, run 18).
 template <int N, bool Bits = false, typename T>
 __device__ __forceinline__ void unpack_float(const Pack<T, N>& pk, float (&out)[N]) {
   if constexpr (Bits && std::is_same_v<T, at::BFloat16> && N % 2 == 0) {
@@ -131,9 +130,8 @@ __device__ __forceinline__ void load_float(const T* p, float (&out)[N]) {
 }
 
 // Streaming = true: a 16-byte pack is stored with the evict-first hint (st.global.cs), for an
-// output that this kernel will not read again.  LayerNorm forward, bf16, 32768 x 768 on an H100
-// (same process, rotated rounds): kernel 51.3 -> 50.6 us; 8192 x 768: 12.6 -> 12.3 us; a GEMM
-// reading the output next took no longer (the pair: 64.2 and 64.3 us).  Smaller packs store plainly.
+// output that this kernel will not read again: the LayerNorm forward gets faster and a GEMM reading
+// its output next no slower (NOTES-kernels.md, runs 23 and 24).  Smaller packs store plainly.
 template <int N, bool Streaming = false, typename T>
 __device__ __forceinline__ void store_float(T* p, const float (&in)[N]) {
   auto put = [p](const auto& pk) {
@@ -301,8 +299,7 @@ int block_group_threads(int cols, bool wide) {
 // written in OutT; columns c < split go to out0[c], the rest to out1[c - split]
 // (so one launch finishes dweight and dbias stored side by side).  Block = 32
 // columns x 32 row groups; each thread's loads are unrolled by 8 so that they are in
-// flight together (a rolled loop waits one memory latency per partial row: about 10 us
-// for the 264 partials of a LayerNorm backward), and the 32 partial sums of a column
+// flight together (a rolled loop waits one memory latency per partial row), and the 32 partial sums of a column
 // are added in a fixed order, so the result is deterministic.
 template <typename OutT>
 __global__ void __launch_bounds__(1024) column_sum_kernel(const float* __restrict__ part, int64_t nb, int64_t cols,

@@ -1,7 +1,7 @@
 // CUDA LayerNorm(x + residual) over the last dim, and its backward.
 //
-// Forward: one warp per row, a block of one warp (variants that measured slower are listed
-// at the kernels).  16-bit rows of H <= 1024 on the vector path (BERT's sizes): ln_fwd_packed,
+// Forward: one warp per row, a block of one warp (the variants that were slower are listed
+// at the kernels; their timings are in benchmarks/ops/NOTES-kernels.md).  16-bit rows of H <= 1024 on the vector path (BERT's sizes): ln_fwd_packed,
 // which issues every load first and keeps the 16-bit words, re-deriving h in each pass;
 // others: ln_fwd_rows, which holds h in fp32.
 // Rows of H <= 2048 with H % 8 == 0 (16-bit) or H % 4 == 0 (fp32) and 16-byte aligned
@@ -21,8 +21,7 @@
 // blocks split into groups of one row's width, one vector per thread, so each thread keeps
 // its columns' fp32 partial sums of dy * xhat (dweight) and dy (dbias) in
 // registers across the rows its group visits and prefetches the next row; about twice the
-// resident warps of a warp per row (1.12x faster forward+backward at 8192 x 768 bf16 on an
-// H200).  Other rows: ln_bwd_rows, 8-warp blocks (two per SM, capped at 128 registers; 4-warp
+// resident warps of a warp per row, so more loads are in flight.  Other rows: ln_bwd_rows, 8-warp blocks (two per SM, capped at 128 registers; 4-warp
 // blocks for H > 768 in 16-bit), one warp per row at a time, per-lane partials added across
 // warps in shared memory.  Both recompute h from x and residual and write
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w; each block writes one
@@ -41,22 +40,19 @@
 namespace bertctl::cuda {
 namespace {
 
-// One warp per block: a block's slot frees as soon as its row is done (1-4 % faster than
-// 4-warp blocks at 32768 x 768/1024 bf16 on an H200, equal at 8192 rows).
+// One warp per block: a block's slot frees as soon as its row is done, where a 4-warp block
+// waits for its slowest row (NOTES-kernels.md, run 13).
 constexpr int kFwdThreads = kWarp;
 // Backward blocks: 8 warps capped at 128 registers (two blocks per SM) while a lane's
 // partial sums fit (up to 3 vectors per lane: H = 768 in 16-bit); 4 uncapped warps beyond.
 constexpr int bwd_threads(int nvec) { return nvec <= 3 ? 256 : 128; }
 constexpr int bwd_min_blocks(int nvec) { return nvec <= 3 ? 2 : 1; }
 
-// One warp per row.  Variants measured slower on an H200 at BERT shapes (bf16, H = 768):
-// a persistent grid-stride warp that prefetched the next row (113 registers, fewer warps),
-// a persistent warp pipelining 1-3 rows ahead through shared memory with cp.async (2-8 %
-// slower), a block of H / 8 threads per row with shared-memory sums (81 % of copy bandwidth
-// against 84 %), weight and bias loaded before the reductions (89-96 registers: 65-70 %),
-// two rows per warp or a half-warp per row (more registers: 62-66 %), streaming or
-// L1-bypassing loads, an L1 prefetch of weight and bias (2-3x slower), and a single shifted
-// pass for mean and variance (within 1 %).
+// One warp per row.  Slower or no faster at BERT shapes, each because it cost resident warps
+// or added traffic (NOTES-kernels.md, runs 2, 12 and 13): a persistent warp prefetching or
+// pipelining rows ahead, a block per row with shared-memory sums, weight and bias loaded before
+// the reductions, two rows per warp or a half-warp per row, streaming or L1-bypassing loads, an
+// L1 prefetch of weight and bias, and a single shifted pass for mean and variance.
 template <typename T, typename W, int VEC, int NVEC>
 __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__ x, const T* __restrict__ res,
                                                            const W* __restrict__ w, const W* __restrict__ b,
@@ -91,10 +87,8 @@ __global__ void __launch_bounds__(kFwdThreads) ln_fwd_rows(const T* __restrict__
 // and kept as loaded, and h = x + residual is re-derived in fp32 from those words in each of
 // the three passes (sum, squared deviations, output) rather than held in fp32 registers.
 // Same arithmetic in the same order as ln_fwd_rows, so the results are bitwise the same.
-// 768 bf16 on an H200 (explorer, same minutes): 39 us at 32768 rows (92 % of copy bandwidth)
-// against 44-45 us for ln_fwd_rows and 40 us for torch.compile's kernel; 91 registers (bf16),
-// about 22 resident warps per SM.  Keeping only x and the residual raw (weight and bias read
-// late): 41 us, 71 registers; two or three rows per warp: 40-46 us.
+// Holding 16-bit words instead of fp32 copies leaves room for enough resident warps to reach
+// torch.compile's kernel, which ln_fwd_rows does not (NOTES-kernels.md, run 17; ops-h100.json).
 template <typename T, typename W, int VEC, int NVEC, bool HasRes>
 __global__ void __launch_bounds__(kFwdThreads) ln_fwd_packed(const T* __restrict__ x, const T* __restrict__ res,
                                                              const W* __restrict__ w, const W* __restrict__ b,

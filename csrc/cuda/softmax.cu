@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(256) softmax_bwd_long(const T* __restrict__ dy
 // Calls f(integral_constant<NVEC>, integral_constant<LANES>) for the register layout of a
 // row of `nvec` vectors; false if the row needs more than MAX_NVEC vectors per lane.  Short
 // rows take fewer lanes (Sk = 128 bf16: 16 lanes, two rows per warp); a second layout with
-// 4 vectors on 4 lanes measured slower in the backward on an H200 (see NOTES-kernels.md).
+// 4 vectors on 4 lanes was slower in the backward (benchmarks/ops/NOTES-kernels.md, run 2).
 template <int MAX_NVEC, typename F>
 bool with_layout(int64_t nvec, F&& f) {
   using std::integral_constant;

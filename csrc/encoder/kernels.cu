@@ -4,7 +4,7 @@
 // - attention: a thread a query over its own text's keys, online softmax in fp32 over key tiles staged in
 //   shared memory as fp32; short texts (<= 32 tokens) a warp a head, four heads a block; head sizes 32,
 //   64, 128. Its work grows with the square of the length on CUDA cores, so `embed --backend auto` keeps
-//   it for short texts (bertctl/embed.py: NATIVE_AUTO_TOKENS).
+//   it for short texts (NATIVE_AUTO_TOKENS, beside embed's backend choice).
 // - GELU (erf, or tanh for the gelu_new family) and ReLU in place, 16 bytes a thread.
 // - pooling: a thread a feature of a text, fp32 sums; every mode writes its own column block of a row.
 // - normalisation: a warp a row; conversion between fp32, fp16 and bf16 (round to nearest even).

@@ -1,7 +1,8 @@
 // bertctl._encoder: a BERT encoder's inference forward pass and pooling on one GPU, for `bertctl embed`,
-// with no torch in the process (importing torch and starting its CUDA state took 2.1 s on an H200, this
-// module's CUDA context and cuBLASLt 0.3 s).  Matrix products run in cuBLASLt with the bias in its
-// epilogue; everything else is kernels.cu.  bertctl/native.py prepares the weights and the batches.
+// with no torch in the process (importing torch and starting its CUDA state is most of a short embed
+// run: benchmarks/results/embed-startup-h200-3133cda.json).  Matrix products run in cuBLASLt with the
+// bias in its epilogue; everything else is kernels.cu.  The Python side of embed's native backend
+// prepares the weights and the batches.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
