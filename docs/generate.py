@@ -274,7 +274,70 @@ def convergence() -> list[str]:
                        right_from=2)
 
 
-SECTIONS = [model_step, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence]
+def convergence_runs() -> list[str]:
+    out = ["### Every committed run", "",
+           "Each run of the benchmark: the main MLM + NSP pretraining run in its time box, held-out accuracy at "
+           "its end, and the fine-tuned gaps over random initialisation (a) − (b), mean over fine-tuning seeds. "
+           "\"MLM only\" is the paper's No-NSP ablation (§5.1) pretrained in the same box, against (a), where the "
+           "run had one.", ""]
+    rows = []
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "convergence-*.json")))
+    for name in names:
+        d = load(name)
+        main, t = d.get("pretrain_main"), d.get("finetune", {}).get("table", {})
+        if not main or not t:
+            continue
+        end = main["eval_end"]
+        gaps = [f"{t[k]['gap_pretrained_minus_scratch']:+.2f}" if "scratch" in t[k] else "(no b)"
+                for k in ("sst2", "conll", "squad")]
+        mlm = ["" if "mlm" not in t[k] else f"{t[k]['mlm']['mean'] - t[k]['pretrained']['mean']:+.2f}"
+               for k in ("sst2", "conll", "squad")]
+        minutes = (d.get("benchmark_time") or {}).get("total_minutes")
+        rows.append([short(d["commit"]), ", ".join(d["devices"]), str(d["settings"]["seq"]), num(main["steps"]),
+                     f"{end['mlm_acc']:.3f} / {end['nsp_acc']:.3f}", mean_std(t["sst2"]["pretrained"]), *gaps,
+                     " / ".join(mlm) if any(mlm) else "", f"{minutes:.1f}" if minutes else "", link(name)])
+    return out + table(["commit", "GPU", "seq", "steps", "held-out MLM / NSP", "SST-2 (a)", "SST-2 gap",
+                        "CoNLL gap", "SQuAD gap", "MLM only − (a): SST-2 / CoNLL / SQuAD", "GPU minutes", "file"],
+                       rows, right_from=2)
+
+
+def convergence_race() -> list[str]:
+    out = ["### Against `transformers`' pretraining", "",
+           "The same shards, model, recipe and GPU: `transformers`' `BertForPreTraining` "
+           "(`benchmarks/convergence/hf_pretrain.py`) in its time box against `bertctl pretrain`, and the wall "
+           "time (from process start) bertctl took to reach the held-out MLM accuracy that `transformers` ended at.",
+           ""]
+    rows = []
+    for name in ("convergence-2xh200-c9ab6e6.json", "convergence-h100.json"):
+        r = load(name)["race"]
+        rows.append([short(load(name)["commit"]), ", ".join(load(name)["devices"]), f"{r['hf_final_mlm_acc']:.3f}",
+                     f"{r['bertctl_final_mlm_acc']:.3f}", f"{r['bertctl_reaches_hf_final_at_seconds']:.0f}",
+                     f"{r['time_ratio']:.2f}×", f"{r['target_ratio']}×", link(name)])
+    return out + table(["commit", "GPU", "transformers' final MLM", "bertctl's final MLM",
+                        "bertctl reaches it at s", "time against transformers", "target", "file"], rows, right_from=2)
+
+
+def presets() -> list[str]:
+    out = ["### Preset learning rates", "",
+           "Short runs of each `--model-size` preset on the benchmark's data, held-out MLM accuracy at the end "
+           "against the majority-token baseline; \"collapsed\" is the run's own verdict (the model predicts "
+           "token frequencies only).", ""]
+    rows = []
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "convergence-*.json")))
+    for name in names:
+        d = load(name)
+        for r in d.get("presets") or []:
+            if r.get("error") or "mlm_acc" not in r:
+                continue
+            rows.append([r["size"], num(r["batch"]), f"{r['lr']:.3g}", r.get("optimizer", "adamw"),
+                         f"{r['warmup_fraction']:g}", num(r["steps"]), f"{r['mlm_acc']:.3f}",
+                         f"{r['majority_baseline']:.3f}", f"{r['nsp_acc']:.3f}", "yes" if r.get("collapsed") or r.get("collapse_warning") else "no",
+                         short(d["commit"]), link(name)])
+    return out + table(["preset", "batch", "lr", "optimizer", "warm-up", "steps", "held-out MLM", "baseline",
+                        "NSP", "collapsed", "commit", "file"], rows, right_from=1)
+
+
+SECTIONS = [model_step, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets]
 
 
 def render() -> str:
