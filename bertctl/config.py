@@ -55,7 +55,7 @@ class BertConfig:
     # Runtime (not saved): attention backend over the same weights, which ops run it, and whose
     # dropout masks training draws with the compiled ops (``fused``: bertctl's own, a hash of a seed and
     # the element's index, inside the fused sub-layer op; ``torch``: torch's dropout before the fused
-    # LayerNorm, as fine-tuning trains; see ``bertctl.model.own_masks``).
+    # LayerNorm, as fine-tuning trains; see ``bertctl.nn.fused.own_masks``).
     attn_implementation: str = "sdpa"
     kernels: str = "auto"
     dropout_masks: str = "fused"

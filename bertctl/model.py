@@ -1,11 +1,13 @@
-"""BERT (Devlin et al., 2018) in one file: embeddings, post-LN encoder, pooler and heads.
+"""BERT (Devlin et al., 2018): embeddings, post-LN encoder, pooler and heads.
 
 Module and parameter names are Hugging Face's (``bert.encoder.layer.N.attention.self.query``,
 ``attention.output.LayerNorm``, ``intermediate.dense``, ``output.dense``,
 ``cls.predictions.transform``, ``cls.seq_relationship``, ...), so a state dict moves
 between bertctl and ``transformers`` unchanged.
 
-Three choices are made per config, over the same weights:
+The machinery the classes call lives beside them in ``bertctl.nn``: the attention implementations
+(``nn.attention``), packing (``nn.packing``), the projections' autograd nodes (``nn.projections``) and
+the fused-op dispatch (``nn.fused``). Three choices are made per config, over the same weights:
 - ``attn_implementation``: ``sdpa`` (torch's scaled_dot_product_attention), ``explicit``
   (materialised scores, the path the fused softmax serves) or ``unpadded`` (the encoder runs on
   the batch's real tokens only, (T, H) with T = the sum of the lengths; see ``Packed``);
@@ -15,13 +17,11 @@ Three choices are made per config, over the same weights:
 - ``dropout_masks``: with fused kernels, whether training draws bertctl's own masks (``fused``) or torch's
   (``torch``, fine-tuning's; see ``own_masks``).
 
-Shapes: B batch, S sequence, H hidden, nh heads, hs head size, I intermediate, V vocab,
+Shapes: B batch, S sequence, H hidden, nh heads, hs head size, I intermediate, V vocab, T packed tokens,
 P masked positions per sequence, C choices.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,226 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertctl import ops
-from bertctl.config import GELU_APPROXIMATION, BertConfig
+from bertctl.config import BertConfig
+from bertctl.nn.attention import attention
+from bertctl.nn.fused import (bias_act, dense_act, dense_dropout_add_norm, dropout, fuses_bias, layer_norm, own_masks,
+                              use_fused)
+from bertctl.nn.packing import Packed, worth_packing
+from bertctl.nn.projections import VOCAB_ALIGN, input_projection, vocab_projection
 
 IGNORE_INDEX = -100
-
-
-def use_fused(config: BertConfig) -> bool:
-    if config.kernels == "torch":
-        return False
-    available = ops.fused_available() if hasattr(ops, "fused_available") else False
-    return available or config.kernels == "fused"
-
-
-def own_masks(config: BertConfig) -> bool:
-    """Whether training's dropout draws bertctl's own masks (the compiled ops' hash of a seed and the element's
-    index) rather than torch's.  With ``dropout_masks="torch"`` every dropout is torch's, and the sub-layer
-    outputs train with it before the fused LayerNorm (inference keeps the one fused op, which then drops
-    nothing).  Fine-tuning trains so: on the acceptability task over 160 seeds, MiniLM-L6 on H200s, torch's
-    masks gave a Matthews correlation 0.10 below the transformers Trainer (one standard error 0.21); the fused
-    op's own masks 0.42 below it (0.20), and 0.29 (0.22) with f3569a0's two-round hash
-    (``benchmarks/results/finetune-diagnostics/README.md``)."""
-    return use_fused(config) and config.dropout_masks == "fused"
-
-
-def activation(name: str):
-    if name in GELU_APPROXIMATION:
-        return lambda x: F.gelu(x, approximate=GELU_APPROXIMATION[name])
-    if name == "relu":
-        return F.relu
-    if name == "tanh":
-        return torch.tanh
-    if name in ("silu", "swish"):
-        return F.silu
-    raise ValueError(f"unsupported hidden_act {name!r}")
-
-
-def layer_norm(ln: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor | None, fused: bool) -> torch.Tensor:
-    """LN(x + residual): one fused op, or the add then torch's LayerNorm.
-
-    Under autocast the fused path keeps the residual stream in the autocast dtype (bf16/fp16 in
-    and out, fp32 statistics and parameters, as apex's mixed LayerNorm): half the bytes of the
-    fp32 stream that torch's autocast LayerNorm produces, and no casts before the next matmul.
-    """
-    if fused:
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            x = x.to(dtype)
-            residual = None if residual is None else residual.to(dtype)
-        return ops.layer_norm(x, ln.weight, ln.bias, ln.eps, residual=residual)
-    return ln(x if residual is None else x + residual)
-
-
-def dropout(module: nn.Dropout, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """The module's dropout: with fused kernels bertctl's (on the CPU a hashed mask, recomputed in
-    the backward, where torch draws each element from a Mersenne Twister), else torch's."""
-    return ops.dropout(x, module.p, module.training) if fused else module(x)
-
-
-def dense_dropout_add_norm(dense: nn.Linear, drop: nn.Dropout, ln: nn.LayerNorm, h: torch.Tensor,
-                           residual: torch.Tensor, fused: bool, own: bool = True) -> torch.Tensor:
-    """LN(Dropout(h W^T + b) + residual).
-
-    With fused kernels (CPU and CUDA): the matmul without its bias, then one op for the bias, dropout,
-    residual add and LayerNorm (its mask a hash of a seed and the element's index; on the CPU the mask
-    that ``dropout`` would draw, so the same seed trains the same), which never writes the dropped-out
-    sum or a mask to memory.  Otherwise the Linear, the dropout, then LN(x + residual): so too in training
-    without ``own`` masks (``own_masks``), with torch's dropout.
-    """
-    device = h.device.type
-    dropping = drop.training and drop.p > 0
-    if fused and (own or not dropping) and ops.bias_dropout_add_layer_norm_available(device):
-        y = linear(h, dense.weight)  # (..., H), the bias added by the fused op
-        if torch.is_autocast_enabled(device):  # as layer_norm: the residual stream in the autocast dtype
-            dtype = torch.get_autocast_dtype(device)
-            y, residual = y.to(dtype), residual.to(dtype)
-        return ops.bias_dropout_add_layer_norm(y, dense.bias, residual, ln.weight, ln.bias, ln.eps, drop.p,
-                                               drop.training)
-    return layer_norm(ln, dropout(drop, dense(h), fused and own), residual, fused)
-
-
-def dense_act(dense: nn.Linear, act_name: str, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """act(x W^T + b): with fused kernels the bias add and GELU are one op after the matmul."""
-    return bias_act(dense, act_name, linear(x, dense.weight) if fuses_bias(act_name, fused) else dense(x), fused)
-
-
-def fuses_bias(act_name: str, fused: bool) -> bool:
-    """Whether ``bias_act`` adds the bias itself (the fused bias + GELU op), so the matmul goes without it."""
-    return fused and act_name in GELU_APPROXIMATION
-
-
-def bias_act(dense: nn.Linear, act_name: str, h: torch.Tensor, fused: bool) -> torch.Tensor:
-    """act(h + b) for the matmul output h, which already holds the bias unless ``fuses_bias``."""
-    if fuses_bias(act_name, fused):
-        return ops.bias_gelu(h, dense.bias, approximate=GELU_APPROXIMATION[act_name])
-    return activation(act_name)(h)
-
-
-class InputProjection(torch.autograd.Function):
-    """A sub-layer's input projection x W^T + b, cut into column blocks of ``widths`` (Q, K and V, or
-    the FFN's one), and x itself, handed on as the sub-layer's residual.
-
-    A post-LN layer reads x twice: in this matmul and in the residual add before the sub-layer's
-    LayerNorm. Left to autograd, the two gradients of x meet in a separate add, which reads two
-    activation-sized tensors and writes one (25 adds, 1.1 ms of a BERT-Base s128 training step on an
-    H100). Here one node owns both reads of x, and its backward accumulates the matmul's input
-    gradient into the residual's as the GEMM's C operand (``addmm_``, beta 1). The blocks' gradients
-    are joined into one (N, sum of widths) gradient first (Q, K and V's arrive from the attention
-    kernels in (B, S, nh, hs) memory: one vectorised concatenation), so each product is one wide
-    GEMM: three narrow ones, each accumulating, took 1.6 ms more GEMM time a step on an H100 than
-    one wide one, which cancelled the saving. The bias's gradient, the joined gradient's column sums,
-    is taken in the same pass (``ops.concat_column_sums``) rather than by reading it again.
-
-    ``into_residual_grad``: the residual feeds only a LayerNorm, whose backward writes its gradient
-    as a new tensor, downstream of every use of the projection: when this backward runs that
-    gradient has no other reader left, so it is accumulated into in place (when it is a plain
-    contiguous tensor of the GEMM's dtype and no graph is being built over the backward). Otherwise,
-    as for a gradient a caller passes in, the sum is a new tensor.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, widths, into_residual_grad, dtype):
-        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, None if bias is None else bias.dtype
-        if dtype is not None:  # under autocast: the parameters cast here, their gradients returned as they are
-            weight = weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        xc = x.to(weight.dtype)
-        ctx.save_for_backward(xc, weight)
-        ctx.widths, ctx.has_bias, ctx.x_dtype = widths, bias is not None, x.dtype
-        ctx.into_residual_grad = into_residual_grad
-        y = F.linear(xc, weight, bias)
-        return (*(y.split(widths, dim=-1) if len(widths) > 1 else (y,)), x.view_as(x))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        xc, weight = ctx.saved_tensors
-        *blocks, grad_r = grads
-        H = xc.shape[-1]
-        rows = [xc.new_zeros(xc.numel() // H, w) if g is None else g.reshape(-1, w)
-                for g, w in zip(blocks, ctx.widths)]
-        dx = dw = db = None
-        if len(rows) == 1:
-            g = rows[0]
-        elif ctx.has_bias and ctx.needs_input_grad[2]:
-            g, db = ops.concat_column_sums(rows)  # (N, sum of widths) and its column sums, one pass
-        else:
-            g = torch.cat(rows, dim=-1)
-        if ctx.needs_input_grad[0]:
-            if (ctx.into_residual_grad and grad_r is not None and grad_r.dtype == weight.dtype
-                    and grad_r.is_contiguous() and not grad_r._is_view() and not torch.is_grad_enabled()):
-                dx = grad_r.view(-1, H).addmm_(g, weight).view(xc.shape)
-            else:
-                dx = (g @ weight).view(xc.shape)
-                if grad_r is not None:
-                    dx = grad_r + dx
-            dx = dx.to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = weight_grad(g, xc, ctx.weight_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = (g.sum(0) if db is None else db).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
-
-
-def weight_grad(g: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """g^T x over all leading dims, (out, in), in ``dtype``: a linear layer's weight gradient. For an
-    fp32 weight under autocast the GEMM writes fp32 itself (on CUDA, from its fp32 accumulator)
-    instead of a 16-bit product that a cast then widens: that cast, autograd's for autocast's
-    16-bit copy of the weight, ran as 69 unvectorised copies, 0.54 ms of a BERT-Base step at seq 128
-    batch 256 on an H200."""
-    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-    if dtype == g.dtype:
-        return g2.t() @ x2
-    if g.is_cuda and dtype == torch.float32:
-        return torch.mm(g2.t(), x2, out_dtype=dtype)
-    return (g2.t() @ x2).to(dtype)
-
-
-class CastLinear(torch.autograd.Function):
-    """x W^T (no bias) in the autocast dtype for a weight of another dtype: autocast's cast of the
-    weight and the matmul in one node, whose backward returns the weight's gradient in the weight's
-    dtype (``weight_grad``) rather than a 16-bit one for autograd to widen."""
-
-    @staticmethod
-    def forward(ctx, x, weight, dtype):
-        xc, w = x.to(dtype), weight.to(dtype)
-        ctx.save_for_backward(xc, w)
-        ctx.x_dtype, ctx.weight_dtype = x.dtype, weight.dtype
-        return F.linear(xc, w)
-
-    @staticmethod
-    def backward(ctx, g):
-        xc, w = ctx.saved_tensors
-        dx = (g @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        dw = weight_grad(g, xc, ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T without a bias: ``CastLinear`` under autocast where a backward will run, ``F.linear`` otherwise."""
-    device = x.device.type
-    if (torch.is_grad_enabled() and weight.requires_grad and torch.is_autocast_enabled(device)
-            and weight.dtype != torch.get_autocast_dtype(device)):
-        return CastLinear.apply(x, weight, torch.get_autocast_dtype(device))
-    return F.linear(x, weight)
-
-
-def input_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     widths: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """(x W^T + b cut into column blocks of ``widths``, ..., x): ``InputProjection`` where a backward
-    will run, plain ``F.linear`` otherwise. The caller feeds the residual x only to its sub-layer's
-    LayerNorm (``into_residual_grad``). Under autocast the weight and bias are cast to the autocast
-    dtype inside the node, whose backward returns their gradients in their own dtype (``weight_grad``);
-    the residual keeps x's dtype."""
-    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        y = F.linear(x, weight, bias)
-        return (*(y.split(widths, dim=-1) if len(widths) > 1 else (y,)), x)
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    # Under torch.compile the backward's in-place accumulation is left to the compiler (dynamo cannot
-    # trace the aliasing check that guards it, and broke the graph at every layer).
-    return InputProjection.apply(x, weight, bias, tuple(widths), not torch.compiler.is_compiling(), dtype)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -319,128 +107,6 @@ class BertEmbeddings(nn.Module):
         return dropout(self.dropout, x, own_masks(self.config))  # (B, S, H)
 
 
-class Packed:
-    """A padded batch's real tokens, packed: ``index`` (T,) into the flattened (B * S) positions,
-    ``cu_seqlens`` (B + 1,) the offsets of each sequence's tokens (FlashAttention's varlen layout).
-
-    With ``attn_implementation="unpadded"`` the encoder runs on (T, H): the projections, the FFN,
-    LayerNorm, GELU and dropout do no work for padding. Attention runs FlashAttention's
-    variable-length kernel on the packed tokens where it can (``varlen_ok``: a GPU, fp16/bf16);
-    elsewhere it scatters Q, K and V back to (B, nh, S, hs) and runs SDPA with the key mask (the
-    real positions' results equal the padded model's), its padded work the one part left.
-    """
-
-    def __init__(self, attention_mask: torch.Tensor):
-        self.shape = tuple(attention_mask.shape)  # (B, S)
-        mask = attention_mask.bool()
-        self.key_mask = mask
-        self.index = mask.flatten().nonzero().squeeze(1)
-        lengths = mask.sum(1)
-        self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        self.max_seqlen = int(lengths.max()) if mask.is_cuda else 0  # FlashAttention's varlen kernel needs it
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, S, ...) -> (T, ...)"""
-        return x.flatten(0, 1).index_select(0, self.index)
-
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, ...) -> (B, S, ...), zeros at the padding."""
-        B, S = self.shape
-        out = x.new_zeros((B * S, *x.shape[1:]))
-        return out.index_copy(0, self.index, x).view(B, S, *x.shape[1:])
-
-
-# Fine-tuning trains with cuDNN's attention where its steps are long and many: heads at least this wide,
-# the run's median step padded to at least this many tokens, and at least this many steps (see
-# cudnn_training_attention).
-CUDNN_TRAINING_MIN_HEAD_DIM = 64
-CUDNN_TRAINING_MIN_LENGTH = 256
-CUDNN_TRAINING_MIN_STEPS = 1000
-
-
-def cudnn_training_attention(head_dim: int, median_step_length: int, steps: int) -> bool:
-    """Whether fine-tuning's training steps keep SDPA's cuDNN backend (else ``varied_shapes``).
-
-    With padding masks and dropout, SDPA without cuDNN runs the memory-efficient kernel, built for
-    Ampere. Measured on an H200 (bf16, batch 32, forward and backward, benchmarks/bench_attention_plans.py):
-    at 64-wide heads cuDNN took 0.55-0.65 ms against 0.68-1.14 at 256-384 tokens and was slower below
-    about 200; at MiniLM's 32-wide heads it was no faster at 128 and slower below. Its costs: 2-4 s at
-    the process's first call and about 0.14 s for every new shape (a plan). BERT-Base on the SQuAD
-    split's 384-token windows: the step 21.6 ms against 27.6, whole 3-epoch runs 1,179-1,194 against
-    1,054-1,064 examples/s; MiniLM's runs were slower with it (SST-2 10,189-11,673 against
-    13,004-13,078), so it is kept for long steps of wide heads only. Its start-up is paid in every
-    process (2.0 s again in a second process on the same machine), so a run needs enough steps to win
-    it back: BERT-Base saves about 6 ms a step at 384 tokens, so 1,000 steps about 6 s, against 2-4 s
-    and the plans; on the SQuAD split's 483 steps the whole run gained 1-4 s with the start-up warm
-    and lost it on a fresh machine (8.0 s of captures against about 1).
-    """
-    return (head_dim >= CUDNN_TRAINING_MIN_HEAD_DIM and median_step_length >= CUDNN_TRAINING_MIN_LENGTH
-            and steps >= CUDNN_TRAINING_MIN_STEPS)
-
-
-@contextlib.contextmanager
-def varied_shapes():
-    """SDPA without its cuDNN backend while batches come in many shapes (evaluation, embedding, and
-    fine-tuning's short steps: ``cudnn_training_attention``).
-
-    cuDNN's attention builds an execution plan for every new shape. Measured on an H100 (MiniLM, an
-    RTE-size task, CUDA graphs, 9 batch shapes): warming up and capturing took 4.1 s with cuDNN and
-    1.2 s without, and the 234 steps themselves took 0.75 s either way. PyTorch's other fused
-    kernels (FlashAttention, memory-efficient) need no plan.
-    """
-    if not torch.cuda.is_available():
-        yield
-        return
-    was = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(was)
-
-
-def varlen_ok(qkv: torch.Tensor, head_dim: int) -> bool:
-    """Whether FlashAttention's variable-length kernel takes these packed projections: an Ampere or
-    newer GPU, fp16 or bf16, a head size it supports; otherwise attention scatters back to (B, S) and
-    runs SDPA."""
-    return (qkv.is_cuda and qkv.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-            and head_dim <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward")
-            and torch.cuda.get_device_capability(qkv.device) >= (8, 0))
-
-
-class VarlenAttention(torch.autograd.Function):
-    """softmax(q k^T * scale) v over each sequence of a packed batch, with dropout on the
-    probabilities: ``aten._flash_attention_forward``/``_backward`` on (T, heads, head_dim) with
-    ``cu_seqlens`` (PyTorch's public ``varlen_attn`` has no dropout, which BERT trains with). The
-    backward replays the forward's dropout from the philox state the forward returns."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen: int, dropout_p: float, scale: float):
-        out, lse, rng, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, False, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng, offset)
-        ctx.meta = (max_seqlen, dropout_p, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu_seqlens, rng, offset = ctx.saved_tensors
-        max_seqlen, dropout_p, scale = ctx.meta
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-            False, rng, offset, scale=scale)
-        return dq, dk, dv, None, None, None, None
-
-
-PACK_BELOW = 0.9  # real share of the positions under which packing pays (a full CPU batch: 8% slower packed)
-
-
-def worth_packing(key_mask: torch.Tensor) -> bool:
-    """Whether a batch has enough padding for ``Packed`` to pay for its gathers (one host sync; packing
-    needs one anyway for its data-dependent size)."""
-    return int(key_mask.sum()) < PACK_BELOW * key_mask.numel()
-
-
 class BertSelfAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -464,35 +130,8 @@ class BertSelfAttention(nn.Module):
         bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
         H = x.shape[-1]
         q, k, v, residual = input_projection(x, weight, bias, (H, H, H))  # column views of one (..., 3H)
-        packed = key_mask if isinstance(key_mask, Packed) else None
         p = self.dropout_p if self.training else 0.0
-        scale = 1.0 / math.sqrt(self.head_dim)
-        if packed is not None and varlen_ok(q, self.head_dim):  # (T, H) each: attention without padding
-            q, k, v = (t.view(-1, self.num_heads, self.head_dim).contiguous() for t in (q, k, v))  # (T, nh, hs)
-            ctx = VarlenAttention.apply(q, k, v, packed.cu_seqlens, packed.max_seqlen, p, scale)
-            return ctx.reshape(-1, H), residual
-        if packed is not None:
-            q, k, v, key_mask = packed.unpack(q), packed.unpack(k), packed.unpack(v), packed.key_mask
-        B, S = q.shape[0], q.shape[1]
-        # (B, nh, S, hs) views; the attention kernels return their gradients in (B, S, nh, hs) memory,
-        # which InputProjection's backward reads as (B * S, H) rows without a copy.
-        q, k, v = (t.view(B, S, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.config.attn_implementation in ("sdpa", "unpadded"):
-            mask = None if key_mask is None else key_mask[:, None, None, :]  # broadcast over heads, queries
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)
-        else:
-            scores = q @ k.transpose(-1, -2)  # (B, nh, S, S), unscaled: the softmax applies the scale
-            if use_fused(self.config):
-                probs = ops.softmax(scores, key_mask, scale)
-            else:
-                scores = scores * scale
-                if key_mask is not None:
-                    scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
-                probs = torch.softmax(scores, dim=-1)
-            probs = ops.dropout(probs, p, self.training) if own_masks(self.config) else F.dropout(probs, p, self.training)
-            ctx = probs @ v  # (B, nh, S, hs)
-        ctx = ctx.transpose(1, 2).reshape(B, S, H)
-        return (ctx if packed is None else packed.pack(ctx)), residual
+        return attention(self.config, q, k, v, key_mask, p), residual  # (B, S, H), or (T, H) packed
 
 
 class ProjectAddNorm(nn.Module):
@@ -669,25 +308,6 @@ class BertLMPredictionHead(nn.Module):
         """The logits over V rounded up to ``VOCAB_ALIGN`` on CUDA, the extra columns -inf: (..., V')."""
         return vocab_projection(self.transform(x), self.decoder.weight, self.bias,
                                 pad_to=VOCAB_ALIGN if x.is_cuda else 1)
-
-
-#: On CUDA the V-way projection computes V rounded up to this many logits: its output rows then start on
-#: 16-byte boundaries, which cuBLAS needs for its Hopper kernels (BERT's 30,522 is 2 past a multiple of 8).
-VOCAB_ALIGN = 8
-
-
-def vocab_projection(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, pad_to: int = 1) -> torch.Tensor:
-    """h W^T + b over V rounded up to a multiple of ``pad_to``, (..., V'): the matmul runs on W padded
-    with zero rows and b padded with -inf, so each extra column is -inf. A softmax over the padded row
-    then gives the V real columns the same probabilities (exp(-inf) = 0), the same loss and argmax, and
-    the extra columns a gradient of exactly 0; the loss's gradient is the padded matrix's, with no
-    zero-filled copy made by slicing back (about 0.4 ms of a BERT-Base step at batch 256 on an H200). An H100 profile
-    of that step found the unaligned V = 30,522 projections on cuBLAS's Ampere kernels for 16-bit
-    inputs misaligned to 4 bytes, about 1 ms each of its three matmuls: hence the padding."""
-    pad = -weight.shape[0] % pad_to
-    if not pad:
-        return F.linear(h, weight, bias)
-    return F.linear(h, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad), value=float("-inf")))
 
 
 class BertPreTrainingHeads(nn.Module):

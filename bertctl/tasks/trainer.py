@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from bertctl.embed import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError, Stopped
-from bertctl.model import IGNORE_INDEX, cudnn_training_attention, varied_shapes
+from bertctl.model import IGNORE_INDEX
+from bertctl.nn.attention import cudnn_training_attention, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.runtime import Runtime, resolve, resolve_precision
 from bertctl.train import distributed, graphs, state

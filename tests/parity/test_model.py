@@ -217,7 +217,7 @@ def test_input_projection_is_a_linear_layer_and_its_residual(widths, with_bias):
     place or (expanded, absent) out of place, a block without a gradient, the blocks' gradients in
     (B, S, nh, hs) memory as the GPU attention kernels return them, an input of another dtype than the
     weight, and under torch.compile(fullgraph=True). The caller's gradients are left as they were."""
-    from bertctl.model import InputProjection
+    from bertctl.nn.projections import InputProjection
 
     torch.manual_seed(0)
     B, S, H = 3, 5, 16
@@ -307,7 +307,7 @@ def test_projections_under_autocast_cast_inside_and_return_fp32_weight_gradients
     give the fp32 weights (and bias) fp32 gradients: on the CPU the widened bf16 product, exactly as
     autocast's cast node gives it; on CUDA the GEMM's fp32 result, the float64 product of the same
     bf16 operands to fp32 accumulation error, and never further from it than autocast's."""
-    from bertctl.model import input_projection, linear
+    from bertctl.nn.projections import input_projection, linear
 
     gen = torch.Generator().manual_seed(11)
     B, S, H, widths = 4, 9, 64, (64, 64, 64)
@@ -355,7 +355,7 @@ def test_vocab_projection_padded_gives_the_same_loss_argmax_and_gradients(V, los
     gradients of h, W and b (float64, to rounding), the extra columns' gradient exactly 0; V a
     multiple of the alignment is left alone."""
     from bertctl import ops
-    from bertctl.model import VOCAB_ALIGN, vocab_projection
+    from bertctl.nn.projections import VOCAB_ALIGN, vocab_projection
 
     gen = torch.Generator().manual_seed(V)
     h = torch.randn(2, 5, 16, dtype=torch.float64, generator=gen, requires_grad=True)

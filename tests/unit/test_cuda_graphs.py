@@ -226,7 +226,7 @@ def test_optimizer_state_from_one_step_mode_loads_into_the_other():
 
 @cuda
 def test_varied_shapes_leaves_cudnn_attention_as_it_found_it():
-    from bertctl.model import varied_shapes
+    from bertctl.nn.attention import varied_shapes
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     with varied_shapes():
@@ -464,7 +464,8 @@ def test_long_steps_of_wide_heads_train_under_cudnn_attention_as_eagerly(monkeyp
     """Where the rule keeps cuDNN's attention for training (64-wide heads, long steps; its step count lowered
     here), the training steps see it on, and the graphs replay the eager steps (bf16, dropout 0.1)."""
     from bertctl.config import BertConfig
-    from bertctl.model import BertForSequenceClassification, cudnn_training_attention
+    from bertctl.model import BertForSequenceClassification
+    from bertctl.nn.attention import cudnn_training_attention
 
     monkeypatch.setattr(T, "cudnn_training_attention", lambda h, n, steps: cudnn_training_attention(h, n, 10**6))
     seen = []

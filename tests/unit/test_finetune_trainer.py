@@ -501,7 +501,8 @@ def test_training_keeps_cudnn_attention_only_for_long_steps_of_wide_heads(monkey
     import contextlib
 
     from bertctl.config import BertConfig
-    from bertctl.model import BertForSequenceClassification, cudnn_training_attention
+    from bertctl.model import BertForSequenceClassification
+    from bertctl.nn.attention import cudnn_training_attention
 
     assert cudnn_training_attention(64, 256, 1000) and not cudnn_training_attention(64, 248, 1000)
     assert not cudnn_training_attention(32, 512, 1000) and not cudnn_training_attention(64, 384, 999)

@@ -13,6 +13,7 @@ import bertctl.model as M
 from bertctl import ops
 from bertctl.config import BertConfig
 from bertctl.model import BertForPreTraining
+from bertctl.nn.fused import dropout, layer_norm
 
 pytestmark = pytest.mark.usefixtures("fused_kernels")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -94,7 +95,7 @@ def test_fused_model_matches_torch(device, hidden_act, monkeypatch):
 def separate_output(dense, drop, ln, h, residual, fused, own=True):
     """A sub-layer's output as the model ran it before bias_dropout_add_layer_norm: the Linear (its bias in the
     matmul), bertctl's dropout, then LayerNorm(+residual)."""
-    return M.layer_norm(ln, M.dropout(drop, dense(h), fused and own), residual, fused)
+    return layer_norm(ln, dropout(drop, dense(h), fused and own), residual, fused)
 
 
 def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):

@@ -8,7 +8,8 @@ import torch
 
 from bertctl.config import BertConfig
 from bertctl.model import (BertForMultipleChoice, BertForPreTraining, BertForQuestionAnswering,
-                           BertForSequenceClassification, BertForTokenClassification, BertModel, Packed)
+                           BertForSequenceClassification, BertForTokenClassification, BertModel)
+from bertctl.nn.packing import Packed
 
 KERNELS = ["torch", "fused"]
 
@@ -196,7 +197,7 @@ def cuda_twins(dtype):
 def test_varlen_flash_attention_matches_float64(dtype):
     """On a GPU under autocast the unpadded encoder runs FlashAttention's varlen kernel on (T, heads, 64):
     outputs and gradients as close to the float64 padded model as the padded sdpa model is."""
-    from bertctl.model import varlen_ok
+    from bertctl.nn.attention import varlen_ok
 
     padded, unpadded, reference = cuda_twins(dtype)
     ids, types, mask = batch(B=5, S=37)
@@ -230,7 +231,7 @@ def test_varlen_attention_dropout_backward_replays_the_forward_mask():
     """With attention dropout the backward must use the forward's mask: the directional derivative
     (L(x + e d) - L(x - e d)) / 2e, each forward drawing the same mask from the same seed, equals the
     gradient's dot product with d; and the outputs' mean over many masks approaches the no-dropout output."""
-    from bertctl.model import VarlenAttention
+    from bertctl.nn.attention import VarlenAttention
 
     torch.manual_seed(0)
     lengths = torch.tensor([37, 5, 20, 64])
