@@ -154,6 +154,8 @@ class ProjectAddNorm(nn.Module):
 
 
 class BertAttention(nn.Module):
+    """The attention sub-layer: LN(x + Dropout(W_o MultiHead(x) + b_o))."""
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.self = BertSelfAttention(config)
@@ -164,6 +166,8 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """The feed-forward network's first half, act(x W_1^T + b_1); the layer's ``output`` is its second."""
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -178,6 +182,8 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
+    """One post-LN Transformer layer (paper §3): x = LN(x + Attention(x)), then x = LN(x + FFN(x))."""
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.attention = BertAttention(config)
@@ -185,8 +191,8 @@ class BertLayer(nn.Module):
         self.output = ProjectAddNorm(config, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        x = self.attention(x, key_mask)
-        return self.output(*self.intermediate(x))
+        x = self.attention(x, key_mask)  # (B, S, H), or (T, H) packed
+        return self.output(*self.intermediate(x))  # the FFN's output projection and residual LayerNorm
 
 
 class BertEncoder(nn.Module):
@@ -212,7 +218,7 @@ class BertPooler(nn.Module):
         self.activation = nn.Tanh()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(hidden[:, 0]))
+        return self.activation(self.dense(hidden[:, 0]))  # (B, H), from the [CLS] token's state
 
 
 class BertPreTrainedModel(nn.Module):
