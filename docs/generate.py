@@ -96,6 +96,77 @@ def model_step() -> list[str]:
     return out
 
 
+def model_history() -> list[str]:
+    out = ["### Every committed `bench model` run", "",
+           "BERT-Base at 128 tokens (batch 256), the eager step, bertctl against `transformers` in the same run; "
+           "MFU is the share of the GPU's bf16 peak the model's FLOPs use.", ""]
+    rows = []
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "model-*.json")))
+    for name in names:
+        d = load(name)
+        if not isinstance(d.get("train"), list) or not isinstance(d.get("device"), dict):
+            continue
+        by = {r["provider"]: r for r in d["train"] if r["case"] == "base-128"}
+        if "bertctl" not in by or "hf" not in by:
+            continue
+        b, h = by["bertctl"], by["hf"]
+        rows.append([d["device"]["date"][:10], short(d["device"]["commit"]), d["device"]["name"], num(b["seq_per_s"]),
+                     f"{b['mfu'] * 100:.1f}%", num(h["seq_per_s"]), f"{b['seq_per_s'] / h['seq_per_s']:.2f}×", link(name)])
+    rows.sort()
+    return out + table(["date", "commit", "GPU", "bertctl sequences/s", "MFU", "transformers sequences/s",
+                        "against transformers", "file"], rows, right_from=3)
+
+
+def model_scaling() -> list[str]:
+    name = "model-scaling-2xh100-51bdee7.json"
+    d = load(name)
+    one = {(r["case"], r["provider"]): r["seq_per_s"] for r in d["one_gpu"]["train"]}
+    rows = [[f"`{r['case']}`", PROVIDERS.get(r["provider"], r["provider"]), num(one[(r["case"], r["provider"])]),
+             num(r["seq_per_s"]), f"{r['seq_per_s'] / one[(r['case'], r['provider'])]:.2f}×"]
+            for r in d["two_gpus"]["train"] if (r["case"], r["provider"]) in one and r["provider"].startswith("bertctl")]
+    return ["### The training step on two GPUs", "",
+            f"`torchrun --nproc-per-node 2 -m bertctl bench model`, the case's batch on each GPU, against one GPU "
+            f"of the same 2×H100 host ({link(name)}, commit {short(d['commit'])}):", ""] + table(
+        ["case", "step", "1 GPU sequences/s", "2 GPUs sequences/s", "scaling"], rows, right_from=2)
+
+
+def fused_ops() -> list[str]:
+    out = ["## The fused ops (`bertctl bench ops`)", "",
+           "Each op at BERT-Base shapes, the fused kernel's median time against eager PyTorch and `torch.compile` of "
+           "the same expression (higher is better for bertctl), and the share of the GPU's measured copy bandwidth "
+           "it reaches.", ""]
+    for name in ("ops-h100.json", "ops-cpu-fp32-2threads-9db954b-a.json"):
+        d = load(name)
+        dev = d["device"]
+        rows = [[r["op"], r["mode"], r["label"], r["dtype"], f"{r['fused_ms']:.3f}", f"{r['vs_eager']:.2f}×",
+                 f"{r['vs_compile']:.2f}×" if r.get("vs_compile") else "", f"{r['pct_of_copy_bw']:.0f}%"]
+                for r in d["summary"] if r.get("vs_eager") and r["dtype"] in ("bfloat16", "float32")
+                and (dev["type"] == "cpu" or r["dtype"] == "bfloat16")]  # training's dtype on each device
+        out += [f"{dev['name']}, torch {dev['torch']}, commit {short(dev['commit'])} ({link(name)}):", ""]
+        out += table(["op", "pass", "shape", "dtype", "fused ms", "against eager", "against compile",
+                      "of copy bandwidth"], rows, right_from=4)
+    return out
+
+
+def data_path() -> list[str]:
+    tok, bd, vs = load("tokenizer-vm.json"), load("build-data-cpu.json"), load("vocab-speed-cpu2.json")
+    r = tok["results"]
+    rows = [
+        ["`tokenize encode`, ids, one process",
+         f"{r['bertctl encode, cold cache (ids)']['MB_per_s_wall']:.2f} MB/s",
+         f"{tok['ratio_to_hf_backend_encode_per_line_cpu']['bertctl encode, cold cache (ids)']:.2f}× the "
+         "`tokenizers` backend's per-line encode", short(tok["commit"]), link("tokenizer-vm.json")],
+        ["`build-data`, the shared corpus, seq 128", f"{bd['runs']['1']['mb_per_s']:.2f} MB/s with 1 worker",
+         f"{bd['speedup_2_workers']:.2f}× with 2 workers", short(bd["commit"]), link("build-data-cpu.json")],
+        ["`tokenize train`, 30,522 pieces",
+         f"{vs['current']['count_words_workers_2']['wall_s'] + vs['current']['train_from_counts']['wall_s']:.1f} s "
+         f"with 2 workers", f"against {vs['baseline']['count_words']['wall_s'] + vs['baseline']['train_from_counts']['wall_s']:.1f} s "
+         f"at {short(vs['baseline']['commit'])}, the same vocabulary", short(vs["commit"]), link("vocab-speed-cpu2.json")],
+    ]
+    return ["## Tokenising and building data (2-core CPU)", ""] + table(
+        ["what", "speed", "against", "commit", "file"], rows, right_from=5)
+
+
 # --- fine-tuning against the transformers Trainer ---------------------------------------------
 
 QUALITY = [("sst2", "SST-2 (MiniLM)"), ("acceptability", "acceptability (CoLA-style)"),
@@ -337,7 +408,7 @@ def presets() -> list[str]:
                         "NSP", "collapsed", "commit", "file"], rows, right_from=1)
 
 
-SECTIONS = [model_step, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets]
+SECTIONS = [model_step, model_history, model_scaling, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
 
 
 def render() -> str:
