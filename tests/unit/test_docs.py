@@ -42,13 +42,25 @@ def test_the_generator_reads_the_result_files(tmp_path, monkeypatch):
     assert page != (DOCS / "measured.md").read_text(encoding="utf-8")
 
 
+def test_readme_summary_is_the_generators_output():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert generator().readme_with_summary(readme) == readme, \
+        "the README's summary table is out of date: run python docs/generate.py"
+
+
 def test_check_flag_fails_on_a_stale_page(tmp_path, monkeypatch):
     gen = generator()
-    stale = tmp_path / "measured.md"
+    stale, readme = tmp_path / "measured.md", tmp_path / "README.md"
     stale.write_text("# Measured\n")
+    readme.write_text((ROOT / "README.md").read_text(encoding="utf-8"))
     monkeypatch.setattr(gen, "OUTPUT", str(stale))
+    monkeypatch.setattr(gen, "README", str(readme))
     assert gen.main(["--check"]) == 1
     assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+    assert stale.read_text(encoding="utf-8") == (DOCS / "measured.md").read_text(encoding="utf-8")
+    # A stale summary table fails the check too.
+    readme.write_text(readme.read_text(encoding="utf-8").replace("times shorter", "times longer"))
+    assert gen.main(["--check"]) == 1
 
 
 # A commit hash standing alone: not part of a result file's name (`model-h200-d2af69e.json`).
