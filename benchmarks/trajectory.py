@@ -184,7 +184,7 @@ def environment(tree: Path) -> dict:
         tf = transformers.__version__
     except ImportError:
         tf = None
-    return {"device": name, "gpu": gpu, "commit": git("rev-parse", "--short", "HEAD"),
+    return {"device": name, "gpu": gpu, "commit": os.environ.get("BERTCTL_COMMIT") or git("rev-parse", "--short", "HEAD"),
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": tf,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -196,9 +196,16 @@ def reference(gpu: str, spec: str) -> Path | None:
         return None
     if spec != "auto":
         return Path(spec)
-    p = subprocess.run(["git", "log", "--format=", "--name-only", "--diff-filter=AM", "--",
-                        f"benchmarks/results/trajectory-{gpu}-*.json"], cwd=ROOT, capture_output=True, text=True)
-    for name in p.stdout.split():
+    try:
+        p = subprocess.run(["git", "log", "--format=", "--name-only", "--diff-filter=AM", "--",
+                            f"benchmarks/results/trajectory-{gpu}-*.json"], cwd=ROOT, capture_output=True, text=True)
+        names = p.stdout.split() if p.returncode == 0 else []
+    except FileNotFoundError:
+        names = []
+    if not names:  # a copy without git history: the newest file by its recorded date
+        runs = sorted(RESULTS.glob(f"trajectory-{gpu}-*.json"), key=lambda f: json.loads(f.read_text()).get("date", ""))
+        names = [str(f.relative_to(ROOT)) for f in reversed(runs)]
+    for name in names:
         if (ROOT / name).exists():
             return ROOT / name
     return None
