@@ -104,3 +104,17 @@ def test_relative_links_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text(encoding="utf-8")):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
+
+
+def test_named_repository_paths_exist():
+    """A path the docs name in backticks (`benchmarks/convergence/run.py`) is a file or folder of the tree."""
+    missing = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text(encoding="utf-8")
+        for path in re.findall(r"`((?:bertctl|benchmarks|tests|csrc|docs)/[^`\s]*)`", text):
+            path = path.split("::")[0]
+            if any(c in path for c in "*{}"):
+                continue  # a pattern (`finetune-ddp-*.json`), not one path
+            if not (ROOT / path).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, "\n".join(missing)
