@@ -1,6 +1,6 @@
 """Where ``embed``'s time goes on a GPU: the real ``embed_texts`` loop on real sentences, in process.
 
-    python benchmarks/embed/profile.py --model MINILM_DIR --data SST2_TRAIN.tsv [--n 0] [--attn sdpa] [--backend native]
+    python benchmarks/embed/profile_embed.py --model MINILM_DIR --data SST2_TRAIN.tsv [--n 0] [--attn sdpa] [--backend native]
 
 Loads the encoder as ``bertctl embed`` does, tokenises once, then, for each of ``--batch-sizes``,
 times ``--repeats`` warm runs of ``embed_texts`` (mean pooling, normalised, ``--precision``), each
@@ -112,7 +112,7 @@ def main() -> None:
                         "warm_runs_s": [round(r, 3) for r in runs],
                         "wall_s_median": round(wall, 3), "ms_per_batch": wall * 1e3 / n,
                         **harness.profile_summary(prof, n, "batch", a.rows)})
-    out = {"what": "embed_texts host profile (benchmarks/embed/profile.py)", "model": str(a.model),
+    out = {"what": "embed_texts host profile (benchmarks/embed/profile_embed.py)", "model": str(a.model),
            "backend": a.backend, **({"native_start_s": round(start_s, 3)} if a.backend == "native" else {}),
            "attn": model.config.attn_implementation, "precision": model.precision, "weights": a.weights,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
