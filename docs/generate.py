@@ -468,9 +468,9 @@ def render() -> str:
              "", "# Measured", "",
              "Every table here is generated from the result files in [`benchmarks/results/`]"
              "(../benchmarks/results/); each names its device, versions, date and commit, and "
-             "[the index](../benchmarks/results/INDEX.md) says what every file is and what made it. [The measurement log](measurement-log.md) keeps the earlier "
-             "studies' notes. GPU figures are from one NVIDIA H200 or H100 as named; CPU figures from the "
-             "project's 2-core x86-64 machine.", ""]
+             "[the index](../benchmarks/results/INDEX.md) says what every file is and what made it; "
+             "[what the studies found](measurement-log.md) says their conclusions in words. GPU figures are from "
+             "one NVIDIA H200 or H100 as named; CPU figures from the project's 2-core x86-64 machine.", ""]
     for section in SECTIONS:
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
