@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         build_app([command] if command else None)(args=args, standalone_mode=True)
     except SystemExit as e:  # how click's standalone mode ends every run
-        native = sys.modules.get("bertctl.native")
+        native = sys.modules.get("bertctl.inference.backends.native")
         if e.code in (0, None) and native is not None and native.context_started:
             # The work is done and written; CUDA's teardown of the native encoder's context at exit (its
             # memory freed, the context destroyed) took a quarter of a second on an H200: leave without it.

@@ -7,7 +7,9 @@ import typer
 
 from bertctl.cli import options as opt
 from bertctl.workers import usable_cpus
-from bertctl.embed import BACKEND_CHOICES, LAYER_CHOICES, OUTPUT_SUFFIXES, POOLING_CHOICES
+from bertctl.inference.backends import BACKEND_CHOICES
+from bertctl.inference.embed import OUTPUT_SUFFIXES
+from bertctl.inference.pooling import LAYER_CHOICES, POOLING_CHOICES
 
 
 def register(app: typer.Typer) -> None:
@@ -66,8 +68,9 @@ def register(app: typer.Typer) -> None:
         import numpy as np
 
         from bertctl.checkpoint import load_config
-        from bertctl.embed import (Tokenizing, checkpoint_config, embed_texts, open_encoder, prepare_texts, read_texts,
-                                   token_limit, write_embeddings)
+        from bertctl.inference.backends import open_encoder
+        from bertctl.inference.embed import (Tokenizing, checkpoint_config, embed_texts, prepare_texts, read_texts,
+                                             token_limit, write_embeddings)
         from bertctl.errors import BertctlError
         from bertctl.io import check_writable
         from bertctl.progress import stderr
@@ -88,9 +91,8 @@ def register(app: typer.Typer) -> None:
                        if st.dense and not config.dense else "")
             stderr.print(f"{model}: a sentence-transformers checkpoint: {st.describe()}{skipped}; flags override")
         # Tokenising starts before CUDA or torch loads (its workers fork from a small process) and runs
-        # while the device and the model load. (Starting the native encoder's CUDA context in a thread
-        # before the fork made the whole SST-2 run slower on an H200, 1.26 s against 1.18 (medians of 5
-        # and 3): starting the workers, their tokenising and the embedding itself all took longer.)
+        # while the device and the model load. Starting the native encoder's CUDA context before the fork
+        # made the whole run slower (benchmarks/results/embed-vs-st-h200-fp16-40c77c7.json).
         limit = token_limit(config, load_config(encoder_dir).max_position_embeddings)
         with Tokenizing(tokenizer, prepare_texts(texts, config), limit, config.workers) as tokenizing:
             encoder = open_encoder(encoder_dir, config, onnx, lengths=lambda: tokenizing.result()[1])

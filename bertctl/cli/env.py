@@ -29,9 +29,9 @@ def environment() -> dict:
     }
     if compiled() is not None and hasattr(compiled(), "build_info"):
         info["build"] = compiled().build_info()
-    from bertctl.native import _load
+    from bertctl.inference.backends.native import _load
 
-    encoder, why = _load()  # embed's own CUDA encoder (bertctl.native), built with the CUDA kernels
+    encoder, why = _load()  # embed's own CUDA encoder (bertctl.inference.backends.native), built with the CUDA kernels
     info["native_encoder"] = encoder.__file__ if encoder is not None else f"unavailable: {why}"
     return info
 

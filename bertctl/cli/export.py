@@ -25,8 +25,8 @@ def onnx(
 ) -> None:
     """Export the encoder or a task head with dynamic batch and sequence axes; the file is written only
     after ONNX Runtime reproduces PyTorch within 1e-4.  The report (outputs, max abs diff) goes to stdout."""
-    from bertctl.export import export_onnx
-    from bertctl.st_modules import encoder_dir
+    from bertctl.inference.onnx_export import export_onnx
+    from bertctl.inference.sentence_transformers import encoder_dir
 
     # A sentence-transformers checkpoint's encoder: the directory itself, or its 0_Transformer/.
     report = export_onnx(encoder_dir(model) or model, output, architecture=architecture, hidden_states=hidden_states,

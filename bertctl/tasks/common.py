@@ -21,7 +21,7 @@ MODEL_SUBDIR = "model"
 def model_dir_of(path: str | Path) -> Path:
     """A fine-tuning output folder holds the model in ``model/``, and an older sentence-transformers
     checkpoint its encoder in the folder its ``modules.json`` names (``0_Transformer/``); accept each."""
-    from bertctl.st_modules import encoder_dir
+    from bertctl.inference.sentence_transformers import encoder_dir
 
     path = Path(path)
     if not (path / "config.json").exists() and (path / MODEL_SUBDIR / "config.json").exists():

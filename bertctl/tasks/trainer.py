@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bertctl.embed import BATCH_TOKENS, length_batches
+from bertctl.inference.embed import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError, Stopped
 from bertctl.model import IGNORE_INDEX
 from bertctl.nn.attention import cudnn_training_attention, varied_shapes

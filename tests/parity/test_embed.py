@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
-from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, length_batches, load_encoder
+from bertctl.inference.backends import load_encoder
+from bertctl.inference.backends.torch import TorchEncoder
+from bertctl.inference.embed import EmbedConfig, checkpoint_config, embed_texts, length_batches
 from bertctl.errors import BertctlError
 from bertctl.text.wordpiece import BertTokenizer
 
@@ -135,8 +137,8 @@ def test_tokenizing_in_workers_gives_the_same_ids(shared_data, minilm_dir, tmp_p
     `embed --workers` (default: the usable CPUs, shown in --help) gives the same vectors as --workers 1."""
     import os
 
-    import bertctl.embed
-    from bertctl.embed import tokenize_texts
+    import bertctl.inference.embed
+    from bertctl.inference.embed import tokenize_texts
 
     lines = (shared_data / "glue" / "SST-2" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:25_001]
     texts = [line.split("\t")[0] for line in lines]
@@ -149,7 +151,7 @@ def test_tokenizing_in_workers_gives_the_same_ids(shared_data, minilm_dir, tmp_p
     np.testing.assert_array_equal(one[0], two[0])
     np.testing.assert_array_equal(one[1], two[1])
 
-    monkeypatch.setattr(bertctl.embed, "PARALLEL_TEXTS", 10)  # the dev set goes through the workers too
+    monkeypatch.setattr(bertctl.inference.embed, "PARALLEL_TEXTS", 10)  # the dev set goes through the workers too
     (tmp_path / "in.txt").write_text("\n".join(sst2_dev[:300]) + "\n", encoding="utf-8")
     outs = []
     for k, flag in enumerate(([], ["--workers", "1"])):
@@ -194,14 +196,15 @@ def test_bf16_casts_the_weights_once_and_keeps_the_vectors(tmp_path, minilm_dir,
     texts = sst2_dev[:96]
     ref = reference_features(reference, texts)
     cast = load_encoder(minilm_dir, torch.device("cpu"), precision="bf16")
-    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in cast.model.parameters()} == {torch.bfloat16}
     config = EmbedConfig(pooling="mean", normalize=True, precision="bf16")
     once = embed_texts(cast, BertTokenizer.from_pretrained(minilm_dir), texts, config, progress=False)
-    autocast = embed_texts(load_encoder(minilm_dir, torch.device("cpu")), BertTokenizer.from_pretrained(minilm_dir),
-                           texts, config, progress=False)
+    fp32 = load_encoder(minilm_dir, torch.device("cpu")).model
+    autocast = embed_texts(TorchEncoder(fp32, "bf16"), BertTokenizer.from_pretrained(minilm_dir), texts, config,
+                           progress=False)
     assert once.dtype == np.float32
     assert cosine(once, ref).min() >= 0.999 and cosine(autocast, ref).min() >= 0.999
-    assert cosine(once, ref).min() < 0.99999  # bf16 did run: not the fp32 vectors
+    assert cosine(once, ref).min() < 0.99999 and cosine(autocast, ref).min() < 0.99999  # bf16 did run
     (tmp_path / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
     result = runner.invoke(app, ["embed", "--model", str(minilm_dir), "--precision", "bf16", "--device", "cpu",
                                  "--backend", "torch", "--normalize", "-o", str(tmp_path / "o.npy"),
@@ -249,9 +252,9 @@ def test_tokenizing_workers_stop_when_the_model_fails_to_load(tmp_path, minilm_d
     line and exit code 2, and leaves no worker process behind."""
     import multiprocessing
 
-    import bertctl.embed
+    import bertctl.inference.embed
 
-    monkeypatch.setattr(bertctl.embed, "PARALLEL_TEXTS", 10)
+    monkeypatch.setattr(bertctl.inference.embed, "PARALLEL_TEXTS", 10)
     broken = tmp_path / "broken"
     shutil.copytree(minilm_dir, broken)
     for weights in broken.glob("*.safetensors"):

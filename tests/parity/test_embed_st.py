@@ -18,8 +18,9 @@ from sentence_transformers.sentence_transformer import modules as models
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
-from bertctl.embed import EmbedConfig, checkpoint_config, embed_texts, finish_features, load_encoder, prepare_texts
-from bertctl.st_modules import Dense, encoder_dir, read_modules
+from bertctl.inference.backends import load_encoder
+from bertctl.inference.embed import EmbedConfig, checkpoint_config, embed_texts, finish_features, prepare_texts
+from bertctl.inference.sentence_transformers import Dense, encoder_dir, read_modules
 from bertctl.tasks.common import model_dir_of
 from bertctl.text import load_tokenizer
 

@@ -12,14 +12,17 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-import bertctl.embed
-import bertctl.export
 from bertctl.checkpoint import save_pretrained
 from bertctl.cli.app import app
 from bertctl.config import BertConfig
-from bertctl.embed import EmbedConfig, resolve_backend
 from bertctl.errors import BertctlError
-from bertctl.export import HEADS, cached_encoder, cached_encoder_path, export_onnx, fuse_attention, optimized_path
+from bertctl.inference import onnx_export
+from bertctl.inference.backends import load_encoder, resolve_backend
+from bertctl.inference.backends import onnx as onnx_backend
+from bertctl.inference.backends.onnx import cached_encoder, cached_encoder_path, optimized_path
+from bertctl.inference.backends.torch import TorchEncoder
+from bertctl.inference.embed import EmbedConfig
+from bertctl.inference.onnx_export import HEADS, export_onnx, fuse_attention
 from bertctl.model import MODEL_CLASSES, PAD_LOGIT
 
 runner = CliRunner()
@@ -102,7 +105,7 @@ def test_explicit_attention_and_hidden_states(tmp_path):
 
 def test_a_mismatch_writes_nothing(tmp_path, monkeypatch):
     model_dir = tiny_dir(tmp_path / "model", "BertForSequenceClassification")
-    monkeypatch.setattr(bertctl.export, "compare", lambda *a: {"logits": 0.5})
+    monkeypatch.setattr(onnx_export, "compare", lambda *a: {"logits": 0.5})
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(BertctlError, match=r"differs from PyTorch under onnxruntime by 0\.5.*nothing written"):
@@ -112,14 +115,14 @@ def test_a_mismatch_writes_nothing(tmp_path, monkeypatch):
 
 def test_architecture_choice(tmp_path):
     qa = tiny_dir(tmp_path / "qa", "BertForQuestionAnswering")
-    assert bertctl.export.resolve_architecture(qa, None) == "BertForQuestionAnswering"
+    assert onnx_export.resolve_architecture(qa, None) == "BertForQuestionAnswering"
     # A token-classification or QA checkpoint has no pooler: its encoder exports without pooler_output.
     report = export_onnx(qa, tmp_path / "enc.onnx", architecture="BertModel")
     assert report["outputs"] == ["last_hidden_state"]
     config = json.loads((qa / "config.json").read_text())
     config["architectures"] = ["BertForMaskedLM"]  # no bertctl head: the encoder
     (qa / "config.json").write_text(json.dumps(config))
-    assert bertctl.export.resolve_architecture(qa, None) == "BertModel"
+    assert onnx_export.resolve_architecture(qa, None) == "BertModel"
     for args, message in [(["--architecture", "BertForNothing"], "--architecture must be one of"),
                           (["--opset", "16"], "--opset must be at least 17"),
                           (["--attn", "flash"], "--attn must be one of"),
@@ -214,13 +217,13 @@ def test_embed_backend_choice_and_errors(tmp_path, minilm_dir, monkeypatch):
     def broken(*a, **k):
         raise BertctlError("export failed")
 
-    monkeypatch.setattr(bertctl.export, "export_onnx", broken)
+    monkeypatch.setattr(onnx_export, "export_onnx", broken)
     tiny = tiny_dir(tmp_path / "tiny", "BertModel")
-    assert isinstance(bertctl.embed.load_encoder(tiny, cpu, "onnxruntime", fallback=True), torch.nn.Module)
+    assert isinstance(load_encoder(tiny, cpu, "onnxruntime", fallback=True), TorchEncoder)
     with pytest.raises(BertctlError, match="export failed"):
-        bertctl.embed.load_encoder(tiny, cpu, "onnxruntime")
+        load_encoder(tiny, cpu, "onnxruntime")
     # Without the onnx packages, auto falls back to torch and onnxruntime says what to install.
-    monkeypatch.setattr(bertctl.export, "onnx_missing", lambda export=True: ["onnxruntime"])
+    monkeypatch.setattr(onnx_export, "onnx_missing", lambda export=True: ["onnxruntime"])
     assert resolve_backend(EmbedConfig(), cpu) == "torch"
     with pytest.raises(BertctlError, match=r"pip install 'bertctl\[onnx\]'"):
         resolve_backend(EmbedConfig(backend="onnxruntime"), cpu)
@@ -231,13 +234,13 @@ def test_cache_is_reused_and_replaced_when_the_weights_change(tmp_path, monkeypa
     first = cached_encoder(model_dir).path
     export = cached_encoder_path(model_dir)
     calls, fusions = [], []
-    real_export, real_optimize = bertctl.export.export_onnx, bertctl.export.optimize_encoder
-    monkeypatch.setattr(bertctl.export, "export_onnx", lambda *a, **k: calls.append(a) or real_export(*a, **k))
-    monkeypatch.setattr(bertctl.export, "optimize_encoder", lambda *a, **k: fusions.append(a) or real_optimize(*a, **k))
+    real_export, real_optimize = onnx_export.export_onnx, onnx_export.optimize_encoder
+    monkeypatch.setattr(onnx_export, "export_onnx", lambda *a, **k: calls.append(a) or real_export(*a, **k))
+    monkeypatch.setattr(onnx_export, "optimize_encoder", lambda *a, **k: fusions.append(a) or real_optimize(*a, **k))
     assert cached_encoder(model_dir).path == first and calls == [] and fusions == []
     # Another onnxruntime: the fused copy is made again from the same export, the old copy removed.
-    real_version = bertctl.export._version
-    monkeypatch.setattr(bertctl.export, "_version", lambda p: "0.0-other" if p == "onnxruntime" else real_version(p))
+    real_version = onnx_backend._version
+    monkeypatch.setattr(onnx_backend, "_version", lambda p: "0.0-other" if p == "onnxruntime" else real_version(p))
     refused = cached_encoder(model_dir).path
     assert refused != first and calls == [] and len(fusions) == 1 and not first.exists() and export.exists()
     tiny_dir(model_dir, "BertModel", hidden_act="gelu_new")  # rewritten: a new key, the old export removed

@@ -90,7 +90,7 @@ def test_help_shows_no_type_on_flags_and_element_types_on_lists():
 
 def test_output_under_a_file_is_one_line_before_any_work(tmp_path, texts, monkeypatch):
     """encode, embed, build-data, tokenize train: the output's folder is a regular file."""
-    import bertctl.embed
+    import bertctl.inference.embed
 
     model = tiny_model(tmp_path / "model")
     blocker = tmp_path / "file"
@@ -99,7 +99,7 @@ def test_output_under_a_file_is_one_line_before_any_work(tmp_path, texts, monkey
     def must_not_run(*a, **k):
         raise AssertionError("the model ran before the output was checked")
 
-    monkeypatch.setattr(bertctl.embed, "embed_texts", must_not_run)
+    monkeypatch.setattr(bertctl.inference.embed, "embed_texts", must_not_run)
     cases = [
         ("tokenize", "encode", "--model", model, "-o", blocker / "out.jsonl", texts),
         ("embed", "--model", model, "-o", blocker / "sub" / "out.npy", texts),
@@ -210,7 +210,8 @@ def test_smaller_vocabulary_is_fine(tmp_path, texts):
 
 def test_token_ids_past_the_embedding_at_encode_time(tmp_path):
     """A tokenizer handed in by a library caller: ids past the table are an error, not an IndexError."""
-    from bertctl.embed import EmbedConfig, embed_texts, load_encoder
+    from bertctl.inference.backends import load_encoder
+    from bertctl.inference.embed import EmbedConfig, embed_texts
     from bertctl.text.wordpiece import BertTokenizer
 
     model = load_encoder(tiny_model(tmp_path / "model"), torch.device("cpu"))

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bertctl.cli.app import COMMANDS, build_app
-from bertctl.export import cached_encoder
+from bertctl.inference.backends.onnx import cached_encoder
 
 
 def run_main(*args: str) -> dict:

@@ -1,4 +1,4 @@
-"""bertctl's own CUDA encoder for ``embed`` (bertctl/native.py, csrc/encoder).
+"""bertctl's own CUDA encoder for ``embed`` (bertctl/inference/backends/native.py, csrc/encoder).
 
 On the CPU: the weight layout it is given, the layers and pooling it is asked for, and the command's
 answers where it cannot run.  On a GPU (marker ``cuda``): its features against the PyTorch model run in
@@ -17,10 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from bertctl import native
 from bertctl.config import BertConfig
-from bertctl.embed import LAYER_CHOICES, POOLING_CHOICES, EmbedConfig, combine_layers, pool
 from bertctl.errors import BertctlError
+from bertctl.inference import backends
+from bertctl.inference.backends import native
+from bertctl.inference.backends.torch import TorchEncoder
+from bertctl.inference.embed import EmbedConfig
+from bertctl.inference.encoder import Tokens
+from bertctl.inference.pooling import LAYER_CHOICES, POOLING_CHOICES, PoolingSpec, combine_layers, pool
+from bertctl.runtime import device_index
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +56,15 @@ def reference(directory: Path, ids: np.ndarray, mask: np.ndarray, layers: str, p
     with torch.no_grad():
         out = model(torch.from_numpy(ids), torch.zeros_like(torch.from_numpy(ids)), torch.from_numpy(mask),
                     output_hidden_states=True)
-    return pool(combine_layers(out.hidden_states, layers), torch.from_numpy(mask), pooling).numpy()
+    return pool(combine_layers(out.hidden_states, PoolingSpec(layers, pooling)), torch.from_numpy(mask), pooling).numpy()
+
+
+def native_features(encoder, ids: np.ndarray, mask: np.ndarray, layers: str, pooling: str) -> np.ndarray:
+    """One padded batch (mask 1 = real token, padding on the right) through the native encoder's
+    ``features``, as one forward pass."""
+    real = mask.astype(bool)
+    tokens = Tokens(ids[real], real.sum(1))
+    return encoder.features(tokens, [np.arange(len(ids))], PoolingSpec(layers, pooling))
 
 
 def padded_batch(lengths: list[int], vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -72,12 +85,19 @@ def test_pool_codes_cover_the_pooling_modes():
 
 @pytest.mark.parametrize("layers", LAYER_CHOICES)
 def test_hidden_states_used_match_combine_layers(layers):
+    """The states the native encoder is told to use (``PoolingSpec.hidden_states``) are those the torch
+    and ONNX backends combine, against the paper's Table 7 by hand."""
+    spec = PoolingSpec(layers, "mean")
     states = [np.full((1, 1, 1), float(i)) for i in range(7)]  # 6 layers: value i is hidden state i
-    keep, summed = native.hidden_states_used(layers, 6)
-    combined = combine_layers(states, layers).ravel()
+    keep, summed = spec.hidden_states(6)
+    combined = combine_layers(states, spec).ravel()
     assert list(combined) == ([float(sum(keep))] if summed else [float(k) for k in keep])
+    want = {"last": [6.0], "second-to-last": [5.0], "embeddings": [0.0], "sum-last-4": [3.0 + 4 + 5 + 6],
+            "concat-last-4": [3.0, 4.0, 5.0, 6.0]}[layers]
+    assert list(combined) == want
+    assert spec.width(384, 6) == 384 * len(want)
     with pytest.raises(BertctlError, match="at least 4 layers") if layers.endswith("-4") else nullcontext():
-        native.hidden_states_used(layers, 3)
+        spec.hidden_states(3)
 
 
 def test_encoder_weights_layout(tmp_path):
@@ -120,7 +140,7 @@ def test_unsupported_models():
 
 
 def test_device_names():
-    assert [native.device_index(n) for n in ("auto", "cuda", "cuda:3", "cpu", "mps")] == [0, 0, 3, None, None]
+    assert [device_index(n) for n in ("auto", "cuda", "cuda:3", "cpu", "mps")] == [0, 0, 3, None, None]
 
 
 def test_backend_native_where_it_cannot_run(tmp_path):
@@ -151,30 +171,29 @@ def test_auto_keeps_the_native_encoder_for_short_texts_only(tmp_path, monkeypatc
     """``auto`` on a GPU: the native encoder for texts of up to NATIVE_AUTO_TOKENS tokens weighted by length,
     torch beyond (its attention is measured faster only on short texts); an explicit ``native`` keeps it.
     The GPU is stood in for: the decision is the CPU's."""
-    import bertctl.embed as embed
-
-    assert embed.native_suits(np.array([20] * 1000 + [66])) and not embed.native_suits(np.array([80, 60, 70]))
-    assert embed.native_suits(np.array([64, 64])) and not embed.native_suits(np.array([65, 65]))
+    assert backends.native_suits(np.array([20] * 1000 + [66])) and not backends.native_suits(np.array([80, 60, 70]))
+    assert backends.native_suits(np.array([64, 64])) and not backends.native_suits(np.array([65, 65]))
 
     class Started:
-        runtime = "native"
+        name = "native"
 
         def __init__(self, directory, device, precision):
             self.device, self.precision = device, precision
 
     directory = random_model(tmp_path / "m", hidden=64, heads=2, layers=1)
-    monkeypatch.setattr(embed, "native_device", lambda config, onnx=None: "cuda:0")
+    monkeypatch.setattr(backends, "native_device", lambda config, onnx=None: "cuda:0")
     monkeypatch.setattr(native, "NativeEncoder", Started)
-    monkeypatch.setattr(embed, "resolve_device", lambda name: torch.device("cpu"))
+    monkeypatch.setattr(backends, "resolve_device", lambda name: "cpu")
     short, long = (lambda: np.array([12, 30, 7])), (lambda: np.array([300, 120]))
-    assert isinstance(embed.open_encoder(directory, EmbedConfig(precision="fp16"), lengths=short), Started)
-    assert isinstance(embed.open_encoder(directory, EmbedConfig(precision="bf16"), lengths=long), torch.nn.Module)
+    assert isinstance(backends.open_encoder(directory, EmbedConfig(precision="fp16"), lengths=short), Started)
+    assert isinstance(backends.open_encoder(directory, EmbedConfig(precision="bf16"), lengths=long), TorchEncoder)
     assert "texts longer than 64 tokens (weighted by length): embedding with torch" in capsys.readouterr().err
-    assert isinstance(embed.open_encoder(directory, EmbedConfig(backend="native"), lengths=long), Started)
+    assert isinstance(backends.open_encoder(directory, EmbedConfig(backend="native"), lengths=long), Started)
 
 
 def test_native_module_imports_no_torch():
-    code = ("import sys; import bertctl.native, bertctl.embed; bertctl.native.available(); "
+    code = ("import sys; import bertctl.inference.backends.native as native, bertctl.inference.embed; "
+            "native.available(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -204,7 +223,7 @@ def check_features(directory: Path, lengths: list[int], precision: str, layers: 
     vocab = load_config(directory).vocab_size
     ids, mask = padded_batch(lengths, vocab)
     encoder = native.NativeEncoder(directory, "cuda:0", precision)
-    got = encoder.features(ids, mask, layers, pooling)
+    got = native_features(encoder, ids, mask, layers, pooling)
     want = reference(directory, ids, mask, layers, pooling)
     assert got.shape == want.shape and got.dtype == np.float32
     error = np.abs(got - want).max() / np.abs(want).max()
@@ -241,10 +260,10 @@ def test_batches_reuse_buffers(gpu_native, minilm_dir):
     """A large batch, then a small one, then a large one: the buffers grow once and stale rows never leak."""
     encoder = native.NativeEncoder(minilm_dir, "cuda:0", "fp32")
     big, small = padded_batch([50] * 64 + [3] * 10, 30522, seed=1), padded_batch([4, 9], 30522, seed=2)
-    first = encoder.features(*big, "last", "mean")
-    np.testing.assert_allclose(encoder.features(*small, "last", "mean"),
+    first = native_features(encoder, *big, "last", "mean")
+    np.testing.assert_allclose(native_features(encoder, *small, "last", "mean"),
                                reference(minilm_dir, *small, "last", "mean"), atol=2e-5, rtol=0)
-    np.testing.assert_array_equal(encoder.features(*big, "last", "mean"), first)
+    np.testing.assert_array_equal(native_features(encoder, *big, "last", "mean"), first)
 
 
 @cuda
@@ -267,7 +286,7 @@ def test_command_runs_native_without_torch(gpu_native, minilm_dir, tmp_path, sha
 
 @cuda
 def test_embed_config_auto_picks_native(gpu_native, minilm_dir):
-    from bertctl.embed import native_device
+    from bertctl.inference.backends import native_device
 
     assert native_device(EmbedConfig()) == "cuda:0"
     assert native_device(EmbedConfig(backend="torch")) is None
@@ -281,8 +300,8 @@ def test_embed_config_auto_picks_native(gpu_native, minilm_dir):
 def test_many_batches_and_chunks_match_torch(gpu_native, minilm_dir, shared_data, monkeypatch, normalize):
     """embed_texts on the native encoder, its batches queued in several chunks (each a wait and a scatter
     into the output), against the torch backend's batches one by one."""
-    import bertctl.embed as embed
-    from bertctl.embed import embed_texts, load_encoder
+    from bertctl.inference.backends import load_encoder
+    from bertctl.inference.embed import embed_texts
     from bertctl.text import load_tokenizer
 
     lines = (shared_data / "glue" / "SST-2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:700]
@@ -291,7 +310,7 @@ def test_many_batches_and_chunks_match_torch(gpu_native, minilm_dir, shared_data
     config = EmbedConfig(pooling="mean,max", layers="concat-last-4", normalize=normalize, batch_tokens=2048)
     want = embed_texts(load_encoder(minilm_dir, torch.device("cuda")), tokenizer, texts, config, progress=False)
     encoder = native.NativeEncoder(minilm_dir, "cuda:0", "fp32")
-    monkeypatch.setattr(embed, "NATIVE_CHUNK_VALUES", 200 * encoder.width(config.layers, config.pooling))
+    monkeypatch.setattr(native, "CHUNK_VALUES", 200 * config.spec.width(384, 6))
     got = embed_texts(encoder, tokenizer, texts, config, progress=False)
     assert got.shape == want.shape == (len(texts), 2 * 4 * 384)
     np.testing.assert_allclose(got, want, atol=3e-5 * np.abs(want).max(), rtol=0)

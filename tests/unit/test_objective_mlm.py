@@ -426,7 +426,7 @@ def test_export_is_accepted_by_fine_tuning_and_embedding(mlm_run):
     from safetensors.torch import load_file
 
     from bertctl import checkpoint
-    from bertctl.embed import load_encoder
+    from bertctl.inference.backends import load_encoder
     from bertctl.model import BertForSequenceClassification, BertForTokenClassification
 
     model_dir = mlm_run[0] / "model"
@@ -439,7 +439,7 @@ def test_export_is_accepted_by_fine_tuning_and_embedding(mlm_run):
     with pytest.raises(BertctlError, match="missing bert.pooler"):  # without fresh_heads nothing is made up
         checkpoint.load_pretrained(BertForSequenceClassification, model_dir)
     encoder = load_encoder(model_dir, torch.device("cpu"))
-    assert torch.equal(encoder.embeddings.word_embeddings.weight, saved["bert.embeddings.word_embeddings.weight"])
+    assert torch.equal(encoder.model.embeddings.word_embeddings.weight, saved["bert.embeddings.word_embeddings.weight"])
 
 
 def test_resume_on_mlm_data_is_bit_identical(mlm_run, mlm_data, tmp_path):

@@ -11,16 +11,14 @@ lowers to MatMul/Softmax.  Before the file is published (written under a tempora
 renamed) it runs under ONNX Runtime on inputs of another shape than the trace, with padding,
 and every output must match the PyTorch model within ``tolerance`` (1e-4, fp32).
 
-``embed`` serves the encoder from a cache (``cached_encoder``): the export above, made once, and
-beside it a copy with fused operators (``optimize_encoder``), checked against the export. Serving
-imports neither torch nor the model: only ONNX Runtime and numpy (torch only to make the export).
+``optimize_encoder`` fuses an encoder export's attention and GELU for ``embed``'s ONNX Runtime backend
+(``bertctl.inference.backends.onnx``), which caches both files. Importing this module imports no
+torch: serving needs only ONNX Runtime and numpy (torch only to make the export).
 """
 from __future__ import annotations
 
 import ast
 import contextlib
-import glob
-import hashlib
 import io
 import json
 import logging
@@ -30,7 +28,6 @@ import time
 import warnings
 from dataclasses import dataclass
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -175,9 +172,8 @@ def ort_session(path: str | Path, threads: int | None = None):
     """An ONNX Runtime CPU session: all graph optimisations but SkipLayerNormFusion, ``threads``
     intra-op threads (default: ONNX Runtime's, one per physical core).
 
-    ONNX Runtime 1.32's SkipLayerNormalization CPU kernel is slower than the Add and
-    LayerNormalization it replaces: 2.0 ms against 0.30 ms at (64, 20, 384), one thread, and 7.3 s
-    against 8.3 s of CPU for MiniLM over 4,000 SST-2 sentences (one thread, AMD EPYC, AVX-512)."""
+    ONNX Runtime's SkipLayerNormalization CPU kernel is slower than the Add and LayerNormalization
+    it replaces, for a single op and for a whole MiniLM embedding run."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -391,7 +387,7 @@ def optimize_encoder(source: str | Path, target: str | Path, config, tolerance: 
       its other BERT fusions are off: its attention pattern does not match this graph, the
       embedding fusion would change the inputs' meaning, and SkipLayerNormalization is slower
       here (``ort_session``).
-    MiniLM over 4,000 SST-2 sentences, one thread: 7.3 s of CPU without these, 6.7 s with them."""
+    ``embed`` serves the fused copy because it takes less CPU time than the plain export."""
     import onnx
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
@@ -421,105 +417,3 @@ def optimize_encoder(source: str | Path, target: str | Path, config, tolerance: 
             raise BertctlError(f"{source}: the fused encoder differs from the export by {worst:.3g} "
                                f"(> {tolerance:g}): {diffs}; nothing written")
     return {"fused": ops, "max_abs_diff": diffs}
-
-
-# --------------------------------------------------------------------------- serving the encoder (embed)
-
-# Bump when the exported graph changes, so cached exports are made anew.
-EXPORT_FORMAT = 1
-# Bump when optimize_encoder's output changes (the export stays).
-OPTIMIZE_FORMAT = 1
-
-
-class OnnxEncoder:
-    """An exported encoder under ONNX Runtime on the CPU, for ``embed_texts``: numpy in and out.
-
-    Any ONNX file with ``input_ids``/``attention_mask``/``token_type_ids`` inputs and a
-    ``last_hidden_state`` output serves (``optimum``'s exports too); layers other than the
-    last need the ``hidden_states`` output (``export onnx --hidden-states``).
-    """
-
-    runtime = "onnxruntime"
-    device = "cpu"
-
-    def __init__(self, path: str | Path, config, threads: int | None = None):
-        self.path, self.config = Path(path), config
-        if not self.path.is_file():
-            raise BertctlError(f"{self.path}: --onnx: no such file")
-        if threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            threads = int(os.environ["OMP_NUM_THREADS"])  # what torch would use
-        self.session = ort_session(self.path, threads)
-        self.inputs = [i.name for i in self.session.get_inputs()]
-        outputs = [o.name for o in self.session.get_outputs()]
-        if "last_hidden_state" not in outputs or not set(self.inputs) <= set(INPUT_NAMES):
-            raise BertctlError(f"{self.path}: not an exported BERT encoder (inputs {self.inputs}, outputs {outputs}; "
-                               f"want inputs among {list(INPUT_NAMES)} and a last_hidden_state output)")
-        self.has_hidden_states = "hidden_states" in outputs
-
-    def hidden_states(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
-                      all_layers: bool = False) -> tuple[np.ndarray, ...]:
-        """(B, S) int64 inputs -> (last_hidden_state,), or with ``all_layers`` the L+1 hidden states
-        (embeddings first), each (B, S, H) float32."""
-        given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
-        feeds = {name: given[name] for name in self.inputs}
-        if not all_layers:
-            return tuple(self.session.run(["last_hidden_state"], feeds))
-        if not self.has_hidden_states:
-            raise BertctlError(f"{self.path}: no hidden_states output, which layers other than the last need "
-                               "(export it with: bertctl export onnx --architecture BertModel --hidden-states)")
-        (states,) = self.session.run(["hidden_states"], feeds)  # (L+1, B, S, H)
-        return tuple(states)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bertctl" / "onnx"
-
-
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "none"
-
-
-def cached_encoder_path(directory: str | Path) -> Path:
-    """Where the encoder export of ``directory`` is cached: ``NAME-PATHKEY-KEY.onnx``, PATHKEY from its
-    path, KEY from its config, weights (size and modification time), torch version and ``EXPORT_FORMAT``."""
-    from bertctl.checkpoint import LEGACY_WEIGHTS, WEIGHTS
-
-    directory = Path(directory).resolve()
-    where = hashlib.sha256(str(directory).encode()).hexdigest()[:8]
-    key = hashlib.sha256(json.dumps([EXPORT_FORMAT, _version("torch")]).encode())
-    key.update((directory / "config.json").read_bytes())
-    for name in (WEIGHTS, LEGACY_WEIGHTS):
-        if (directory / name).exists():
-            st = (directory / name).stat()
-            key.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return cache_dir() / f"{directory.name}-{where}-{key.hexdigest()[:16]}.onnx"
-
-
-def optimized_path(export: Path) -> Path:
-    """The fused copy of a cached export, beside it, keyed by the onnxruntime version."""
-    key = hashlib.sha256(json.dumps([OPTIMIZE_FORMAT, _version("onnxruntime")]).encode()).hexdigest()[:8]
-    return export.with_name(f"{export.stem}.fused-{key}.onnx")
-
-
-def cached_encoder(directory: str | Path, threads: int | None = None) -> OnnxEncoder:
-    """``directory``'s encoder (with ``hidden_states``) under ONNX Runtime, with fused operators:
-    exported and fused on first use, the fused copy made again when onnxruntime changes."""
-    from bertctl.checkpoint import load_config
-
-    config = load_config(directory)
-    path = cached_encoder_path(directory)
-    fused = optimized_path(path)
-    if not fused.exists():
-        if not path.exists():
-            require_onnx()
-            stderr.print(f"exporting the encoder of {directory} to ONNX (once; cached as {path})")
-            export_onnx(directory, path, architecture="BertModel", hidden_states=True)
-        optimize_encoder(path, fused, config)
-        # Exports (and fused copies) of earlier weights or versions of the same directory are stale now.
-        for old in path.parent.glob(glob.escape(path.name.rsplit("-", 1)[0]) + "-*.onnx"):
-            if old not in (path, fused):
-                old.unlink(missing_ok=True)
-    return OnnxEncoder(fused, config, threads)

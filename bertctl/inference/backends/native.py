@@ -1,12 +1,11 @@
-"""bertctl's own CUDA encoder for ``embed``: the compiled ``bertctl._encoder`` (csrc/encoder).
+"""The native backend: bertctl's own CUDA encoder, the compiled ``bertctl._encoder`` (csrc/encoder).
 
 It runs a BERT encoder's forward pass and the pooling on one GPU with cuBLASLt and bertctl's kernels, on
-packed tokens (no padding), and imports no torch: on an H200, ``import torch`` took 2.1-2.4 s and torch's
-CUDA start-up 0.5 s more (``benchmarks/results/embed-startup-h200-3133cda.json``), this module's load with
-cuBLASLt and its CUDA context 0.31 s (``embed-startup-h200-native-d02edce.json``), and for a short job such
-as embedding SST-2's 67,349 sentences start-up is most of the run.  fp32 runs
-cuBLAS's fp32 products (no TF32); bf16 and fp16 keep weights and activations in half precision, with the
-LayerNorm, softmax and pooling arithmetic in fp32.
+packed tokens (no padding), and imports no torch: for a short job, such as embedding a few tens of
+thousands of sentences, torch's import and CUDA start-up would be most of the run
+(``benchmarks/results/embed-startup-h200-native-d02edce.json`` against ``embed-startup-h200-3133cda.json``).
+fp32 runs cuBLAS's fp32 products (no TF32); bf16 and fp16 keep weights and activations in half
+precision, with the LayerNorm, softmax and pooling arithmetic in fp32.
 
 Built with the CUDA kernels (``BERTCTL_CUDA``); it links cuBLASLt, found here where the loader does
 not see it: in the NVIDIA wheels beside torch (``nvidia/cu13/lib``, ``nvidia/cublas/lib``) or under
@@ -28,13 +27,16 @@ from pathlib import Path
 import numpy as np
 
 from bertctl.errors import BertctlError
+from bertctl.inference.encoder import Tokens
+from bertctl.inference.pooling import PoolingSpec
+from bertctl.runtime import device_index
 
 # Hugging Face hidden_act names the encoder computes, and how.
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "relu": "relu"}
 HEAD_SIZES = (32, 64, 128)
 MAX_HIDDEN = 1024
-# bertctl.embed.POOLING_CHOICES -> csrc/encoder/kernels.h's Pool.
+# bertctl.inference.pooling.POOLING_CHOICES -> csrc/encoder/kernels.h's Pool.
 POOL_CODES = {"cls": 0, "mean": 1, "max": 2, "mean-sqrt-len": 3, "weighted-mean": 4, "last": 5}
 
 
@@ -122,8 +124,8 @@ _starts: dict[int, tuple[threading.Thread, list]] = {}
 
 
 def start(device: str) -> None:
-    """Load the module (and cuBLASLt) and start ``device``'s CUDA context in a thread, once: 0.3 s on an
-    H200, which the encoder spends mapping its weights meanwhile (``started`` waits for it)."""
+    """Load the module (and cuBLASLt) and start ``device``'s CUDA context in a thread, once, while the
+    encoder maps its weights (``started`` waits for it)."""
     index = device_index(device)
     with _loading:
         if index in _starts:
@@ -151,14 +153,6 @@ def started(device: str) -> str | None:
     thread, outcome = _starts[device_index(device)]
     thread.join()
     return outcome[0]
-
-
-def device_index(name: str) -> int | None:
-    """The GPU a ``--device`` name picks (auto and cuda: 0), or None for the CPU or another kind of device."""
-    if name in ("auto", "cuda"):
-        return 0
-    match = re.fullmatch(r"cuda:(\d+)", name)
-    return int(match.group(1)) if match else None
 
 
 def unsupported(config) -> str | None:
@@ -240,24 +234,15 @@ def encoder_weights(directory: str | Path, config) -> dict[str, list[np.ndarray]
     return out
 
 
-def hidden_states_used(layers: str, num_layers: int) -> tuple[list[int], bool]:
-    """(indices of the hidden states ``--layers`` combines, 0 the embeddings' output; whether they are summed)."""
-    if layers == "last":
-        return [num_layers], False
-    if layers == "second-to-last":
-        return [num_layers - 1], False
-    if layers == "embeddings":
-        return [0], False
-    if num_layers < 4:
-        raise BertctlError(f"--layers {layers} needs at least 4 layers; the model has {num_layers}")
-    return list(range(num_layers - 3, num_layers + 1)), layers == "sum-last-4"
+#: Pooled values (texts x features) a run queues on the GPU at once: its device-side output.
+CHUNK_VALUES = 1 << 25
 
 
 class NativeEncoder:
-    """A checkpoint's encoder on one GPU under ``bertctl._encoder``, for ``embed_texts``: padded numpy
-    batches in, pooled float32 features out (``features``)."""
+    """A checkpoint's encoder on one GPU under ``bertctl._encoder``, as an ``Encoder``: packed token ids
+    in, pooled (and, when asked, L2-normalised) float32 features out, computed on the GPU."""
 
-    runtime = "native"
+    name = "native"
 
     def __init__(self, directory: str | Path, device: str, precision: str):
         from bertctl.checkpoint import load_config
@@ -282,27 +267,46 @@ class NativeEncoder:
         except (RuntimeError, ValueError) as e:
             raise BertctlError(f"{device}: the native encoder did not start ({e})") from None
 
-    def width(self, layers: str, pooling: str) -> int:
-        """Features a text: the poolings side by side, each of the hidden states used (or their sum)."""
-        keep, summed = hidden_states_used(layers, self.config.num_hidden_layers)
-        return len(pooling.split(",")) * (1 if summed else len(keep)) * self.config.hidden_size
+    def features(self, tokens: Tokens, batches: list[np.ndarray], spec: PoolingSpec, pad_id: int = 0,
+                 normalize: bool = False, advance=None) -> np.ndarray:
+        """The batches queued a chunk at a time (``CHUNK_VALUES`` pooled values), with one wait a chunk;
+        a single chunk writes straight into the output. Packed tokens: ``pad_id`` is not used."""
+        width = spec.width(self.config.hidden_size, self.config.num_hidden_layers)
+        per_chunk = max(1, CHUNK_VALUES // width)
+        chunks, current, held = [], [], 0
+        for batch in batches:
+            if current and held + len(batch) > per_chunk:
+                chunks.append(current)
+                current, held = [], 0
+            current.append(batch)
+            held += len(batch)
+        chunks.append(current)
+        if len(chunks) == 1:
+            out = self._embed(tokens, batches, spec, normalize)
+            if advance is not None:
+                advance(len(tokens.lengths))
+            return out
+        out = np.empty((len(tokens.lengths), width), np.float32)
+        for chunk in chunks:
+            order = np.concatenate(chunk)
+            out[order] = self._embed(tokens, chunk, spec, normalize, local=True)
+            if advance is not None:
+                advance(len(order))
+        return out
 
-    def embed(self, flat: np.ndarray, lengths: np.ndarray, batches: list[np.ndarray], layers: str, pooling: str,
-              normalize: bool = False, local: bool = False) -> np.ndarray:
-        """Features of texts tokenised to ``flat`` (all ids, text after text) and ``lengths``, run in
-        ``batches`` (lists of text indices, each a forward pass) queued on the GPU at once, with one wait:
-        (texts, width) float32, row i for text i (``local``: row i for the batches' i-th text), L2-normalised
-        with ``normalize``."""
-        keep, summed = hidden_states_used(layers, self.config.num_hidden_layers)
-        modes = [POOL_CODES[mode] for mode in pooling.split(",")]
+    def _embed(self, tokens: Tokens, batches: list[np.ndarray], spec: PoolingSpec, normalize: bool,
+               local: bool = False) -> np.ndarray:
+        """``batches`` (lists of text indices, each a forward pass) queued on the GPU at once, with one
+        wait: (texts, width) float32, row i for text i (``local``: row i for the batches' i-th text)."""
+        keep, summed = spec.hidden_states(self.config.num_hidden_layers)
+        modes = [POOL_CODES[mode] for mode in spec.modes]
         order = np.concatenate(batches)
-        counts = lengths[order]
-        starts = np.cumsum(lengths) - lengths
-        ids = flat[np.repeat(starts[order] - (np.cumsum(counts) - counts), counts) + np.arange(counts.sum())]
+        counts = tokens.lengths[order]
         rows = np.arange(len(order)) if local else order
-        out = np.empty((len(order) if local else len(lengths), self.width(layers, pooling)), np.float32)
+        out = np.empty((len(order) if local else len(tokens.lengths),
+                        spec.width(self.config.hidden_size, self.config.num_hidden_layers)), np.float32)
         try:
-            self.encoder.embed(ids.astype(np.int32), counts.astype(np.int32), rows.astype(np.int32),
+            self.encoder.embed(tokens.packed(order).astype(np.int32), counts.astype(np.int32), rows.astype(np.int32),
                                np.cumsum([len(b) for b in batches]).astype(np.int32), out, keep, summed, modes,
                                normalize)
         except MemoryError:
@@ -311,11 +315,3 @@ class NativeEncoder:
         except ValueError as e:
             raise BertctlError(f"the native encoder refused its input ({e})") from None
         return out
-
-    def features(self, ids: np.ndarray, mask: np.ndarray, layers: str, pooling: str) -> np.ndarray:
-        """One padded batch: (B, S) ids and mask (1 = real token, padding on the right) -> (B, D) float32
-        features, ``layers`` combined and pooled by each of ``pooling``'s modes (as ``bertctl.embed``'s
-        ``combine_layers`` then ``pool``)."""
-        real = mask.astype(bool)
-        lengths = real.sum(1)
-        return self.embed(ids[real], lengths, [np.arange(len(lengths))], layers, pooling)
