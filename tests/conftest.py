@@ -102,17 +102,17 @@ def data_dir(shared_data, tmp_path_factory) -> Path:
 def kill_at_checkpoint(cmd: list[str], run_dir: Path, step: int, env: dict, timeout: float = 300) -> int:
     """Start the pretraining command ``cmd``, SIGKILL it once ``run_dir`` holds a checkpoint of at
     least ``step``, and return the newest checkpoint's step (what a resume starts from)."""
-    from bertctl.train import state
+    from bertctl.checkpoints import training
 
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout
-    while state.latest_checkpoint(run_dir) is None or state.latest_checkpoint(run_dir).step < step:
+    while training.latest_checkpoint(run_dir) is None or training.latest_checkpoint(run_dir).step < step:
         assert p.poll() is None, "the run ended before it could be killed"
         assert time.time() < deadline
         time.sleep(0.01)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    return state.latest_checkpoint(run_dir).step
+    return training.latest_checkpoint(run_dir).step
 
 
 def pytest_collection_modifyitems(config, items):

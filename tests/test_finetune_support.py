@@ -33,7 +33,7 @@ def make_tiny_model_dir(directory: Path, seed: int = 0) -> Path:
     """A 2-layer, 64-wide random BERT with the bert-base-uncased vocabulary, saved HF-style."""
     import torch
 
-    from bertctl.checkpoint import save_pretrained
+    from bertctl.checkpoints.hf import save_pretrained
     from bertctl.config import BertConfig
     from bertctl.model import BertModel
     from bertctl.text.wordpiece import BertTokenizer

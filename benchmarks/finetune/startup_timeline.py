@@ -76,13 +76,13 @@ def instrument(command: list[str]) -> None:
     import torch
     mark("torch imported")
     for name in ("bertctl.cli.app", "bertctl.tasks.glue", "bertctl.tasks.common", "bertctl.train.engine",
-                 "bertctl.train.graphs", "bertctl.checkpoint"):
+                 "bertctl.train.graphs", "bertctl.checkpoints.hf"):
         importlib.import_module(name)
     mark("bertctl imported")
     glue, common = sys.modules["bertctl.tasks.glue"], sys.modules["bertctl.tasks.common"]
     engine, graphs = sys.modules["bertctl.train.engine"], sys.modules["bertctl.train.graphs"]
     for owner, attr in ((common, "load_tokenizer"), (glue, "featurize"), (common, "load_for_finetuning"),
-                        (glue, "evaluate_devs"), (sys.modules["bertctl.checkpoint"], "save_pretrained"),
+                        (glue, "evaluate_devs"), (sys.modules["bertctl.checkpoints.hf"], "save_pretrained"),
                         (engine, "build_optimizer")):
         timed(owner, attr, f"{owner.__name__.rsplit('.', 1)[-1]}.{attr}")
     timed(engine.Engine, "__init__", "Engine.__init__")

@@ -67,7 +67,7 @@ def register(app: typer.Typer) -> None:
         A sentence-transformers checkpoint (modules.json) embeds as its encode() does unless flags say otherwise."""
         import numpy as np
 
-        from bertctl.checkpoint import load_config
+        from bertctl.checkpoints.hf import load_config
         from bertctl.inference.backends import open_encoder
         from bertctl.inference.embed import (Tokenizing, checkpoint_config, embed_texts, prepare_texts, read_texts,
                                              token_limit, write_embeddings)

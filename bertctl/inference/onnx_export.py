@@ -82,7 +82,7 @@ def resolve_architecture(directory: str | Path, architecture: str | None) -> str
 
     A class bertctl has no head for (``BertForMaskedLM``, say) exports its encoder, with a note.
     """
-    from bertctl.checkpoint import load_config
+    from bertctl.checkpoints.hf import load_config
 
     if architecture is not None:
         if architecture not in HEADS:
@@ -137,7 +137,7 @@ def load_for_export(directory: str | Path, architecture: str, attn_implementatio
     The encoder keeps its pooler only where the checkpoint has one (a token-classification
     or QA checkpoint has none).
     """
-    from bertctl.checkpoint import load_config, load_state, on_meta, read_state_dict
+    from bertctl.checkpoints.hf import load_config, load_state, on_meta, read_state_dict
     from bertctl.model import BertModel
 
     if hidden_states and architecture != "BertModel":

@@ -51,7 +51,7 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     ``cfg.from_scratch`` the directory gives only the architecture (config.json): every weight is
     initialised afresh, the paper's "no pretraining" baseline.
     """
-    from bertctl.checkpoint import load_config, load_pretrained
+    from bertctl.checkpoints.hf import load_config, load_pretrained
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
@@ -66,7 +66,7 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
 def load_finetuned(model_cls, model_dir: str | Path, *, labels: Sequence[str] | None = None,
                    regression: bool = False, task: str = "") -> torch.nn.Module:
     """A fine-tuned model for evaluation; its head must fit the task (label count and names)."""
-    from bertctl.checkpoint import load_config, load_pretrained
+    from bertctl.checkpoints.hf import load_config, load_pretrained
 
     directory = model_dir_of(model_dir)
     config = load_config(directory)
@@ -128,7 +128,7 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
         result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
                            output_dir=output, resume=resume and _has_checkpoint(output), log=log)
         return SweepOutcome(result, cfg.lr, [{"lr": cfg.lr, "dev": result.best}])
-    from bertctl.checkpoint import load_state, save_pretrained
+    from bertctl.checkpoints.hf import load_state, save_pretrained
 
     sweep = []
     best: tuple[float, float, Path] | None = None
@@ -157,7 +157,7 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
     assert best is not None
     _, lr, run_dir = best
     if best_result is None:  # the best run finished before a resume: reload its weights
-        from bertctl.checkpoint import read_state_dict
+        from bertctl.checkpoints.hf import read_state_dict
 
         model = build_model()
         load_state(model, read_state_dict(run_dir / MODEL_SUBDIR), source=str(run_dir))
@@ -187,9 +187,9 @@ class LastEvaluation:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    from bertctl.train import state
+    from bertctl.checkpoints import training
 
-    return state.latest_checkpoint(run_dir) is not None
+    return training.latest_checkpoint(run_dir) is not None
 
 
 def emit_metrics(output: Path | None, metrics: dict) -> None:

@@ -423,7 +423,7 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
                  max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
                  dropout: float | None = None) -> dict:
     """Fine-tune on ``data.train``, evaluate on the dev file(s), write model, predictions, metrics."""
-    from bertctl.checkpoint import save_pretrained
+    from bertctl.checkpoints.hf import save_pretrained
     from bertctl.model import BertForSequenceClassification
 
     output = Path(output)
@@ -476,7 +476,7 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
 
 def regression_head(model_dir: str | Path) -> bool:
     """Whether a fine-tuned classifier's head is a regression's (one output)."""
-    from bertctl.checkpoint import load_config
+    from bertctl.checkpoints.hf import load_config
 
     return load_config(common.model_dir_of(model_dir)).num_labels == 1
 

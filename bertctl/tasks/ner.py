@@ -178,7 +178,7 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
                  max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
                  dropout: float | None = None) -> dict:
     """Fine-tune on train.txt, choose the epoch (and lr) on valid.txt, report valid and test."""
-    from bertctl.checkpoint import save_pretrained
+    from bertctl.checkpoints.hf import save_pretrained
     from bertctl.model import BertForTokenClassification
 
     tcfg = _select_best(tcfg)  # before any work: it refuses --no-epoch-evals

@@ -399,7 +399,7 @@ def _report(data: SquadData) -> dict:
 def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output: str | Path, tcfg: TrainConfig,
                  scfg: SquadConfig, *, lr_sweep: bool = False, resume: bool = False, dropout: float | None = None,
                  write_nbest: bool = False) -> dict:
-    from bertctl.checkpoint import save_pretrained
+    from bertctl.checkpoints.hf import save_pretrained
     from bertctl.model import BertForQuestionAnswering
 
     output = Path(output)

@@ -123,7 +123,7 @@ def write_predictions(path: Path, examples: Sequence[SwagExample], logits: np.nd
 
 def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, max_seq_length: int = 128,
                  lr_sweep: bool = False, resume: bool = False, dropout: float | None = None) -> dict:
-    from bertctl.checkpoint import save_pretrained
+    from bertctl.checkpoints.hf import save_pretrained
     from bertctl.model import BertForMultipleChoice
 
     output = Path(output)

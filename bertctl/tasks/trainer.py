@@ -31,13 +31,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bertctl.checkpoints import training
 from bertctl.inference.embed import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError, Stopped
 from bertctl.model import IGNORE_INDEX
 from bertctl.nn.attention import cudnn_training_attention, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.runtime import Runtime, resolve, resolve_precision
-from bertctl.train import distributed, graphs, state
+from bertctl.train import distributed, graphs
 from bertctl.train.engine import Engine, EngineConfig, autocast, to_device, warmup_steps
 from bertctl.train.loader import (Prefetcher, collate, feature_length, median_step_length, steps_per_epoch,
                                  task_batches)
@@ -290,10 +291,10 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     best_state: dict | None = None
     eval_seconds = 0.0
     if resume:
-        latest = state.latest_checkpoint(run_dir) if run_dir else None
+        latest = training.latest_checkpoint(run_dir) if run_dir else None
         if latest is None:
-            raise BertctlError(f"--resume: no checkpoint in {run_dir}/{state.CHECKPOINT_DIR}")
-        blob = state.load_checkpoint(latest.path)
+            raise BertctlError(f"--resume: no checkpoint in {run_dir}/{training.CHECKPOINT_DIR}")
+        blob = training.load_checkpoint(latest.path)
         engine.restore(blob)
         history, best, best_state = blob["history"], blob["best"], blob.get("best_model")
         if dist.is_main:
@@ -350,10 +351,10 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
         checkpoint("interrupted")
         if dist.is_main:
             stderr.print(f"stopped ({result.stopped}) at step {engine.step}/{steps}: checkpoint in "
-                         f"{run_dir}/{state.CHECKPOINT_DIR}; continue with --resume")
+                         f"{run_dir}/{training.CHECKPOINT_DIR}; continue with --resume")
         raise Stopped()
     if run_dir is not None and dist.is_main:  # complete: the task writes model/; nothing left to resume
-        shutil.rmtree(run_dir / state.CHECKPOINT_DIR, ignore_errors=True)
+        shutil.rmtree(run_dir / training.CHECKPOINT_DIR, ignore_errors=True)
     if cfg.select_best and best_state is not None:
         model.load_state_dict(best_state)
     elif history:

@@ -24,7 +24,7 @@ What the engine does for every job, in one place:
 - exact resume: every step reseeds torch from (seed, step, rank), so the dropout masks after a
   resume are the ones the uninterrupted run drew; a checkpoint holds model, optimizer, scheduler,
   loss scaler, step, every rank's RNG states and whatever the job adds (data position, history);
-- one checkpoint format (``bertctl.train.state``: ``OUT/checkpoints/step-N/``, written atomically);
+- one checkpoint format (``bertctl.checkpoints.training``: ``OUT/checkpoints/step-N/``, written atomically);
 - one metrics writer (``MetricsLog``, JSON lines) and one progress bar; no host sync per step
   (running sums stay on the device until a log line is due);
 - SIGINT/SIGTERM: the first says at once what will happen and finishes the step, then the job
@@ -47,10 +47,11 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from bertctl.checkpoints import training
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, progress
 from bertctl.runtime import graphs_unsupported, resolve_precision
-from bertctl.train import distributed, state
+from bertctl.train import distributed
 from bertctl.train.graphs import StepGraphs
 from bertctl.train.optim import build_optimizer, build_scheduler
 
@@ -289,7 +290,7 @@ class Engine:
             step_model = torch.compile(step_model, dynamic=cfg.compile_dynamic)
         self.step_model = step_model
         self._last_save = time.monotonic()
-        self._writer = state.CheckpointWriter()  # mid-run checkpoints go to disk in the background
+        self._writer = training.CheckpointWriter()  # mid-run checkpoints go to disk in the background
 
     # ----------------------------------------------------------------- CUDA graphs
 
@@ -428,10 +429,10 @@ class Engine:
         """Checkpoint model, optimizer, scheduler, scaler, step, every rank's RNG and ``extra``.
 
         With ``wait`` False (mid-run checkpoints) the state is snapshot to host memory and written in
-        the background while training goes on (``state.CheckpointWriter``); ``wait_for_checkpoints``,
+        the background while training goes on (``training.CheckpointWriter``); ``wait_for_checkpoints``,
         the next save and the end of ``run`` wait for it. The ``checkpoint`` event is logged once the
         checkpoint is complete."""
-        rngs = distributed.gather_to_main(state.capture_rng(), self.dist)
+        rngs = distributed.gather_to_main(training.capture_rng(), self.dist)
         path = None
         if self.dist.is_main:
             blob = {"model": self.model.state_dict(), "optimizer": _plain_lr(self.optimizer.state_dict()),
@@ -452,7 +453,7 @@ class Engine:
         self._writer.wait()
 
     def restore(self, blob: dict) -> None:
-        """Continue from a checkpoint blob (``state.load_checkpoint``)."""
+        """Continue from a checkpoint blob (``training.load_checkpoint``)."""
         self.model.load_state_dict(blob["model"])
         load_optimizer_state(self.optimizer, blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
@@ -466,7 +467,7 @@ class Engine:
             self.cfg.max_steps = self.scheduler.lr_lambdas[0].total
         rngs = blob.get("rng") or []
         if self.dist.rank < len(rngs):
-            state.restore_rng(rngs[self.dist.rank])
+            training.restore_rng(rngs[self.dist.rank])
 
     # ----------------------------------------------------------------- the loop
 
@@ -587,7 +588,7 @@ class Engine:
                "a smaller model, --max-seq-length or --precision bf16 may fit")
         with contextlib.suppress(Exception):  # a checkpoint being written: complete it, and name it
             self._writer.wait()
-        last = state.latest_checkpoint(self.run_dir) if self.run_dir else None
+        last = training.latest_checkpoint(self.run_dir) if self.run_dir else None
         resume = f"; --resume continues from {last.path}" if last else ""
         return (f"out of {self.device.type.upper()} memory at step {self.step + 1}: {shape} per forward did not fit "
                 f"on {self.device}{total} beside the model and its optimizer; {fix}{resume}")
@@ -621,7 +622,7 @@ class Engine:
         n_bad = torch.zeros(1, device=self.device) + (self.bad if bad is None else bad)
         distributed.all_reduce_sum(n_bad, self.dist)
         if n_bad.item() > 0:
-            last = state.latest_checkpoint(self.run_dir) if self.run_dir else None
+            last = training.latest_checkpoint(self.run_dir) if self.run_dir else None
             where = f"; the last good checkpoint is {last.path}" if last else ""
             raise BertctlError(f"non-finite loss by step {self.step}: stopped without saving{where} "
                                f"(lower --lr, or use --precision fp16 with loss scaling)")

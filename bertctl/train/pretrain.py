@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bertctl.checkpoints import training
 from bertctl.errors import BertctlError
 from bertctl.model import IGNORE_INDEX, masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
 from bertctl.runtime import Runtime, resolve
-from bertctl.train import distributed, state
+from bertctl.train import distributed
 from bertctl.train.engine import Engine, EngineConfig, autocast, load_optimizer_state, to_device, warmup_steps
 from bertctl.train.loader import Prefetcher, bucketed_batches, pretraining_step, trim
 from bertctl.train.metrics import plot_curves, train_flops_6nt
@@ -122,7 +123,7 @@ def _manifest_id(manifest: dict) -> str:
 
 
 def _is_run_dir(path: Path) -> bool:
-    return (path / state.CHECKPOINT_DIR).is_dir() or (path / "model" / "config.json").is_file()
+    return (path / training.CHECKPOINT_DIR).is_dir() or (path / "model" / "config.json").is_file()
 
 
 def _config(model: torch.nn.Module):
@@ -314,7 +315,7 @@ class Trainer:
             self.tokenizer = _data_tokenizer(Path(self.cfg.data), self.data.manifest)
 
     def _model_config(self, ckpt_state: dict | None):
-        from bertctl import checkpoint
+        from bertctl.checkpoints.hf import load_config
         from bertctl.config import BertConfig
 
         over = {**self.cfg.model_overrides, **self.runtime.model_overrides()}
@@ -324,7 +325,7 @@ class Trainer:
             src = Path(self.cfg.init_from)
             if _is_run_dir(src):
                 src = src / "model"
-            return checkpoint.load_config(src, **over), src
+            return load_config(src, **over), src
         if self.cfg.model_config:
             return BertConfig.from_json_file(self.cfg.model_config, **over), None
         return BertConfig.preset(self.cfg.model_size, vocab_size=self.data.vocab_size, **over), None
@@ -352,24 +353,24 @@ class Trainer:
                                f"{what} has vocab_size {mconf.vocab_size}: {build}")
 
     def _build(self) -> None:
-        from bertctl import checkpoint
+        from bertctl.checkpoints.hf import load_pretrained, load_state
         from bertctl.model import BertForMaskedLM, BertForPreTraining
 
         cfg = self.cfg
         model_cls = BertForPreTraining if self.data.nsp else BertForMaskedLM
-        resume_from = state.latest_checkpoint(self.out) if cfg.resume else None
-        if not cfg.resume and state.latest_checkpoint(self.out) is not None:
+        resume_from = training.latest_checkpoint(self.out) if cfg.resume else None
+        if not cfg.resume and training.latest_checkpoint(self.out) is not None:
             raise BertctlError(f"{self.out} already holds checkpoints: pass --resume to continue that run, "
                                f"or choose another --output")
         if cfg.resume and resume_from is None:
             self._say(f"[yellow]no checkpoint in {self.out}: starting a new run")
         init_state = None
         if resume_from is not None:
-            init_state = state.load_checkpoint(resume_from.path)
-        elif cfg.init_from and (Path(cfg.init_from) / state.CHECKPOINT_DIR).is_dir():
-            prev = state.latest_checkpoint(cfg.init_from)
+            init_state = training.load_checkpoint(resume_from.path)
+        elif cfg.init_from and (Path(cfg.init_from) / training.CHECKPOINT_DIR).is_dir():
+            prev = training.latest_checkpoint(cfg.init_from)
             if prev is not None:
-                init_state = state.load_checkpoint(prev.path)
+                init_state = training.load_checkpoint(prev.path)
         mconf, hf_dir = self._model_config(init_state)
         self._check_vocabulary(mconf, hf_dir)
         if self.data.max_seq_length > mconf.max_position_embeddings:
@@ -378,8 +379,8 @@ class Trainer:
         # Same initial weights on every rank: seed before construction.
         torch.manual_seed(cfg.seed)
         if hf_dir is not None and init_state is None:
-            model = checkpoint.load_pretrained(model_cls, hf_dir, fresh_heads=True,
-                                               **{**cfg.model_overrides, **self.runtime.model_overrides()})
+            model = load_pretrained(model_cls, hf_dir, fresh_heads=True,
+                                    **{**cfg.model_overrides, **self.runtime.model_overrides()})
         else:
             model = model_cls(mconf)
         if init_state is not None and resume_from is None:
@@ -390,7 +391,7 @@ class Trainer:
                 raise BertctlError(f"--keep-optimizer: {cfg.init_from} was trained with --objective {before}, this "
                                    f"data with {self.objective}: the optimizer state does not fit the model; drop "
                                    f"--keep-optimizer")
-            checkpoint.load_state(model, init_state["model"], fresh_heads=True, source=str(cfg.init_from))
+            load_state(model, init_state["model"], fresh_heads=True, source=str(cfg.init_from))
         self.model_config = model.config
         self.warmup = warmup_steps(self.max_steps, cfg.warmup_steps, cfg.warmup_fraction)
         ecfg = EngineConfig(batch_size=cfg.batch_size, max_steps=self.max_steps, micro_batch_size=self.micro,
@@ -528,10 +529,10 @@ class Trainer:
     def export(self) -> Path | None:
         if not self.dist.is_main:
             return None
-        from bertctl import checkpoint
+        from bertctl.checkpoints.hf import save_pretrained
 
         target = self.out / "model"
-        checkpoint.save_pretrained(self.model, target, tokenizer=self.tokenizer)
+        save_pretrained(self.model, target, tokenizer=self.tokenizer)
         return target
 
     # ----------------------------------------------------------------- loop

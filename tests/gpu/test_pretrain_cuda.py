@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertctl.train import state
+from bertctl.checkpoints import training
 from conftest import kill_at_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -87,7 +87,7 @@ def test_fp16_with_loss_scaling_trains_and_checkpoints_its_scaler(data_dir, tmp_
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     scales = [r["loss_scale"] for r in recs if r.get("event") == "train"]
     assert scales and all(s > 0 and s == s for s in scales)
-    ckpt = torch.load(state.latest_checkpoint(out).path / "state.pt", weights_only=True)
+    ckpt = torch.load(training.latest_checkpoint(out).path / "state.pt", weights_only=True)
     assert ckpt["scaler"]["scale"] == scales[-1]
 
 
@@ -105,8 +105,8 @@ def test_graph_steps_pretrain_as_the_eager_steps(data_dir, tmp_path, precision):
     recs = [json.loads(x) for x in (graphed / "metrics.jsonl").read_text().splitlines()]
     graphs = [r for r in recs if r.get("event") == "cuda_graphs"]
     assert graphs and 1 <= graphs[-1]["graphs"] <= 4 and graphs[-1]["eager_steps"] == 0
-    we = torch.load(state.latest_checkpoint(eager).path / "state.pt", weights_only=True)["model"]
-    wg = torch.load(state.latest_checkpoint(graphed).path / "state.pt", weights_only=True)["model"]
+    we = torch.load(training.latest_checkpoint(eager).path / "state.pt", weights_only=True)["model"]
+    wg = torch.load(training.latest_checkpoint(graphed).path / "state.pt", weights_only=True)["model"]
     for k, v in we.items():
         torch.testing.assert_close(wg[k], v, rtol=1e-3, atol=1e-4, msg=k)
 
@@ -149,7 +149,7 @@ def test_two_gpus_with_cuda_graphs_pretrain_as_eager_ddp(data_dir, tmp_path):
     train = {k: [r["loss"] for r in v if r.get("event") == "train"] for k, v in runs.items()}
     assert len(train["graphs"]) == len(train["eager"]) == 6
     torch.testing.assert_close(torch.tensor(train["graphs"]), torch.tensor(train["eager"]), rtol=1e-4, atol=1e-5)
-    we = torch.load(state.latest_checkpoint(tmp_path / "eager").path / "state.pt", weights_only=True)["model"]
-    wg = torch.load(state.latest_checkpoint(tmp_path / "graphs").path / "state.pt", weights_only=True)["model"]
+    we = torch.load(training.latest_checkpoint(tmp_path / "eager").path / "state.pt", weights_only=True)["model"]
+    wg = torch.load(training.latest_checkpoint(tmp_path / "graphs").path / "state.pt", weights_only=True)["model"]
     for k, v in we.items():
         torch.testing.assert_close(wg[k], v, rtol=1e-3, atol=1e-4, msg=k)

@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from bertctl.checkpoint import load_pretrained, save_pretrained
+from bertctl.checkpoints.hf import load_pretrained, save_pretrained
 from bertctl.config import BertConfig
 from bertctl.errors import BertctlError
 from bertctl.model import (
@@ -143,25 +143,25 @@ def test_save_is_atomic_and_replaces(tmp_path):
 def test_the_background_writer_keeps_the_state_as_it_was_at_submit(tmp_path):
     """``CheckpointWriter.submit`` snapshots tensors and containers: changing them afterwards, while the
     write may still be running, does not reach the checkpoint; a failed write is raised by ``wait``."""
-    from bertctl.train import state
+    from bertctl.checkpoints import training
 
     from collections import namedtuple
 
     weights, history = torch.arange(6.0), [1]
     Pair = namedtuple("Pair", "a b")
-    writer = state.CheckpointWriter()
+    writer = training.CheckpointWriter()
     done = []
     path = writer.submit(tmp_path, 7, {"w": weights, "history": history, "nested": {"h": history}},
                          {"step": 7, "history": history}, done=done.append)
-    pair = state.host_copy(Pair(weights, 3))  # named tuples too (the checkpoints' RNG states are plain ones)
+    pair = training.host_copy(Pair(weights, 3))  # named tuples too (the checkpoints' RNG states are plain ones)
     weights.add_(100.0)
     history.append(2)
     writer.wait()
-    blob = state.load_checkpoint(path)
+    blob = training.load_checkpoint(path)
     assert torch.equal(blob["w"], torch.arange(6.0)) and blob["history"] == [1] and blob["nested"]["h"] == [1]
     assert isinstance(pair, Pair) and torch.equal(pair.a, torch.arange(6.0)) and pair.b == 3
     assert json.loads((path / "meta.json").read_text())["history"] == [1]
-    assert done == [path] and state.latest_checkpoint(tmp_path).step == 7
+    assert done == [path] and training.latest_checkpoint(tmp_path).step == 7
     (tmp_path / "file").write_text("x")
     writer.submit(tmp_path / "file", 8, {"w": weights}, {"step": 8})  # a run folder under a file: fails
     with pytest.raises(NotADirectoryError, match="file"):  # what the synchronous write raises (the CLI: one line)
@@ -210,7 +210,7 @@ def test_building_on_meta_draws_nothing_and_leaves_torch_init_as_it_found_it():
     import sys
 
     code = ("import sys, torch\n"
-            "from bertctl.checkpoint import on_meta\n"
+            "from bertctl.checkpoints.hf import on_meta\n"
             "from bertctl.config import BertConfig\n"
             "from bertctl.model import BertModel\n"
             "m = on_meta(lambda: BertModel(BertConfig.preset('tiny')))\n"
@@ -219,7 +219,7 @@ def test_building_on_meta_draws_nothing_and_leaves_torch_init_as_it_found_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
-    from bertctl.checkpoint import _INIT_FUNCTIONS, on_meta
+    from bertctl.checkpoints.hf import _INIT_FUNCTIONS, on_meta
     rng = torch.get_rng_state()
     on_meta(lambda: BertModel(BertConfig.preset("tiny")))
     assert torch.equal(torch.get_rng_state(), rng)  # a fresh head drawn next gets the draws it always got

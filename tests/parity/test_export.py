@@ -12,7 +12,7 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from bertctl.checkpoint import save_pretrained
+from bertctl.checkpoints.hf import save_pretrained
 from bertctl.cli.app import app
 from bertctl.config import BertConfig
 from bertctl.errors import BertctlError

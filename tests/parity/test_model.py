@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from bertctl.checkpoint import load_pretrained, load_state
+from bertctl.checkpoints.hf import load_pretrained, load_state
 from bertctl.config import PRESETS, BertConfig
 from bertctl.model import (
     BertForMultipleChoice,

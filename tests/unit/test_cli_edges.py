@@ -47,7 +47,7 @@ def one_line_error(result, *needles: str) -> str:
 def tiny_model(directory: Path, extra_tokens: int = 0) -> Path:
     """A 1-layer, 16-wide random BertModel over a 15-token vocabulary, saved with its tokenizer;
     ``extra_tokens`` more tokens go into the saved vocabulary than the model has embeddings."""
-    from bertctl.checkpoint import save_pretrained
+    from bertctl.checkpoints.hf import save_pretrained
     from bertctl.config import BertConfig
     from bertctl.model import BertModel
     from bertctl.text.wordpiece import BertTokenizer

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from bertctl.checkpoints import training
 from bertctl.errors import BertctlError
 from bertctl.tasks import trainer as T
 from bertctl.train import graphs as G
-from bertctl.train import state
 from bertctl.train.engine import _plain_lr, load_optimizer_state
 from test_finetune_trainer import _setup
 
@@ -83,8 +83,8 @@ def test_graph_resume_is_exact(tmp_path):
 
     with pytest.raises(Crash):
         T.fine_tune(build(), feats, cfg, evaluate=crash, main_metric="score", output_dir=tmp_path / "b")
-    latest = state.latest_checkpoint(tmp_path / "b")
-    blob = state.load_checkpoint(latest.path)
+    latest = training.latest_checkpoint(tmp_path / "b")
+    blob = training.load_checkpoint(latest.path)
     assert latest.step == 3 and all(isinstance(g["lr"], float) for g in blob["optimizer"]["param_groups"])
     resumed = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "b", resume=True)
     for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):

@@ -79,7 +79,7 @@ def test_saved_model_loads_in_transformers(tiny, sst2, tmp_path):
     import transformers
     import torch
 
-    from bertctl.checkpoint import load_pretrained
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertForSequenceClassification
 
     out = tmp_path / "out"
@@ -387,7 +387,7 @@ def test_from_scratch_keeps_the_architecture_and_draws_every_weight_afresh(tiny,
     """--from-scratch: config from --model, weights from the seeded initialiser (no pretrained tensor kept)."""
     import torch
 
-    from bertctl.checkpoint import read_state_dict
+    from bertctl.checkpoints.hf import read_state_dict
     from bertctl.model import BertForSequenceClassification
     from bertctl.tasks.common import load_for_finetuning
     from bertctl.tasks.trainer import TrainConfig
@@ -468,12 +468,12 @@ def test_the_startup_timeline_marks_a_whole_run_in_order(tiny, sst2, tmp_path):
     assert times == sorted(times) and 0.0 <= times[0] < 5.0
     order = ["interpreter up", "torch imported", "bertctl imported", "> common.load_tokenizer", "> glue.featurize",
              "> common.load_for_finetuning", "> Engine.__init__", "> engine.build_optimizer", "> Engine.run",
-             "> glue.evaluate_devs", "< Engine.run", "> checkpoint.save_pretrained", "end"]
+             "> glue.evaluate_devs", "< Engine.run", "> hf.save_pretrained", "end"]
     assert [n for n in names if n in order] == [n for n in order for _ in range(names.count(n))]
     assert names.count("> Engine.run") == 1 and names.count("> glue.featurize") == 2  # train, then dev
     seconds = json.loads((out / "metrics.json").read_text())["seconds"]
     # metrics.json is written between the save and the end: its clock (since process start) lies between them
-    save_end = times[names.index("< checkpoint.save_pretrained")]
+    save_end = times[names.index("< hf.save_pretrained")]
     assert save_end - 0.5 <= seconds["since_process_start"] <= times[-1] + 0.5
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+from bertctl.checkpoints import training
 from bertctl.errors import BertctlError
 from bertctl.tasks import trainer as T
 from bertctl.train import loader as L
-from bertctl.train import state
 from test_finetune_support import make_tiny_model_dir
 
 
@@ -67,7 +67,7 @@ def test_every_rank_knows_the_global_batchs_loss_normaliser_and_ids(tokens):
 
 
 def _setup(tmp_path, dropout: float | None = None, tokens: bool = False, masks: str = "fused"):
-    from bertctl.checkpoint import load_pretrained
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertForSequenceClassification, BertForTokenClassification
 
     d = make_tiny_model_dir(tmp_path / "tiny")
@@ -179,15 +179,15 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path, masks):
 
     with pytest.raises(Crash):
         T.fine_tune(build(), feats, cfg, evaluate=crash, main_metric="score", output_dir=tmp_path / "b")
-    latest = state.latest_checkpoint(tmp_path / "b")
-    assert latest.step == 3 and state.load_checkpoint(latest.path)["history"] == []
+    latest = training.latest_checkpoint(tmp_path / "b")
+    assert latest.step == 3 and training.load_checkpoint(latest.path)["history"] == []
     calls.clear()
     resumed = T.fine_tune(build(), feats, cfg, evaluate=evaluate, main_metric="score", output_dir=tmp_path / "b",
                           resume=True)
     for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
     assert [h["epoch"] for h in resumed.history] == [1, 2]
-    assert state.latest_checkpoint(tmp_path / "b") is None  # a complete run leaves no checkpoint behind
+    assert training.latest_checkpoint(tmp_path / "b") is None  # a complete run leaves no checkpoint behind
 
 
 def test_select_best_restores_the_best_epoch(tmp_path):
@@ -297,13 +297,13 @@ def test_mid_run_checkpoints_are_written_while_training_goes_on(tmp_path, monkey
     build, feats = _setup(tmp_path)
     cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=3, log_every=1)
     straight = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "a")
-    real = state.save_checkpoint
+    real = training.save_checkpoint
 
     def slow(*args, **kwargs):
         time.sleep(0.5)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(state, "save_checkpoint", slow)
+    monkeypatch.setattr(training, "save_checkpoint", slow)
 
     class Crash(Exception):
         pass
@@ -316,8 +316,8 @@ def test_mid_run_checkpoints_are_written_while_training_goes_on(tmp_path, monkey
     events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     order = [(e["event"], e.get("step")) for e in events if e["event"] in ("train", "checkpoint")]
     assert order.index(("train", 5)) < order.index(("checkpoint", 3))
-    assert state.latest_checkpoint(tmp_path / "b").step == 3
-    monkeypatch.setattr(state, "save_checkpoint", real)
+    assert training.latest_checkpoint(tmp_path / "b").step == 3
+    monkeypatch.setattr(training, "save_checkpoint", real)
     resumed = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "b", resume=True)
     for (k, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)
@@ -472,7 +472,7 @@ def test_seeding_a_step_is_torch_manual_seed_for_the_cpu_and_cuda():
 def test_fine_tuning_trains_with_torchs_dropout_masks(tmp_path):
     """The fine-tuning model draws torch's dropout masks (they measured better than the fused sub-layer op's
     own); a model loaded for anything else keeps the default, the op's own."""
-    from bertctl.checkpoint import load_pretrained
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertForSequenceClassification
     from bertctl.tasks import common
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def random_model(directory: Path, hidden: int, heads: int, layers: int = 4, act: str = "gelu", seed: int = 0) -> Path:
-    from bertctl.checkpoint import save_pretrained
+    from bertctl.checkpoints.hf import save_pretrained
     from bertctl.model import BertModel
 
     torch.manual_seed(seed)
@@ -48,7 +48,7 @@ def random_model(directory: Path, hidden: int, heads: int, layers: int = 4, act:
 
 def reference(directory: Path, ids: np.ndarray, mask: np.ndarray, layers: str, pooling: str) -> np.ndarray:
     """The PyTorch model's features in float64 on the CPU."""
-    from bertctl.checkpoint import load_config, load_state, read_state_dict
+    from bertctl.checkpoints.hf import load_config, load_state, read_state_dict
     from bertctl.model import BertModel
 
     config = load_config(directory, kernels="torch", attn_implementation="explicit")
@@ -105,7 +105,7 @@ def test_encoder_weights_layout(tmp_path):
     from safetensors.numpy import load_file, save_file
     from safetensors.torch import save_file as save_torch
 
-    from bertctl.checkpoint import load_config
+    from bertctl.checkpoints.hf import load_config
 
     directory = random_model(tmp_path / "m", hidden=64, heads=2, layers=2)
     config = load_config(directory)
@@ -218,7 +218,7 @@ TOLERANCE = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 
 
 def check_features(directory: Path, lengths: list[int], precision: str, layers: str, pooling: str) -> None:
-    from bertctl.checkpoint import load_config
+    from bertctl.checkpoints.hf import load_config
 
     vocab = load_config(directory).vocab_size
     ids, mask = padded_batch(lengths, vocab)

@@ -399,7 +399,7 @@ def test_progress_text_has_no_nsp():
 def test_export_is_a_masked_lm_that_transformers_loads(mlm_run):
     import transformers
 
-    from bertctl import checkpoint
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertForMaskedLM
 
     model_dir = mlm_run[0] / "model"
@@ -409,7 +409,7 @@ def test_export_is_a_masked_lm_that_transformers_loads(mlm_run):
                                                             attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     hf = hf.double().eval()
-    ours = checkpoint.load_pretrained(BertForMaskedLM, model_dir, kernels="torch").double().eval()
+    ours = load_pretrained(BertForMaskedLM, model_dir, kernels="torch").double().eval()
     tok = transformers.BertTokenizer.from_pretrained(model_dir)
     enc = tok(["We the people hold these truths.", "Ask not what your country can do for you, ask what you can do."],
               padding=True, return_tensors="pt")
@@ -425,7 +425,7 @@ def test_export_is_accepted_by_fine_tuning_and_embedding(mlm_run):
     """Fine-tuning heads start fresh (the pooler too: masked LM trains none); the encoder is the trained one."""
     from safetensors.torch import load_file
 
-    from bertctl import checkpoint
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.inference.backends import load_encoder
     from bertctl.model import BertForSequenceClassification, BertForTokenClassification
 
@@ -433,11 +433,11 @@ def test_export_is_accepted_by_fine_tuning_and_embedding(mlm_run):
     saved = load_file(model_dir / "model.safetensors")
     assert not [k for k in saved if "pooler" in k or "seq_relationship" in k]
     for cls in (BertForSequenceClassification, BertForTokenClassification):
-        model = checkpoint.load_pretrained(cls, model_dir, fresh_heads=True, num_labels=3)
+        model = load_pretrained(cls, model_dir, fresh_heads=True, num_labels=3)
         w = model.bert.encoder.layer[1].output.dense.weight
         assert torch.equal(w, saved["bert.encoder.layer.1.output.dense.weight"])
     with pytest.raises(BertctlError, match="missing bert.pooler"):  # without fresh_heads nothing is made up
-        checkpoint.load_pretrained(BertForSequenceClassification, model_dir)
+        load_pretrained(BertForSequenceClassification, model_dir)
     encoder = load_encoder(model_dir, torch.device("cpu"))
     assert torch.equal(encoder.model.embeddings.word_embeddings.weight, saved["bert.embeddings.word_embeddings.weight"])
 
@@ -445,13 +445,13 @@ def test_export_is_accepted_by_fine_tuning_and_embedding(mlm_run):
 def test_resume_on_mlm_data_is_bit_identical(mlm_run, mlm_data, tmp_path):
     from safetensors.torch import load_file
 
-    from bertctl.train import state
+    from bertctl.checkpoints import training
     from bertctl.train.pretrain import pretrain
 
     out, _ = mlm_run
     cut = tmp_path / "run"
     shutil.copytree(out, cut)
-    for c in state.list_checkpoints(cut):
+    for c in training.list_checkpoints(cut):
         if c.step > 10:
             shutil.rmtree(c.path)
     shutil.rmtree(cut / "model")

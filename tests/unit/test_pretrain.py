@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertctl.train import state
+from bertctl.checkpoints import training
 from conftest import kill_at_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,14 +73,14 @@ def test_tiny_model_lowers_the_loss(trained):
     assert (out / "curves.png").stat().st_size > 1000
     assert summary["steps"] == 40 and summary["stopped"] is None
     # The final checkpoint records where the data stands and the configs.
-    meta = json.loads((state.latest_checkpoint(out).path / "meta.json").read_text())
+    meta = json.loads((training.latest_checkpoint(out).path / "meta.json").read_text())
     assert meta["step"] == 40 and meta["data"]["global_step"] == 40
     assert meta["configs"]["model"]["num_hidden_layers"] == 2
 
 
 def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
     """The logged loss equals mean masked-token CE + mean NSP CE, recomputed here in float64."""
-    from bertctl import checkpoint
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.data import PretrainingData
     from bertctl.model import BertForPreTraining
     from bertctl.runtime import resolve
@@ -88,7 +88,7 @@ def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
     from bertctl.train import distributed
 
     out, _ = trained
-    model = checkpoint.load_pretrained(BertForPreTraining, out / "model").eval()
+    model = load_pretrained(BertForPreTraining, out / "model").eval()
     ds = PretrainingData(data_dir, split="eval")
     batch = next(ds.batches(16, seed=0, epoch=0))
     t = Trainer(TrainConfig(output=str(out / "x"), data=str(data_dir), eval_batches=1, eval_batch_size=16,
@@ -112,11 +112,11 @@ def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
 
 def test_export_loads_in_transformers_with_same_outputs(trained):
     import transformers
-    from bertctl import checkpoint
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertForPreTraining
 
     out, _ = trained
-    ours = checkpoint.load_pretrained(BertForPreTraining, out / "model").eval()
+    ours = load_pretrained(BertForPreTraining, out / "model").eval()
     hf = transformers.BertForPreTraining.from_pretrained(out / "model").eval()
     tok = transformers.BertTokenizer.from_pretrained(out / "model")
     enc = tok(["We the people hold these truths.", "Ask not what your country can do."], ["for", "you"],
@@ -147,12 +147,12 @@ def test_sigkill_then_resume_is_bit_identical(data_dir, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), f"{k} differs after resume"
-    sa = torch.load(state.latest_checkpoint(a).path / "state.pt", weights_only=True)
-    sb = torch.load(state.latest_checkpoint(b).path / "state.pt", weights_only=True)
+    sa = torch.load(training.latest_checkpoint(a).path / "state.pt", weights_only=True)
+    sb = torch.load(training.latest_checkpoint(b).path / "state.pt", weights_only=True)
     for i, st in sa["optimizer"]["state"].items():
         assert torch.equal(st["exp_avg_sq"], sb["optimizer"]["state"][i]["exp_avg_sq"])
     # --keep 2: only the two newest checkpoints remain.
-    assert [c.step for c in state.list_checkpoints(b)] == [10, 12]
+    assert [c.step for c in training.list_checkpoints(b)] == [10, 12]
 
 
 def test_cuda_graphs_are_off_on_the_cpu_and_asking_there_is_one_clear_error(data_dir, tmp_path):
@@ -194,10 +194,10 @@ def test_kill_during_checkpoint_write_keeps_previous(data_dir, tmp_path):
                                                                    "--save-every", "3")],
                        env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr
-    ckpts = state.list_checkpoints(out)
+    ckpts = training.list_checkpoints(out)
     assert [c.step for c in ckpts] == [3]
     assert any(p.name.endswith(".tmp") for p in (out / "checkpoints").iterdir())  # the half-written one
-    st = state.load_checkpoint(ckpts[0].path)
+    st = training.load_checkpoint(ckpts[0].path)
     assert st["step"] == 3 and st["data"]["global_step"] == 3
     # ...and a resumed run starts from it.
     from bertctl.train.pretrain import TrainConfig, pretrain
@@ -223,7 +223,7 @@ def test_sigterm_checkpoints_and_exits_zero(data_dir, tmp_path):
     assert p.returncode == 0, stderr
     summary = json.loads(stdout)
     assert summary["stopped"] == "SIGTERM" and summary["steps"] >= 2
-    last = state.latest_checkpoint(out)
+    last = training.latest_checkpoint(out)
     assert last.step == summary["steps"]
     assert json.loads((last.path / "meta.json").read_text())["reason"] == "interrupted"
 
@@ -244,7 +244,7 @@ def test_ctrl_c_says_what_happens_and_a_second_aborts_at_once(data_dir, tmp_path
     reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in p.stderr], daemon=True)
     reader.start()
     deadline = time.time() + 240
-    while state.latest_checkpoint(out) is None:
+    while training.latest_checkpoint(out) is None:
         assert p.poll() is None, "".join(ln for _, ln in lines)
         assert time.time() < deadline
         time.sleep(0.05)
@@ -260,8 +260,8 @@ def test_ctrl_c_says_what_happens_and_a_second_aborts_at_once(data_dir, tmp_path
     p.wait(timeout=30)
     assert p.returncode == 130
     assert time.monotonic() - second < 3.0
-    last = state.latest_checkpoint(out)
-    blob = state.load_checkpoint(last.path)
+    last = training.latest_checkpoint(out)
+    blob = training.load_checkpoint(last.path)
     assert blob["step"] == last.step >= 2 and all(torch.isfinite(v).all() for v in blob["model"].values())
 
 
@@ -304,8 +304,8 @@ def test_phase_two_continues_from_phase_one(trained, data_dir, tmp_path):
     assert s2["start_step"] == 0 and s2["steps"] == 2
     # Same held-out batches, same weights before phase 2's first step: the same loss as phase 1's end.
     assert s2["eval_start"]["mlm_loss"] == pytest.approx(s1["eval_end"]["mlm_loss"], rel=1e-6)
-    st1 = torch.load(state.latest_checkpoint(phase1).path / "state.pt", weights_only=True)
-    st2 = torch.load(state.latest_checkpoint(out).path / "state.pt", weights_only=True)
+    st1 = torch.load(training.latest_checkpoint(phase1).path / "state.pt", weights_only=True)
+    st2 = torch.load(training.latest_checkpoint(out).path / "state.pt", weights_only=True)
     assert float(st2["optimizer"]["state"][0]["step"]) == float(st1["optimizer"]["state"][0]["step"]) + 2
     assert st2["optimizer"]["param_groups"][0]["initial_lr"] == 1e-3
 
@@ -341,7 +341,7 @@ def test_init_from_a_model_with_another_vocabulary_is_refused(minilm_dir, data_d
 
 def test_init_from_hf_directory_with_fresh_heads(minilm_dir, minilm_data_dir, tmp_path):
     """MiniLM has no MLM/NSP heads: they start fresh, the encoder starts from MiniLM's weights."""
-    from bertctl import checkpoint
+    from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertModel
     from bertctl.train.pretrain import TrainConfig, pretrain
 
@@ -350,8 +350,8 @@ def test_init_from_hf_directory_with_fresh_heads(minilm_dir, minilm_data_dir, tm
                              lr=1e-12, max_steps=1, device="cpu", eval_at_start=False, eval_batches=1,
                              show_progress=False, save_minutes=1000))
     assert s["steps"] == 1
-    ref = checkpoint.load_pretrained(BertModel, minilm_dir)
-    got = checkpoint.load_pretrained(BertModel, out / "model")
+    ref = load_pretrained(BertModel, minilm_dir)
+    got = load_pretrained(BertModel, out / "model")
     w = "encoder.layer.3.attention.self.query.weight"
     torch.testing.assert_close(got.state_dict()[w], ref.state_dict()[w], atol=1e-6, rtol=0)  # lr 1e-12: unchanged
 
@@ -397,8 +397,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
         pt.pretrain(pt.TrainConfig(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16,
                                    max_steps=8, save_every=2, device="cpu", eval_at_start=False,
                                    show_progress=False, save_minutes=1000))
-    assert [c.step for c in state.list_checkpoints(out)] == [2]
-    st = state.load_checkpoint(state.latest_checkpoint(out).path)
+    assert [c.step for c in training.list_checkpoints(out)] == [2]
+    st = training.load_checkpoint(training.latest_checkpoint(out).path)
     assert all(torch.isfinite(v).all() for v in st["model"].values())
 
 

@@ -118,7 +118,7 @@ def load_encoder(directory: str | Path, device: str = "cpu", backend: str = "tor
     or (``backend="onnxruntime"``) an ``OnnxEncoder`` of ``onnx`` or of an export cached on first use.
     With ``fallback`` (``--backend auto``) a model whose export fails runs on PyTorch, with a note."""
     if backend == "onnxruntime":
-        from bertctl.checkpoint import load_config
+        from bertctl.checkpoints.hf import load_config
         from bertctl.inference.backends.onnx import OnnxEncoder, cached_encoder
 
         if onnx is not None:

@@ -198,7 +198,7 @@ def encoder_weights(directory: str | Path, config) -> dict[str, list[np.ndarray]
     """The encoder's weights from ``model.safetensors``, in the layout ``_encoder.Encoder`` takes: a
     list of arrays a tensor, concatenated there (the query, key and value projections stacked), each
     array as the file holds it."""
-    from bertctl.checkpoint import WEIGHTS, _normalise_names
+    from bertctl.checkpoints.hf import WEIGHTS, _normalise_names
 
     path = Path(directory) / WEIGHTS
     if not path.exists():
@@ -245,7 +245,7 @@ class NativeEncoder:
     name = "native"
 
     def __init__(self, directory: str | Path, device: str, precision: str):
-        from bertctl.checkpoint import load_config
+        from bertctl.checkpoints.hf import load_config
 
         self.config = config = load_config(directory)
         reason = unsupported(config)

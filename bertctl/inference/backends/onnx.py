@@ -91,7 +91,7 @@ def _version(package: str) -> str:
 def cached_encoder_path(directory: str | Path) -> Path:
     """Where the encoder export of ``directory`` is cached: ``NAME-PATHKEY-KEY.onnx``, PATHKEY from its
     path, KEY from its config, weights (size and modification time), torch version and ``EXPORT_FORMAT``."""
-    from bertctl.checkpoint import LEGACY_WEIGHTS, WEIGHTS
+    from bertctl.checkpoints.hf import LEGACY_WEIGHTS, WEIGHTS
 
     directory = Path(directory).resolve()
     where = hashlib.sha256(str(directory).encode()).hexdigest()[:8]
@@ -113,7 +113,7 @@ def optimized_path(export: Path) -> Path:
 def cached_encoder(directory: str | Path, threads: int | None = None) -> OnnxEncoder:
     """``directory``'s encoder (with ``hidden_states``) under ONNX Runtime, with fused operators:
     exported and fused on first use, the fused copy made again when onnxruntime changes."""
-    from bertctl.checkpoint import load_config
+    from bertctl.checkpoints.hf import load_config
 
     config = load_config(directory)
     path = cached_encoder_path(directory)

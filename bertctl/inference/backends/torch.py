@@ -59,7 +59,7 @@ class TorchEncoder:
 def load_torch_encoder(directory: str | Path, device="cpu", precision: str = "fp32") -> TorchEncoder:
     """``directory``'s encoder on ``device`` (a name or a ``torch.device``) at ``precision`` (fp32, bf16
     or fp16, resolved), its weights cast once to a half precision."""
-    from bertctl.checkpoint import load_config, load_state, on_meta, read_state_dict
+    from bertctl.checkpoints.hf import load_config, load_state, on_meta, read_state_dict
     from bertctl.model import BertModel
 
     config = load_config(directory)

@@ -184,12 +184,12 @@ def load_state(model: M, state: dict[str, torch.Tensor], *, fresh_heads: bool = 
 
 def on_meta(build: Callable[[], M]) -> M:
     """``build()`` on the meta device: the modules and their shapes without memory or random draws, for
-    ``load_state`` to fill. Building BERT-Base on the CPU and drawing weights the checkpoint then
-    replaces took 2.3 s on the 2-core machine, on the meta device 0.05 s.
+    ``load_state`` to fill, rather than drawing weights on the CPU that the checkpoint then replaces
+    (``benchmarks/results/load-cpu-626e5db.json``).
 
     ``torch.nn.init``'s functions do nothing meanwhile: on the meta device ``normal_`` runs through
-    torch's Python reference ops, whose first call imports torch._dynamo, 1.2 s of every ``embed`` or
-    ``eval`` start-up on the 2-core machine, for values nobody reads."""
+    torch's Python reference ops, whose first call imports torch._dynamo, a second of every ``embed`` or
+    ``eval`` start-up on a small machine, for values nobody reads."""
     import torch
 
     init = torch.nn.init

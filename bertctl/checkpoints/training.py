@@ -46,6 +46,7 @@ def capture_rng() -> dict:
 
 
 def restore_rng(state: dict) -> None:
+    """Put back the RNG states ``capture_rng`` took."""
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
@@ -112,7 +113,8 @@ def host_copy(obj):
 
 
 class CheckpointWriter:
-    """Writes checkpoints in a background thread, so that training goes on while one goes to disk.
+    """Writes checkpoints in a background thread, so that training goes on while one goes to disk
+    (``benchmarks/results/checkpoint-stall-cpu-b02f7fc.json``).
 
     ``submit`` snapshots the state to host memory (``host_copy``: a BERT-Large with AdamW is 4 GB,
     copied in a fraction of the seconds its write takes) and returns; at most one write is in flight,
