@@ -235,8 +235,7 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, reps: 
     return 2 * nbytes / (t.median_ms * 1e-3) / 1e9
 
 
-def environment(device: torch.device | str = "cpu", packages: Sequence[str] = (),
-                commit_paths: Sequence[str] = ()) -> dict[str, Any]:
+def environment(device: torch.device | str = "cpu", packages: Sequence[str] = ()) -> dict[str, Any]:
     """What a run was measured on: device, host, versions (torch, CUDA, Python and ``packages``), commit, date."""
     from importlib import metadata
 
@@ -263,7 +262,7 @@ def environment(device: torch.device | str = "cpu", packages: Sequence[str] = ()
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "commit": git_commit(paths=commit_paths),
+        "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     if packages:
@@ -273,7 +272,6 @@ def environment(device: torch.device | str = "cpu", packages: Sequence[str] = ()
             except metadata.PackageNotFoundError:
                 return None
 
-        row["host_cpus"] = os.cpu_count()
         row["versions"] = {pkg: version(pkg) for pkg in packages}
     return row
 

@@ -143,3 +143,46 @@ def test_measure_interleaved_alternates_functions_in_rotated_rounds():
     assert blocks == list("abc" "bca" "cab" "abc")  # each round starts one function later
     assert all(len({name for name, _ in timed[i:i + 3]}) == 1 for i in range(0, len(timed), 3))
     assert [x for _, x in timed[:3]] == [0, 1, 0]  # the input sets rotate within a block
+
+
+def test_git_commit_marks_changes_only_under_the_paths_asked(tmp_path, monkeypatch):
+    """A benchmark that writes its results into the tree asks about its code's paths only: a change
+    elsewhere leaves its commit clean, one under those paths marks it '+dirty'."""
+    import subprocess
+
+    monkeypatch.delenv("BERTCTL_COMMIT", raising=False)
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "results").mkdir()
+    for name in ("code/a.py", "results/r.json"):
+        (tmp_path / name).write_text("0\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "start")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    (tmp_path / "results" / "r.json").write_text("1\n")
+    assert harness.git_commit(tmp_path) == head + "+dirty"
+    assert harness.git_commit(tmp_path, paths=("code",)) == head
+    (tmp_path / "code" / "a.py").write_text("1\n")
+    assert harness.git_commit(tmp_path, paths=("code",)) == head + "+dirty"
+    monkeypatch.setenv("BERTCTL_COMMIT", "abc1234")
+    assert harness.git_commit(tmp_path) == "abc1234"
+
+
+def test_environment_names_the_device_versions_and_commit(monkeypatch):
+    """The row a process-level benchmark records: device_block's fields without the copy bandwidth, and
+    the versions of the packages asked for (None for one not installed)."""
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    monkeypatch.setenv("BERTCTL_COMMIT", "abc1234")
+    row = harness.environment("cpu", packages=("torch", "no-such-package-bertctl"))
+    assert row["type"] == "cpu" and row["threads"] == torch.get_num_threads()
+    assert row["torch"] == torch.__version__ and row["python"] == platform.python_version()
+    assert row["commit"] == "abc1234"
+    assert row["versions"] == {"torch": importlib.metadata.version("torch"), "no-such-package-bertctl": None}
+    block = harness.device_block("cpu", copy_gbps=12.5)
+    assert block["copy_gbps"] == 12.5 and {k: v for k, v in block.items() if k not in ("copy_gbps", "date")} == \
+        {k: v for k, v in row.items() if k not in ("versions", "date")}
