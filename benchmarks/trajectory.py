@@ -12,7 +12,7 @@ same way):
 - one whole fine-tuning run (SST-2, one epoch, a MiniLM-shaped model).
 
 The models' weights are drawn at random (seeded): speed does not depend on them, and no checkpoint has to
-travel to the GPU machine. Quality is guarded elsewhere (the parity tests, ``benchmarks/ab_trajectory.py``).
+travel to the GPU machine. Quality is guarded elsewhere (the parity tests, ``benchmarks/convergence/ab_trajectory.py``).
 
     python benchmarks/trajectory.py -o benchmarks/results/trajectory-h200-<commit>.json
     python benchmarks/trajectory.py --tree /tmp/old -o old.json --compare none
