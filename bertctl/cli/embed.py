@@ -43,12 +43,10 @@ def register(app: typer.Typer) -> None:
                                            show_default="a sentence-transformers checkpoint's max_seq_length, else "
                                                         "the model's max_position_embeddings (the upper bound)",
                                            help="Truncate longer texts to N tokens, [CLS]/[SEP] included; at least 2."),
-        old_max_length: int = opt.OLD_MAX_LENGTH,
         precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (the weights cast once; fp16 "
                                       "on a GPU only), or auto (bf16 on a GPU, fp32 on the CPU). fp32 gives the "
                                       "checkpoint's vectors; against them fp16 kept cosine >= 0.99999 and bf16 0.9998 "
                                       "(MiniLM, SST-2, H100)."),
-        old_dtype: str = typer.Option(None, "--dtype", hidden=True),
         device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
         backend: str = typer.Option("auto", "--backend",
                                     help=f"{', '.join(BACKEND_CHOICES)}: auto runs native on a GPU (bertctl's "
@@ -78,8 +76,8 @@ def register(app: typer.Typer) -> None:
 
         config, encoder_dir, st = checkpoint_config(
             model, pooling=pooling, layers=layers, normalize=normalize, prompt=prompt, prompt_name=prompt_name,
-            max_length=old_max_length if max_seq_length is None else max_seq_length, batch_size=batch_size,
-            batch_tokens=batch_tokens, precision=old_dtype or precision, device=device, backend=backend,
+            max_length=max_seq_length, batch_size=batch_size,
+            batch_tokens=batch_tokens, precision=precision, device=device, backend=backend,
             workers=workers or usable_cpus())
         if output.suffix not in OUTPUT_SUFFIXES:
             raise BertctlError(f"--output {output}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")

@@ -203,7 +203,7 @@ def test_embed_backend_choice_and_errors(tmp_path, minilm_dir, monkeypatch):
     export_onnx(qa, tmp_path / "qa.onnx")
     base = ["embed", "--model", str(minilm_dir), "-o", str(tmp_path / "o.npy"), str(texts)]
     for args, message in [(["--backend", "onnxruntime", "--precision", "bf16"], "--precision bf16 needs --backend torch"),
-                          (["--backend", "onnxruntime", "--dtype", "bf16"], "--precision bf16 needs --backend torch"),
+                          (["--dtype", "bf16"], "No such option: --dtype"),  # the old spelling is gone
                           (["--precision", "fp16", "--device", "cpu"], "--precision fp16 needs a GPU"),
                           (["--precision", "fp8"], "--precision must be one of"),
                           (["--backend", "torch", "--onnx", str(tmp_path / "qa.onnx")], "cannot go with --backend torch"),

@@ -224,16 +224,14 @@ def test_token_ids_past_the_embedding_at_encode_time(tmp_path):
 # ----------------------------------------------------------------------------- embed --max-seq-length (item 7)
 
 
-@pytest.mark.parametrize("flag", ["--max-seq-length", "--max-length"])  # the second: the old spelling, hidden
 @pytest.mark.parametrize("value", ["0", "1", "-3"])
-def test_embed_max_seq_length_below_two_is_refused_by_name(tmp_path, texts, value, flag):
+def test_embed_max_seq_length_below_two_is_refused_by_name(tmp_path, texts, value, flag="--max-seq-length"):
     model = tiny_model(tmp_path / "model")
     one_line_error(invoke("embed", "--model", model, flag, value, "-o", tmp_path / "o.npy", texts),
                    "--max-seq-length", value)
 
 
-@pytest.mark.parametrize("flag", ["--max-seq-length", "--max-length"])
-def test_embed_max_seq_length_truncates(tmp_path, texts, flag):
+def test_embed_max_seq_length_truncates(tmp_path, texts, flag="--max-seq-length"):
     """--max-seq-length 3 keeps [CLS] the [SEP] of the first text: the same row as embedding "the" alone."""
     model = tiny_model(tmp_path / "model")
     (tmp_path / "the.txt").write_text("the\n", encoding="utf-8")

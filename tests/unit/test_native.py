@@ -84,7 +84,7 @@ def test_pool_codes_cover_the_pooling_modes():
 
 
 @pytest.mark.parametrize("layers", LAYER_CHOICES)
-def test_hidden_states_used_match_combine_layers(layers):
+def test_spec_hidden_states_match_combine_layers(layers):
     """The states the native encoder is told to use (``PoolingSpec.hidden_states``) are those the torch
     and ONNX backends combine, against the paper's Table 7 by hand."""
     spec = PoolingSpec(layers, "mean")
