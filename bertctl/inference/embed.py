@@ -22,6 +22,7 @@ from bertctl.inference.encoder import Encoder, Tokens
 from bertctl.inference.pooling import PoolingSpec, normalize_rows
 from bertctl.io import atomic_open, atomic_path, parse_json_line
 from bertctl.progress import stderr, track
+from bertctl.runtime import PRECISION_CHOICES
 from bertctl.text.files import iter_lines, read_lines
 from bertctl.workers import worker_pool
 
@@ -30,7 +31,6 @@ OUTPUT_SUFFIXES = (".npy", ".jsonl", ".safetensors")
 # whole command ran fastest at 1024), a GPU wants large ones (its host time a batch of short texts is
 # several times its work).
 BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
-PRECISION_CHOICES = ("fp32", "bf16", "fp16", "auto")
 
 
 @dataclass
