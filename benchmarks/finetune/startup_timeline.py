@@ -10,7 +10,7 @@ load, CUDA's initialisation, the engine (``build_optimizer`` inside it, whose fi
 For ``embed`` (no torch imported on its native path): reading the texts, the tokenizer, tokenising (started,
 and its result waited for), opening the encoder (the native module's load, its weights, the GPU's start),
 each batch's features, the Dense and normalisation steps and the write.
-``--json PATH`` (before the command) also writes the events as JSON.
+``--json PATH`` (before the command) also writes the events as JSON, with the harness's environment row.
 """
 from __future__ import annotations
 
@@ -99,6 +99,17 @@ def instrument(command: list[str]) -> None:
     torch.cuda._lazy_init = cuda_init
 
 
+def write(out: Path, args: list[str]) -> None:
+    """The events and, described after the last mark so that the timeline is the command's alone, the
+    harness's row naming the device, versions and commit."""
+    import torch
+
+    from bertctl.bench import harness
+
+    env = harness.environment("cuda" if torch.cuda.is_available() else "cpu")
+    out.write_text(json.dumps({"command": args, "events": EVENTS, "environment": env}, indent=1) + "\n")
+
+
 def main() -> None:
     mark("interpreter up")
     args = sys.argv[1:]
@@ -114,7 +125,7 @@ def main() -> None:
             leave(code)
         mark(f"os._exit({code})")
         if out is not None:
-            out.write_text(json.dumps({"command": args, "events": EVENTS}, indent=1) + "\n")
+            write(out, args)
         leave(code)
     os._exit = exit_marked
     try:
@@ -122,7 +133,7 @@ def main() -> None:
     finally:
         mark("end")
         if out is not None:
-            out.write_text(json.dumps({"command": args, "events": EVENTS}, indent=1) + "\n")
+            write(out, args)
 
 
 if __name__ == "__main__":
