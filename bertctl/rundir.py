@@ -1,0 +1,198 @@
+"""One rule for every command's output folder, so that no run's work is lost by a rerun, a resume or a
+second run into the same folder.
+
+- A new or empty folder (or one holding none of bertctl's files) starts a run.
+- A folder holding an unfinished run needs ``--resume``; without it the command refuses, saying what is there.
+- A finished run is refused unless ``--overwrite`` is given; ``--resume`` on it says it is finished.
+  ``--overwrite`` moves the old run's files aside into ``.replaced/`` and deletes them only once the new run
+  has finished, so a new run that fails leaves the old one recoverable.
+- A lock file (``.bertctl.lock``: the holder's process id, host and start time) refuses a second run while
+  the first is alive. It is freed when the run ends, and taken over only when its process is gone.
+
+A run is finished when the command has written its results and called ``Claim.finish``, which writes
+``.bertctl-run.json``. Folders written before that marker existed are recognised by each command's own files
+(``finished_before``).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+from bertctl.errors import BertctlError
+
+LOCK = ".bertctl.lock"
+MARKER = ".bertctl-run.json"
+REPLACED = ".replaced"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), to tell a live holder from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    now = _start_time(pid)
+    return started is None or now is None or now == started
+
+
+@dataclass
+class Claim:
+    """A command's hold on its output folder: ``state`` is ``new``, ``resume`` or ``overwrite``."""
+
+    folder: Path
+    command: str
+    state: str
+    lock: Path | None = None
+    replaced: Path | None = None
+    _released: bool = field(default=False, repr=False)
+
+    def finish(self, **summary) -> None:
+        """Mark the run finished (after its results are written) and delete what ``--overwrite`` moved aside."""
+        from bertctl.io import write_json
+
+        write_json(self.folder / MARKER, {"command": self.command, "finished": True,
+                                          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **summary})
+        if self.replaced is not None:
+            shutil.rmtree(self.replaced, ignore_errors=True)
+            self.replaced = None
+
+    def release(self) -> None:
+        """Free the lock (if this process still holds it)."""
+        if self._released or self.lock is None:
+            return
+        self._released = True
+        try:
+            held = json.loads(self.lock.read_text())
+            if held.get("pid") == os.getpid():
+                self.lock.unlink()
+        except (OSError, ValueError):
+            pass
+
+    def __enter__(self) -> "Claim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def is_finished(folder: Path, finished_before: Callable[[Path], bool] | None = None) -> bool:
+    marker = folder / MARKER
+    if marker.is_file():
+        try:
+            return bool(json.loads(marker.read_text()).get("finished"))
+        except (OSError, ValueError):
+            return False
+    return bool(finished_before and finished_before(folder))
+
+
+def _take_lock(folder: Path, command: str) -> Path:
+    path = folder / LOCK
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid()),
+          "command": command, "since": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                held = json.loads(path.read_text())
+            except (OSError, ValueError):
+                held = {}  # a lock being written this instant, or a torn one: look once more
+                time.sleep(0.2)
+                try:
+                    held = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    pass
+            pid = held.get("pid")
+            if isinstance(pid, int) and held.get("host") not in (None, me["host"]):
+                raise BertctlError(f"{folder}: another bertctl {held.get('command', 'run')} (pid {pid} on host "
+                                   f"{held['host']}, since {held.get('since')}) holds this folder; if that run is "
+                                   f"gone, delete {path}")
+            if isinstance(pid, int) and _alive(pid, held.get("started")):
+                raise BertctlError(f"{folder}: another bertctl {held.get('command', 'run')} (pid {pid}, since "
+                                   f"{held.get('since')}) is writing this folder; wait for it to end, or choose "
+                                   f"another --output")
+            path.unlink(missing_ok=True)  # its process is gone: a stale lock
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise BertctlError(f"{folder}: could not take the lock {path} (another run keeps taking it)")
+
+
+def claim(folder: str | os.PathLike, *, command: str, resume: bool = False, overwrite: bool = False,
+          started: Callable[[Path], str | None], finished_before: Callable[[Path], bool] | None = None,
+          outputs: Iterable[str] = (), main: bool = True) -> Claim:
+    """Apply the rule to ``folder`` for ``command`` and lock it; the caller calls ``finish`` and ``release``.
+
+    ``started(folder)`` says what unfinished work the folder holds (e.g. "a checkpoint at step 400"), or None;
+    ``finished_before`` recognises a finished run written before the marker; ``outputs`` are the names
+    (globs) that ``--overwrite`` moves aside. Only the ``main`` process of a distributed run claims."""
+    folder = Path(folder)
+    if not main:
+        return Claim(folder, command, "resume" if resume else "new")
+    if resume and overwrite:
+        raise BertctlError("--resume and --overwrite: choose one")
+    if folder.exists() and not folder.is_dir():
+        raise BertctlError(f"{folder}: exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = _take_lock(folder, command)
+    try:
+        state = _decide(folder, command, resume, overwrite, started, finished_before)
+        replaced = _move_aside(folder, outputs) if state == "overwrite" else None
+    except BaseException:
+        lock.unlink(missing_ok=True)
+        raise
+    c = Claim(folder, command, state, lock, replaced)
+    atexit.register(c.release)
+    return c
+
+
+def _decide(folder: Path, command: str, resume: bool, overwrite: bool, started, finished_before) -> str:
+    if is_finished(folder, finished_before):
+        if overwrite:
+            return "overwrite"
+        if resume:
+            raise BertctlError(f"{folder}: holds a finished {command} run, so there is nothing to resume; pass "
+                               f"--overwrite to run again there, or choose another --output")
+        raise BertctlError(f"{folder}: holds a finished {command} run; pass --overwrite to replace it, or choose "
+                           f"another --output")
+    work = started(folder)
+    if work:
+        if resume:
+            return "resume"
+        if overwrite:
+            return "overwrite"
+        raise BertctlError(f"{folder}: holds an unfinished {command} run ({work}); pass --resume to continue it, "
+                           f"--overwrite to start again, or choose another --output")
+    return "new"
+
+
+def _move_aside(folder: Path, outputs: Iterable[str]) -> Path | None:
+    """Move the old run's files into ``.replaced/`` (emptied first: an earlier replaced run is already superseded)."""
+    names = sorted({p for pattern in (*outputs, MARKER) for p in folder.glob(pattern)
+                    if p.name not in (LOCK, REPLACED)})
+    if not names:
+        return None
+    aside = folder / REPLACED
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.mkdir()
+    for p in names:
+        p.rename(aside / p.name)
+    return aside
