@@ -469,7 +469,7 @@ def render() -> str:
              "Every table here is generated from the result files in [`benchmarks/results/`]"
              "(../benchmarks/results/); each names its device, versions, date and commit, and "
              "[the index](../benchmarks/results/INDEX.md) says what every file is and what made it; "
-             "[what the studies found](measurement-log.md) says their conclusions in words. GPU figures are from "
+             "[what the studies found](findings.md) says their conclusions in words. GPU figures are from "
              "one NVIDIA H200 or H100 as named; CPU figures from the project's 2-core x86-64 machine.", ""]
     for section in SECTIONS:
         lines += section()
