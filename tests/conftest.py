@@ -1,8 +1,12 @@
 """Shared fixtures: the real data sets beside the checkout, the real MiniLM weights, tiny models.
 
+The tiers are folders: unit/ (the fast tier, the README's command), parity/ (against transformers,
+sentence-transformers and sentencepiece on real weights and data), exhaustive/ (the sweeps over every
+code point and line, marker ``exhaustive``: they run only when the command line names their folder or
+``-m`` names the marker), gpu/ (files whose tests all need CUDA; marker ``cuda`` everywhere).
+
 Nothing here skips: a missing data set, test package or compiled module fails the tests that need
-it. Only CUDA tests skip, on a machine without a GPU (``-m "not cuda"`` deselects them there), and
-the exhaustive sweeps (marker ``exhaustive``) run only when ``-m`` names them.
+it. Only CUDA tests skip, on a machine without a GPU (``-m "not cuda"`` deselects them there).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+EXHAUSTIVE = ROOT / "tests" / "exhaustive"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 # A compiled module that does not load is an error, not a silent fallback to plain PyTorch
@@ -115,8 +120,14 @@ def kill_at_checkpoint(cmd: list[str], run_dir: Path, step: int, env: dict, time
     return training.latest_checkpoint(run_dir).step
 
 
+def _names(config, folder: Path) -> bool:
+    """Whether the command line names ``folder`` or a path inside it."""
+    paths = [(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args]
+    return any(path == folder or folder in path.parents for path in paths)
+
+
 def pytest_collection_modifyitems(config, items):
-    if "exhaustive" not in (config.getoption("markexpr") or ""):
+    if "exhaustive" not in (config.getoption("markexpr") or "") and not _names(config, EXHAUSTIVE):
         sweeps = [item for item in items if item.get_closest_marker("exhaustive")]
         if sweeps:
             config.hook.pytest_deselected(items=sweeps)

@@ -1,6 +1,6 @@
 """The suite's own rules (tests/conftest.py), run on a scratch suite with the same conftest: a skip
-fails unless it is a CUDA test without a GPU (or a two-GPU test with fewer), a missing shared data set fails, and the exhaustive
-sweeps run only when -m names them."""
+fails unless it is a CUDA test without a GPU (or a two-GPU test with fewer), a missing shared data set fails, and the
+exhaustive sweeps run only when -m names them or the command line names their folder."""
 from __future__ import annotations
 
 import os
@@ -35,6 +35,14 @@ def test_two_gpus():
 def test_sweep():
     pass
 '''
+SWEEPS = '''
+import pytest
+
+pytestmark = pytest.mark.exhaustive
+
+def test_every_case():
+    pass
+'''
 
 
 def test_skips_fail_and_exhaustive_runs_only_when_named(tmp_path):
@@ -42,10 +50,12 @@ def test_skips_fail_and_exhaustive_runs_only_when_named(tmp_path):
     (tmp_path / "tests").mkdir()
     shutil.copy(HERE / "conftest.py", tmp_path / "tests" / "conftest.py")
     (tmp_path / "tests" / "test_scratch.py").write_text(SCRATCH)
+    (tmp_path / "tests" / "exhaustive").mkdir()
+    (tmp_path / "tests" / "exhaustive" / "test_sweeps.py").write_text(SWEEPS)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def pytest_(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args, "tests"],
+    def pytest_(*args: str, path: str = "tests") -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *args, path],
                               cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
 
     out = pytest_("-m", "not cuda")
@@ -54,9 +64,11 @@ def test_skips_fail_and_exhaustive_runs_only_when_named(tmp_path):
     assert "Failed: real data sets not found at" in out.stdout
     assert "FAILED tests/test_scratch.py::test_skips" in out.stdout
     assert "ERROR tests/test_scratch.py::test_needs_data" in out.stdout
-    assert "1 failed, 3 deselected" in out.stdout and "1 error in" in out.stdout
+    assert "1 failed, 4 deselected" in out.stdout and "1 error in" in out.stdout
     out = pytest_("-m", "exhaustive and not cuda")
-    assert out.returncode == 0 and "1 passed, 4 deselected" in out.stdout, out.stdout
+    assert out.returncode == 0 and "2 passed, 4 deselected" in out.stdout, out.stdout
+    out = pytest_(path="tests/exhaustive")
+    assert out.returncode == 0 and "1 passed" in out.stdout and "deselected" not in out.stdout, out.stdout
     out = pytest_("-k", "test_gpu")
     assert out.returncode == 0, out.stdout
     assert ("1 passed" if torch.cuda.is_available() else "1 skipped") in out.stdout
