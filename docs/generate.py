@@ -408,6 +408,38 @@ def presets() -> list[str]:
                         "NSP", "collapsed", "commit", "file"], rows, right_from=1)
 
 
+def trajectory() -> list[str]:
+    """Each GPU kind's performance-trajectory runs side by side (`benchmarks/trajectory.py`)."""
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "trajectory-*.json")))
+    if not names:
+        return []
+    out = ["## The performance trajectory (`benchmarks/trajectory.py`)", "",
+           "The figures a change to the model, ops, training or embedding code must not worsen by more than 3%, "
+           "on randomly initialised models (speed does not depend on the weights): `bench model` per case and "
+           "step, whole `embed` commands per text length and backend, and one whole fine-tuning run. Each "
+           "column is one run, named by its file; runs of one GPU kind are compared with each other.", ""]
+    by_gpu: dict[str, list[tuple[str, dict]]] = {}
+    for name in names:
+        d = load(name)
+        by_gpu.setdefault(d["device"], []).append((name, d))
+    for device, runs in by_gpu.items():
+        runs.sort(key=lambda r: r[1]["date"])
+        keys = list(dict.fromkeys(k for _, d in runs for k in d["figures"]))
+        header = ["figure"] + [f"{link(name)} ({d['date'][:10]})" for name, d in runs]
+        if len(runs) > 1:
+            header.append("last against the first")
+        rows = []
+        for k in keys:
+            vals = [d["figures"].get(k) for _, d in runs]
+            row = [f"`{k}`"] + [("" if v is None else num(v, 2 if v < 100 else 0)) for v in vals]
+            if len(runs) > 1:
+                first, last = vals[0], vals[-1]
+                row.append(f"{(last / first - 1) * 100:+.1f}%" if first and last else "")
+            rows.append(row)
+        out += [f"{device}:", ""] + table(header, rows)
+    return out
+
+
 # --- the README's summary table --------------------------------------------------------------
 
 README = os.path.join(ROOT, "README.md")
@@ -460,7 +492,7 @@ def readme_with_summary(readme: str) -> str:
     return readme[:start] + "\n".join(readme_summary()) + readme[end:]
 
 
-SECTIONS = [model_step, model_history, model_scaling, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
+SECTIONS = [model_step, model_history, model_scaling, trajectory, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
 
 
 def render() -> str:
