@@ -14,7 +14,7 @@ the variables involved):
 
 A block under 32 MB freed and allocated again each step settles on one heap block.  The first few
 rounds may land on fresh memory (small allocations made in between split the freed block; how often
-depends on where the heap starts), then the rounds fault nothing in (tests/test_cli.py counts it).
+depends on where the heap starts), then the rounds fault nothing in (tests/unit/test_cli.py counts it).
 
 The cost: up to 1 GB of freed heap stays with the process, as with any caching allocator.
 

@@ -3,7 +3,7 @@
 The config's ``kernels`` decides which (``use_fused``), and its ``dropout_masks`` whose dropout masks
 training draws (``own_masks``). Each helper here is one step of the post-LN layer: LN(x + residual),
 dropout, act(x W^T + b), LN(Dropout(h W^T + b) + residual); the fused path gives the same maths
-(tests/test_fused_model.py holds it to the plain one).
+(tests/unit/test_fused_model.py holds it to the plain one).
 """
 from __future__ import annotations
 
