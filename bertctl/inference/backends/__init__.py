@@ -129,6 +129,6 @@ def load_encoder(directory: str | Path, device: str = "cpu", backend: str = "tor
             if not fallback:
                 raise
             stderr.print(f"[yellow]onnxruntime backend unavailable ({e}); embedding with torch")
-    from bertctl.inference.backends.torch import load_torch_encoder
+    from bertctl.inference.backends.torch import load_torch_encoder, runtime_for
 
-    return load_torch_encoder(directory, device, resolve_precision(precision, device_type(device)))
+    return load_torch_encoder(directory, runtime_for(device, precision))

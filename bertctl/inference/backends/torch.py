@@ -13,6 +13,7 @@ import torch
 from bertctl.errors import BertctlError
 from bertctl.inference.encoder import Tokens, run_padded
 from bertctl.inference.pooling import PoolingSpec, features, normalize_rows
+from bertctl.runtime import Runtime, resolve
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,16 +57,22 @@ class TorchEncoder:
         return normalize_rows(out) if normalize else out
 
 
-def load_torch_encoder(directory: str | Path, device="cpu", precision: str = "fp32") -> TorchEncoder:
-    """``directory``'s encoder on ``device`` (a name or a ``torch.device``) at ``precision`` (fp32, bf16
-    or fp16, resolved), its weights cast once to a half precision."""
+def runtime_for(device="cpu", precision: str = "fp32") -> Runtime:
+    """How the PyTorch backend runs on ``device`` (a name or a ``torch.device``) at ``precision``: the
+    padded SDPA attention, since embed's batches are sorted by length and hold little padding, where
+    packing the tokens costs more than it saves (``benchmarks/results/embed-profile-h100-7e07e4b.json``)."""
+    return resolve(str(device), precision, attn="sdpa")
+
+
+def load_torch_encoder(directory: str | Path, runtime: Runtime) -> TorchEncoder:
+    """``directory``'s encoder as ``runtime`` says (``runtime_for``), its weights cast once to a half precision."""
     from bertctl.checkpoints.hf import load_config, load_state, on_meta, read_state_dict
     from bertctl.model import BertModel
 
-    config = load_config(directory)
+    config = load_config(directory, **runtime.model_overrides())
     model = load_state(on_meta(lambda: BertModel(config, add_pooling_layer=False)), read_state_dict(directory),
                        source=str(directory))
-    model = model.to(device)
-    if precision in HALF_DTYPES:
-        model = model.to(HALF_DTYPES[precision])
-    return TorchEncoder(model, precision)
+    model = model.to(runtime.device)
+    if runtime.precision in HALF_DTYPES:
+        model = model.to(HALF_DTYPES[runtime.precision])
+    return TorchEncoder(model, runtime.precision)
