@@ -47,8 +47,8 @@ def num(x, digits: int = 0) -> str:
 
 def mean_std(s: dict, digits: int = 2, scale: float = 1.0) -> str:
     if s.get("n", len(s.get("values", [None]))) > 1:
-        return f"{s['mean'] * scale:.{digits}f} ± {s['std'] * scale:.{digits}f}"
-    return f"{s['mean'] * scale:.{digits}f}"
+        return f"{s['mean'] * scale:,.{digits}f} ± {s['std'] * scale:,.{digits}f}"
+    return f"{s['mean'] * scale:,.{digits}f}"
 
 
 def table(header: list[str], rows: list[list[str]], right_from: int = 1) -> list[str]:
