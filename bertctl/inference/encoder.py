@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
 from bertctl.inference.pooling import PoolingSpec
+
+if TYPE_CHECKING:
+    from bertctl.config import BertConfig
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Encoder(Protocol):
     """A checkpoint's encoder under one backend: tokenised texts in, pooled float32 features out."""
 
     name: str  # the backend: "torch", "onnxruntime" or "native"
-    config: object  # the checkpoint's BertConfig
+    config: BertConfig  # the checkpoint's
     device: str  # where it runs: "cpu", "cuda", "cuda:1"
     precision: str  # fp32, bf16 or fp16, as it computes
 
