@@ -644,10 +644,16 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
             pool.join()
 
     summary = _summarize(records, read, cfg)
+    notes = read.notes(cfg.format)
     if summary["instances"] == 0:
         need = "two or more non-empty sentences" if cfg.nsp else "text"
+        why = f"; {'; '.join(notes)}" if notes else ""
         raise BertctlError(f"no instances: the inputs hold no document with {need} "
-                           f"({summary['documents_read']} documents read; format {cfg.format!r})")
+                           f"({summary['documents_read']} documents read; format {cfg.format!r}){why}")
+    from bertctl.progress import stderr
+
+    for note in notes:  # said on stderr whatever the progress setting: a skip is never silent
+        stderr.print(note, markup=False, highlight=False, soft_wrap=True)
     records.sort(key=lambda r: (r["split"] != "train", r["index"]))
     splits: dict[str, dict] = {}
     for r in records:

@@ -91,6 +91,8 @@ class ReadStats:
     skipped_inputs: list[dict] = field(default_factory=list)  # {"path", "reason"}
     skipped_lines: dict = field(default_factory=dict)  # reason -> {"count", "first"}
     cut_documents: int = 0  # documents cut at max_document_bytes (memory bound)
+    lines_read: int = 0  # --format lines: non-blank lines, and those ending mid-sentence (prose wrapped across lines)
+    lines_mid_sentence: int = 0
 
     def skip_line(self, reason: str, location: str) -> None:
         entry = self.skipped_lines.setdefault(reason, {"count": 0, "first": location})
@@ -105,6 +107,28 @@ class ReadStats:
             "skipped_lines": dict(self.skipped_lines),
             "cut_documents": self.cut_documents,
         }
+
+    def notes(self, fmt: str, most: int = 3) -> list[str]:
+        """One line for each kind of input that was skipped or read otherwise than as given, for stderr."""
+        out = []
+        for reason, entry in self.skipped_lines.items():
+            out.append(f"skipped {entry['count']:,} line(s): {reason} (the first at {entry['first']})")
+        if self.skipped_inputs:
+            first = ", ".join(f"{s['path']} ({s['reason']})" for s in self.skipped_inputs[:most])
+            more = f" and {len(self.skipped_inputs) - most} more" if len(self.skipped_inputs) > most else ""
+            out.append(f"skipped {len(self.skipped_inputs)} input file(s): {first}{more}")
+        if self.non_utf8_files:
+            more = f" and {len(self.non_utf8_files) - most} more" if len(self.non_utf8_files) > most else ""
+            out.append(f"{len(self.non_utf8_files)} file(s) not UTF-8, their other lines read as cp1252: "
+                       f"{', '.join(self.non_utf8_files[:most])}{more}")
+        if self.cut_documents:
+            out.append(f"{self.cut_documents} document(s) cut where they outgrew the per-document memory bound")
+        # Sentence-per-line text ends most lines with a sentence; wrapped prose ends most mid-sentence.
+        if fmt == "lines" and self.lines_read >= 20 and self.lines_mid_sentence > 0.5 * self.lines_read:
+            out.append(f"note: {self.lines_mid_sentence:,} of {self.lines_read:,} lines end mid-sentence, so this "
+                       f"looks like prose wrapped across lines, read as one sentence a line and one document a "
+                       f"paragraph; --format text joins wrapped lines and splits sentences")
+        return out
 
 
 # ----------------------------------------------------------------------------- input files
@@ -440,6 +464,9 @@ def read_lines(files: list[Path], fmt: str, stats: ReadStats, *, text_field: str
             yield piece, len(piece.encode("utf-8", "surrogatepass")) + 1
 
 
+SENTENCE_ENDS = tuple(".!?;:\"')]»”’…")
+
+
 def _read_lines_format(path: Path, stats: ReadStats, max_bytes: int) -> Iterator[Document]:
     sentences, nbytes = [], 0
     for line, n in _lines(path, stats):
@@ -447,6 +474,8 @@ def _read_lines_format(path: Path, stats: ReadStats, max_bytes: int) -> Iterator
         line = line.strip()
         if line:
             sentences.append(line)
+            stats.lines_read += 1
+            stats.lines_mid_sentence += not line.endswith(SENTENCE_ENDS)
             if nbytes >= max_bytes:
                 stats.cut_documents += 1
                 yield Document(sentences, True, nbytes)
