@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -114,6 +114,8 @@ def read_glue_tsv(path: str | Path, task: GlueTask, *, skip_bad_rows: bool = Fal
     first = 0
     columns: dict[str, int] = {}
     n_cols = None
+    if not task.header and not require_labels and lines and lines[0].rstrip("\r").split("\t") == ["index", "sentence"]:
+        task = replace(task, text_a="sentence", header=True)  # CoLA's test.tsv: a header, no label, no source
     if task.header:
         if not lines:
             raise BertctlError(f"{path}: empty file (expected a header line)")
