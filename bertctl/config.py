@@ -27,6 +27,9 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 # hidden_act names (Hugging Face's) -> GELU approximation used by the fused op.
 GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+# The label of a slot that carries no prediction (padding, unmasked tokens, a word's later pieces):
+# collation pads labels with it and every loss skips it, as torch's cross_entropy does by default.
+IGNORE_INDEX = -100
 RUNTIME_FIELDS = ("attn_implementation", "kernels", "dropout_masks")
 
 

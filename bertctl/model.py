@@ -29,14 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertctl import ops
-from bertctl.config import BertConfig
+from bertctl.config import IGNORE_INDEX, BertConfig
 from bertctl.nn.attention import attention
 from bertctl.nn.fused import (bias_act, dense_act, dense_dropout_add_norm, dropout, fuses_bias, layer_norm, own_masks,
                               use_fused)
 from bertctl.nn.packing import Packed, worth_packing
 from bertctl.nn.projections import VOCAB_ALIGN, input_projection, vocab_projection
-
-IGNORE_INDEX = -100
 
 
 # --------------------------------------------------------------------------- outputs

@@ -37,7 +37,7 @@ from bertctl.bench import harness  # noqa: E402
 from bertctl.bench.model import hf_model  # noqa: E402
 from bertctl.config import BertConfig  # noqa: E402
 from bertctl.data import PretrainingData  # noqa: E402
-from bertctl.train.loader import trim  # noqa: E402
+from bertctl.data.batching import trim  # noqa: E402
 from bertctl.train.pretrain import PRESET_LR  # noqa: E402
 
 IGNORE = -100

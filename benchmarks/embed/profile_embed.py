@@ -24,9 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bertctl.data.batching import length_batches  # noqa: E402
 from bertctl.inference.backends import load_encoder  # noqa: E402
 from bertctl.inference.backends.torch import TorchEncoder  # noqa: E402
-from bertctl.inference.embed import EmbedConfig, embed_texts, length_batches, tokenize_texts  # noqa: E402
+from bertctl.inference.embed import EmbedConfig, embed_texts, tokenize_texts  # noqa: E402
 from bertctl._ext import kernels_loaded  # noqa: E402
 from bertctl.text import load_tokenizer  # noqa: E402
 from bertctl.bench import harness  # noqa: E402

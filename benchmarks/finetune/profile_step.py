@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bertctl.config import BertConfig  # noqa: E402
+from bertctl.data.batching import Prefetcher, steps_per_epoch, task_batches  # noqa: E402
 from bertctl.model import BertForQuestionAnswering, BertForSequenceClassification  # noqa: E402
 from bertctl.nn.attention import varied_shapes  # noqa: E402
 from bertctl.tasks import squad  # noqa: E402
@@ -46,7 +47,6 @@ from bertctl.tasks.trainer import TaskObjective  # noqa: E402
 from bertctl.text.wordpiece import BertTokenizer  # noqa: E402
 from bertctl.train import distributed, graphs  # noqa: E402
 from bertctl.train.engine import Engine, EngineConfig  # noqa: E402
-from bertctl.train.loader import Prefetcher, steps_per_epoch, task_batches  # noqa: E402
 from bertctl.bench import harness  # noqa: E402
 from bertctl.io import write_json  # noqa: E402
 

@@ -140,7 +140,7 @@ def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dis
     (pinned), which the engine copies into its graph's input buffers; under torchrun padded to
     ``max_seq_length``, as pretrain pads them there."""
     from bertctl.train.engine import Engine, EngineConfig
-    from bertctl.train.loader import PAD_MULTIPLE, pretraining_step
+    from bertctl.data.batching import PAD_MULTIPLE, pretraining_step
     from bertctl.train.pretrain import PretrainingObjective
 
     objective = PretrainingObjective()

@@ -1,15 +1,21 @@
 """Pretraining data: raw text -> sentences -> instances -> shards (``build_data``) -> batches (``PretrainingData``).
 
-``from bertctl.data import build_data, DataConfig, PretrainingData``.  The dataset
-(which needs torch) is imported on first use, so building data does not load torch.
+``from bertctl.data import build_data, DataConfig, PretrainingData``.  Each is imported on first use:
+building data does not load torch (the dataset needs it), and ``bertctl.data.batching``, which
+``embed`` imports, loads neither the builder nor the dataset.
 """
-from .build import build_data
-from .config import DataConfig
-
 __all__ = ["build_data", "DataConfig", "PretrainingData"]
 
 
 def __getattr__(name: str):
+    if name == "build_data":
+        from .build import build_data
+
+        return build_data
+    if name == "DataConfig":
+        from .config import DataConfig
+
+        return DataConfig
     if name == "PretrainingData":
         from .dataset import PretrainingData
 

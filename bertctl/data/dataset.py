@@ -182,7 +182,7 @@ class PretrainingData:
     def batches(self, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0, rank: int = 0,
                 world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of one epoch from ``start_step`` on (see the module docstring); tensors are CPU int64,
-        ``max_seq_length`` wide (the batch loader, ``bertctl.train.loader``, trims the padding)."""
+        ``max_seq_length`` wide (the batch loader, ``bertctl.data.batching``, trims the padding)."""
         if global_batch_size < 1 or global_batch_size % world_size:
             raise BertctlError(f"global batch size {global_batch_size} must be a positive multiple of "
                                f"world size {world_size}")

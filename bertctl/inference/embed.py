@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bertctl.data.batching import BATCH_TOKENS, length_batches
 from bertctl.errors import BertctlError
 from bertctl.inference.backends import BACKEND_CHOICES, device_type
 from bertctl.inference.encoder import Encoder, Tokens
@@ -27,10 +28,6 @@ from bertctl.text.files import iter_lines, read_lines
 from bertctl.workers import worker_pool
 
 OUTPUT_SUFFIXES = (".npy", ".jsonl", ".safetensors")
-# Padded tokens per forward pass, by device type: on the CPU small batches stay in its caches (the
-# whole command ran fastest at 1024), a GPU wants large ones (its host time a batch of short texts is
-# several times its work).
-BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
 
 
 @dataclass
@@ -98,20 +95,6 @@ def read_texts(path: str | Path, field: str | None = None) -> list[str]:
     if not texts:
         raise BertctlError(f"{path}: no texts to embed (empty input)")
     return texts
-
-
-def length_batches(lengths: np.ndarray, batch_size: int | None, batch_tokens: int) -> list[np.ndarray]:
-    """Indices into ``lengths``, longest first, cut into batches of at most ``batch_size`` texts (None:
-    no limit) whose padded size (texts x longest) is at most ``batch_tokens``; a text longer than that
-    goes alone."""
-    order = np.argsort(-lengths, kind="stable")
-    batch_size = batch_size or len(lengths)
-    batches, start = [], 0
-    while start < len(order):
-        fit = max(1, min(batch_size, batch_tokens // int(lengths[order[start]])))  # the first is the longest
-        batches.append(order[start:start + fit])
-        start += fit
-    return batches
 
 
 #: Texts below which tokenising stays in this process (starting workers costs more than it saves).

@@ -17,9 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
+from bertctl.config import IGNORE_INDEX
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open
-from bertctl.model import IGNORE_INDEX
 from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import conlleval

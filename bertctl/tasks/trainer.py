@@ -5,7 +5,7 @@ the first 10% of steps then linear decay to 0, batch 32, 3 epochs, lr 5e-5, drop
 paper's lr sweep over {5e-5, 4e-5, 3e-5, 2e-5} picks the best on dev.
 
 A task is a model with a fresh head, featurised examples (dicts of numpy arrays, see
-``bertctl.train.loader.collate``) and an ``evaluate(model)`` callback; ``fine_tune`` runs them on
+``bertctl.data.batching.collate``) and an ``evaluate(model)`` callback; ``fine_tune`` runs them on
 ``bertctl.train.engine.Engine``, which brings DDP under ``torchrun``, accumulation from
 ``micro_batch_size``, bf16/fp16/fp32, compile, exact resume and the metrics log. Batches are
 random (Hugging Face Trainer's order) and padded to their own longest row; ``group_by_length``
@@ -32,16 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from bertctl.checkpoints import training
-from bertctl.inference.embed import BATCH_TOKENS, length_batches
+from bertctl.config import IGNORE_INDEX
+from bertctl.data.batching import (BATCH_TOKENS, Prefetcher, collate, feature_length, length_batches,
+                                   median_step_length, steps_per_epoch, task_batches)
 from bertctl.errors import BertctlError, Stopped
-from bertctl.model import IGNORE_INDEX
 from bertctl.nn.attention import cudnn_training_attention, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.runtime import Runtime, resolve, resolve_precision
 from bertctl.train import distributed, graphs
 from bertctl.train.engine import Engine, EngineConfig, autocast, to_device, warmup_steps
-from bertctl.train.loader import (Prefetcher, collate, feature_length, median_step_length, steps_per_epoch,
-                                 task_batches)
 
 
 @dataclass

@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from bertctl.checkpoints import training
+from bertctl.data.batching import StepBatch
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, progress
 from bertctl.runtime import graphs_unsupported, resolve_precision
@@ -85,30 +86,6 @@ class EngineConfig:
     fit_to_minutes: bool = False          # re-plan max_steps from the measured step time to end the schedule in time
     show_progress: bool = True
     description: str = "train"
-
-
-@dataclass
-class StepBatch:
-    """One optimizer step's data for this rank: micro-batches (CPU tensors) plus host counts.
-
-    ``counts`` holds this rank's normaliser of every loss term (e.g. ``{"mlm": masked tokens,
-    "nsp": sequences}``) and the work done, for throughput: ``sequences``, ``tokens`` (real tokens),
-    ``attn_pairs`` (Σ length²) and ``padded_tokens`` (B·S computed). Without ``global_counts``,
-    several processes sum the normalisers over ranks on the device.
-    """
-
-    micro: list[dict[str, torch.Tensor]]
-    counts: dict[str, float]
-    signature: tuple = ()  # several processes: the global step's shapes (every rank's), for the CUDA graphs
-    shape_steps: int | None = None  # steps of the run with this step's shapes (None: not known), for the graphs
-    global_counts: dict[str, float] | None = None  # several processes: each loss term's count over all ranks,
-    # where the rank knows it (fine-tuning sees the global batch): the step then needs no collective for it
-    every_ids: torch.Tensor | None = None  # several processes: every rank's input ids of the step, flat, where
-    # the rank knows them: the word-embedding rows the gradients' sum touches (``GradientReducer``)
-
-    @property
-    def sequences(self) -> int:
-        return int(self.counts.get("sequences", 0))
 
 
 class Objective(Protocol):

@@ -17,7 +17,7 @@ How, and what stays exact:
   fine-tuning knows its whole run's batches in advance, so each step comes with the number of steps
   that share its shapes, and a shape with fewer than ``MIN_SHAPE_STEPS`` runs eagerly. Before that,
   the loader pads a batch whose length is that rare up to the next common length
-  (``loader.common_lengths``), which attention and the losses mask: eager steps are bound by the
+  (``batching.common_lengths``), which attention and the losses mask: eager steps are bound by the
   host, and do not get faster with more GPUs.
   A capture (an eager warm-up, the recording, the instantiation) took 0.12 s a shape for MiniLM and
   0.2-0.3 s for BERT-Base and -Large on an H200; a replay saves at most the host time an eager step

@@ -34,13 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from bertctl.checkpoints import training
+from bertctl.config import IGNORE_INDEX
+from bertctl.data.batching import Prefetcher, bucketed_batches, pretraining_step, trim
 from bertctl.errors import BertctlError
-from bertctl.model import IGNORE_INDEX, masked_lm_cross_entropy
+from bertctl.model import masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
 from bertctl.runtime import Runtime, resolve
 from bertctl.train import distributed
 from bertctl.train.engine import Engine, EngineConfig, autocast, load_optimizer_state, to_device, warmup_steps
-from bertctl.train.loader import Prefetcher, bucketed_batches, pretraining_step, trim
 from bertctl.train.metrics import plot_curves, train_flops_6nt
 from bertctl.train.optim import build_scheduler
 

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
+from bertctl.data.batching import length_batches
 from bertctl.inference.backends import load_encoder
 from bertctl.inference.backends.torch import TorchEncoder
-from bertctl.inference.embed import EmbedConfig, checkpoint_config, embed_texts, length_batches
+from bertctl.inference.embed import EmbedConfig, checkpoint_config, embed_texts
 from bertctl.errors import BertctlError
 from bertctl.text.wordpiece import BertTokenizer
 

@@ -121,7 +121,7 @@ def test_shapes_past_the_graph_budget_run_eagerly(tmp_path, monkeypatch):
 
 @cuda
 def test_rare_shapes_train_eagerly_as_the_captured_ones_would(tmp_path):
-    """A rare padded length pads up to a common one (``loader.common_lengths``); shapes the run still
+    """A rare padded length pads up to a common one (``batching.common_lengths``); shapes the run still
     has fewer than ``graph_min_steps`` steps of (each epoch's smaller last batch) are not captured. The
     run is still the eager run, unpadded, step for step. (Without dropout: a batch padded further draws
     its dropout masks over a longer tensor, so its real tokens get other masks.)"""
@@ -238,7 +238,7 @@ def test_every_rank_knows_every_ranks_shapes():
     """Several processes capture and replay together, so each step's graph key must be the same on every
     rank: every rank pads to the global batch's longest example, and the signature (that length, every
     rank's rows, the micro-batch size) fixes each rank's shapes."""
-    from bertctl.train.loader import task_step
+    from bertctl.data.batching import task_step
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(3, 60, size=50)
@@ -431,7 +431,7 @@ def test_each_step_knows_how_many_steps_of_the_run_share_its_shapes(world_size, 
     import collections
     import itertools
 
-    from bertctl.train.loader import steps_per_epoch, task_batches
+    from bertctl.data.batching import steps_per_epoch, task_batches
 
     rng = np.random.default_rng(1)
     feats = [{"input_ids": np.ones(n, dtype=np.int64), "token_type_ids": np.zeros(n, dtype=np.int64), "labels": 1}

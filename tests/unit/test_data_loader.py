@@ -53,7 +53,7 @@ def test_open_and_contract(built, minilm_vocab, tokenizer):
     unused = batch["masked_positions"] == 0
     assert (batch["masked_lm_labels"][unused] == -100).all() and (batch["masked_lm_labels"][~unused] >= 0).all()
     assert set(batch["next_sentence_label"].tolist()) <= {0, 1}
-    from bertctl.train.loader import trim
+    from bertctl.data.batching import trim
 
     trimmed = trim(batch, 8)
     T = trimmed["input_ids"].shape[1]

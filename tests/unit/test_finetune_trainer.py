@@ -8,7 +8,7 @@ import torch
 from bertctl.checkpoints import training
 from bertctl.errors import BertctlError
 from bertctl.tasks import trainer as T
-from bertctl.train import loader as L
+from bertctl.data import batching as L
 from test_finetune_support import make_tiny_model_dir
 
 

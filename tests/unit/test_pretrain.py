@@ -428,7 +428,7 @@ def test_model_from_a_config_file(data_dir, tmp_path):
 def test_length_bucketed_order_sees_every_instance_with_less_padding(data_dir):
     """An epoch in bucketed order = the loader's instances once each; less padding; exact seek; rank slices."""
     from bertctl.data import PretrainingData
-    from bertctl.train.loader import bucketed_batches, trim
+    from bertctl.data.batching import bucketed_batches, trim
 
     ds = PretrainingData(data_dir)
     G, steps = 8, ds.steps_per_epoch(8)

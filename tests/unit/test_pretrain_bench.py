@@ -110,7 +110,7 @@ def test_the_graphs_provider_times_pretrains_own_step():
     from bertctl.bench.model import _engine_step_fn, bench_model
     from bertctl.train import distributed
     from bertctl.train.engine import Engine, EngineConfig
-    from bertctl.train.loader import pretraining_step
+    from bertctl.data.batching import pretraining_step
     from bertctl.train.pretrain import PretrainingObjective
 
     cuda = torch.device("cuda", torch.cuda.current_device())

@@ -1,17 +1,23 @@
-"""The one batch loader: every training job's batches, cut into micro-batches, trimmed and pinned ahead.
+"""Every batch iterator: what a training step, an evaluation or an embedding pass reads.
 
-Two sources feed it, one path out:
+- padded batches: ``collate`` stacks a task's featurised examples (dicts of numpy arrays) into
+  int64 tensors padded to the longest, rounded up to a multiple of 8 (tensor-core shapes), and
+  ``trim`` cuts a full-width batch down so;
+- by length: ``length_batches``, the longest texts first under a padded-token budget
+  (``BATCH_TOKENS``), for inference (embedding, fine-tuning's evaluations);
+- epoch order: ``epoch_batches``, one epoch of a task's global batches as a pure function of
+  (seed, epoch), so a resumed run seeks instead of replaying; ``bucketed_batches``, pretraining's
+  shards (``PretrainingData``, whose own ``batches`` is the shards' plain epoch order) in
+  length-bucketed order;
+- steps: ``task_step`` / ``task_batches`` and ``pretraining_step`` cut this rank's part of a global
+  batch into micro-batches for gradient accumulation and count the work and each loss term's
+  normaliser (``StepBatch``);
+- prefetching: ``Prefetcher`` runs the deterministic source in a background thread (so batches and
+  their order do not depend on timing) and pins the tensors; the training thread then copies with
+  ``non_blocking=True``, overlapping the copy with the last step.
 
-- pretraining: ``PretrainingData.batches`` (memory-mapped shards, full ``max_seq_length`` width) or
-  ``bucketed_batches`` (length-bucketed order);
-- fine-tuning: ``task_batches`` over a task's featurised examples (dicts of numpy arrays), in an
-  epoch order drawn from (seed, epoch).
-
-``Prefetcher`` runs the deterministic source in a background thread (so batches and their order do
-not depend on timing), splits this rank's batch into micro-batches for gradient accumulation, trims
-each to its longest sequence (rounded up to a multiple of 8: tensor-core shapes), counts the work
-and each loss term's normaliser (``bertctl.train.engine.StepBatch``), and pins the tensors; the
-training thread then copies with ``non_blocking=True``, overlapping the copy with the last step.
+torch is imported where a tensor is made: ``embed`` batches by length with this module on ONNX
+Runtime and the native encoder, which never load torch.
 """
 from __future__ import annotations
 
@@ -19,16 +25,42 @@ import collections
 import itertools
 import queue
 import threading
-from typing import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
-import torch
 
-from bertctl.model import IGNORE_INDEX
-from bertctl.train.engine import StepBatch
+from bertctl.config import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    import torch
 
 PAD_MULTIPLE = 8
 SEQUENCE_KEYS = ("input_ids", "token_type_ids", "attention_mask")
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's data for this rank: micro-batches (CPU tensors) plus host counts.
+
+    ``counts`` holds this rank's normaliser of every loss term (e.g. ``{"mlm": masked tokens,
+    "nsp": sequences}``) and the work done, for throughput: ``sequences``, ``tokens`` (real tokens),
+    ``attn_pairs`` (Σ length²) and ``padded_tokens`` (B·S computed). Without ``global_counts``,
+    several processes sum the normalisers over ranks on the device.
+    """
+
+    micro: list[dict[str, torch.Tensor]]
+    counts: dict[str, float]
+    signature: tuple = ()  # several processes: the global step's shapes (every rank's), for the CUDA graphs
+    shape_steps: int | None = None  # steps of the run with this step's shapes (None: not known), for the graphs
+    global_counts: dict[str, float] | None = None  # several processes: each loss term's count over all ranks,
+    # where the rank knows it (fine-tuning sees the global batch): the step then needs no collective for it
+    every_ids: torch.Tensor | None = None  # several processes: every rank's input ids of the step, flat, where
+    # the rank knows them: the word-embedding rows the gradients' sum touches (``GradientReducer``)
+
+    @property
+    def sequences(self) -> int:
+        return int(self.counts.get("sequences", 0))
 
 
 def round_up(n: int, multiple: int = PAD_MULTIPLE) -> int:
@@ -144,6 +176,27 @@ def bucketed_batches(data, global_batch_size: int, *, seed: int, epoch: int = 0,
             yield data.collate(ordered[k - w0][rank * b:(rank + 1) * b], seed=seed, epoch=epoch)
 
 
+# --------------------------------------------------------------------------- by length, for inference
+
+# Padded tokens per forward pass, by device type: on the CPU small batches stay in its caches, a GPU
+# wants large ones (its host time for a batch of short texts is several times its work).
+BATCH_TOKENS = {"cpu": 1024, "cuda": 65536}
+
+
+def length_batches(lengths: np.ndarray, batch_size: int | None, batch_tokens: int) -> list[np.ndarray]:
+    """Indices into ``lengths``, longest first, cut into batches of at most ``batch_size`` texts (None:
+    no limit) whose padded size (texts x longest) is at most ``batch_tokens``; a text longer than that
+    goes alone."""
+    order = np.argsort(-lengths, kind="stable")
+    batch_size = batch_size or len(lengths)
+    batches, start = [], 0
+    while start < len(order):
+        fit = max(1, min(batch_size, batch_tokens // int(lengths[order[start]])))  # the first is the longest
+        batches.append(order[start:start + fit])
+        start += fit
+    return batches
+
+
 # --------------------------------------------------------------------------- fine-tuning
 
 
@@ -170,6 +223,8 @@ def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTI
     scalar (class / float score) or an (S,) array (token labels, padded with -100);
     ``start_positions`` / ``end_positions`` are ints. Keys starting with ``_`` stay out.
     """
+    import torch
+
     first = features[0]
     length = length or round_up(max(feature_length(f) for f in features), multiple)
     ids = padded_ids(features, length, pad_id)
@@ -254,6 +309,8 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     learn them. ``pad_to`` (from ``common_lengths``) pads a padded length further, to a longer one
     that more steps share.
     """
+    import torch
+
     parts = np.array_split(idx, world_size)
     mine = parts[rank]
     micro_size = micro_batch_size or len(mine)
@@ -303,10 +360,11 @@ def common_lengths(counts: collections.Counter, min_steps: int) -> dict[int, int
 
     The lengths, shortest first, are gathered into groups of at least ``min_steps`` steps, each padded
     to its longest; a last group short of it joins the one before. CUDA graphs capture only lengths a
-    run has enough steps of, and run the rest eagerly, which bounds a step by the host: on SQuAD's
-    windows at batch 32 for 3 epochs, 82 of 483 steps; padded this way, 3, for 0.4% more padded
-    tokens. Attention, the losses and the counts mask the padding; only the dropout
-    masks differ, drawn over a longer tensor.
+    run has enough steps of, and run the rest eagerly, which bounds a step by the host; padded this way,
+    few steps are left eager for little more padding
+    (``benchmarks/results/finetune-graph-min-steps-h200-9b4adab.json``).
+    Attention, the losses and the counts mask the padding; only the dropout masks differ, drawn over
+    a longer tensor.
     """
     groups: list[list[int]] = []
     group, steps = [], 0
