@@ -245,7 +245,8 @@ def test_a_step_across_processes_never_waits_for_the_gpu(tmp_path, monkeypatch):
     last, and two GPUs ran slower than one. The step runs under CUDA's sync check, as rank 0 of 2
     (the all-reduce itself stubbed: it is asynchronous in NCCL)."""
     from bertctl.train import distributed
-    from bertctl.train.engine import Engine, EngineConfig, StepBatch
+    from bertctl.data.batching import StepBatch
+    from bertctl.train.engine import Engine, EngineConfig
 
     build, feats = _setup(tmp_path)
     engine = Engine(EngineConfig(batch_size=8, max_steps=10, precision="bf16"), build(), T.TaskObjective(),
