@@ -18,12 +18,10 @@ depends on where the heap starts), then the rounds fault nothing in (tests/unit/
 
 The cost: up to 1 GB of freed heap stays with the process, as with any caching allocator.
 
-Measured on a 2-core EPYC (kernel THP mode "madvise"), `bertctl bench ops --device cpu --threads 2`,
-default settings against these:
-- bias+GELU at 4096 x 3072 fp32: forward 16.7 -> 6.1 ms, forward+backward 35.7 -> 14.1 ms.
-- The 1024-token rows were unchanged.
-- THP alone (without the thresholds) made the 3-12 MB rows 2-3x slower: each call faulted in
-  fresh huge pages where the heap had been reusing memory.
+Why both: with them the CPU ops on large activations (bias+GELU at 4096 x 3072) ran several times
+faster and the small rows were unchanged; THP alone, without the thresholds, made the 3-12 MB rows
+slower, each call faulting in fresh huge pages where the heap had been reusing memory
+(``bertctl bench ops --device cpu --threads 2``: ``benchmarks/results/ops-cpu-fp32-2threads-16c9432-a.json``).
 
 ``BERTCTL_CPU_ALLOC=default`` leaves glibc and torch as they are.
 """
