@@ -179,9 +179,9 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     Each preparation stage is skipped when its output already exists in ``output/work``,
     so a rerun (or ``--resume``) goes straight to training.
     """
-    from bertctl.config import BertConfig
+    from bertctl.config import BertConfig, PretrainConfig
     from bertctl.data import PretrainingData
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.train.pretrain import pretrain
 
     output = Path(output)
     minutes = DEFAULT_MINUTES if minutes is None else minutes
@@ -216,10 +216,10 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     options = {"warmup_fraction": 0.05, "eval_batches": 8, **train_options}
     if not options.get("eval_every"):
         options["eval_every"] = max(10, max_steps // 5)  # a few points on the accuracy curve
-    cfg = TrainConfig(output=str(output), data=str(data_dir), model_size=model_size,
-                      model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
-                      minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed,
-                      fit_to_minutes=max_steps_given is None, **options)
+    cfg = PretrainConfig.of(output=str(output), data=str(data_dir), model_size=model_size,
+                            model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
+                            minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed,
+                            fit_to_minutes=max_steps_given is None, **options)
     summary = pretrain(cfg, tokenizer=tokenizer)
     ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}
     summary["default_job"] = {

@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bertctl.config import BertConfig  # noqa: E402
+from bertctl.config import MIN_SHAPE_STEPS, BertConfig, TrainConfig  # noqa: E402
 from bertctl.data.batching import Prefetcher, steps_per_epoch, task_batches  # noqa: E402
 from bertctl.model import BertForQuestionAnswering, BertForSequenceClassification  # noqa: E402
 from bertctl.nn.attention import varied_shapes  # noqa: E402
@@ -45,8 +45,9 @@ from bertctl.tasks import squad  # noqa: E402
 from bertctl.tasks.glue import featurize, read_glue_tsv, task_spec  # noqa: E402
 from bertctl.tasks.trainer import TaskObjective  # noqa: E402
 from bertctl.text.wordpiece import BertTokenizer  # noqa: E402
-from bertctl.train import distributed, graphs  # noqa: E402
-from bertctl.train.engine import Engine, EngineConfig  # noqa: E402
+from bertctl.runtime import resolve  # noqa: E402
+from bertctl.train import distributed  # noqa: E402
+from bertctl.train.engine import Engine  # noqa: E402
 from bertctl.bench import harness  # noqa: E402
 from bertctl.io import write_json  # noqa: E402
 
@@ -99,10 +100,10 @@ def main() -> distributed.Dist:
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     total = a.warmup + 2 * a.steps + 2
-    cfg = EngineConfig(batch_size=a.batch_size, max_steps=total, lr=5e-5, warmup_steps=10, seed=0,
-                       precision="bf16" if cuda else "fp32", compile=a.compile, compile_dynamic=True,
-                       cuda_graphs=a.cuda_graphs, show_progress=False)
-    engine = Engine(cfg, model, TaskObjective(), dist=dist)
+    cfg = TrainConfig(batch_size=a.batch_size, lr=5e-5, warmup_steps=10, seed=0, show_progress=False)
+    runtime = resolve(str(device), "bf16" if cuda else "fp32", attn=a.attn, compile=a.compile,
+                      cuda_graphs=bool(a.cuda_graphs))
+    engine = Engine(cfg, runtime, model, TaskObjective(), dist=dist, max_steps=total, compile_dynamic=True)
     if a.compile_mode:  # the engine's compile with another mode (what the engine would need to offer)
         engine.step_model = torch.compile(engine.model, dynamic=True, mode=a.compile_mode)
         step = engine.train_step
@@ -114,7 +115,7 @@ def main() -> distributed.Dist:
     per_epoch = steps_per_epoch(len(feats), a.batch_size, dist.world_size)
     batches = Prefetcher(task_batches(feats, a.batch_size, seed=0, start_step=0, steps_per_epoch=per_epoch,
                                       group_by_length=False, rank=dist.rank, world_size=dist.world_size,
-                                      max_steps=total, min_shape_steps=graphs.MIN_SHAPE_STEPS if a.cuda_graphs else None),
+                                      max_steps=total, min_shape_steps=MIN_SHAPE_STEPS if a.cuda_graphs else None),
                          lambda sb: sb, pin=cuda)
     stats = torch.zeros(1, device=device)
     shapes = contextlib.nullcontext() if a.cudnn_attention else varied_shapes()

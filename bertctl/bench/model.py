@@ -139,15 +139,17 @@ def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dis
     objective and whole-step CUDA graphs. The step of ``gpu_batches[i]`` trains on ``cpu_batches[i]``
     (pinned), which the engine copies into its graph's input buffers; under torchrun padded to
     ``max_seq_length``, as pretrain pads them there."""
-    from bertctl.train.engine import Engine, EngineConfig
+    from bertctl.config import TrainConfig
+    from bertctl.runtime import resolve
+    from bertctl.train.engine import Engine
     from bertctl.data.batching import PAD_MULTIPLE, pretraining_step
     from bertctl.train.pretrain import PretrainingObjective
 
     objective = PretrainingObjective()
     batch = int(cpu_batches[0]["input_ids"].shape[0])
-    cfg = EngineConfig(batch_size=batch * dist.world_size, max_steps=1 << 40, lr=1e-4, precision="bf16",
-                       cuda_graphs=True, show_progress=False)
-    engine = Engine(cfg, model, objective, dist=dist)
+    cfg = TrainConfig(batch_size=batch * dist.world_size, lr=1e-4, warmup_steps=0, show_progress=False)
+    engine = Engine(cfg, resolve(str(dist.device), "bf16", cuda_graphs=True), model, objective, dist=dist,
+                    max_steps=1 << 40)
     keys = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels",
             "next_sentence_label")
     one_length = dist.world_size > 1  # every rank captures and replays the same graphs: one length, as pretrain pads

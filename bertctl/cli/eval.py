@@ -11,8 +11,8 @@ from bertctl.cli import options as opt
 from bertctl.errors import BertctlError
 from bertctl.io import check_writable
 
-if TYPE_CHECKING:  # torch loads only when a command runs, not for --help
-    from bertctl.tasks.trainer import TrainConfig
+if TYPE_CHECKING:  # the config module loads only when a command runs
+    from bertctl.config import FinetuneConfig
 
 eval_app = typer.Typer(help="Evaluate a fine-tuned model, or score SQuAD predictions with the official rules.",
                        no_args_is_help=True)
@@ -25,13 +25,15 @@ EVAL_TOKENS = typer.Option(None, "--batch-tokens", help="Padded tokens (examples
 DEVICE = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N.")
 
 
-def _cfg(batch_size: int, batch_tokens: int | None, device: str, no_progress: bool, quiet: bool) -> TrainConfig:
-    from bertctl.tasks.trainer import TrainConfig
+def _cfg(batch_size: int, batch_tokens: int | None, device: str, no_progress: bool) -> FinetuneConfig:
+    import dataclasses
+
+    from bertctl.config import FinetuneConfig, finetuning_defaults
 
     opt.positive("--batch-size", batch_size)
     opt.positive("--batch-tokens", batch_tokens)
-    return TrainConfig(eval_batch_size=batch_size, eval_batch_tokens=batch_tokens, device=device,
-                       progress=not (no_progress or quiet))
+    train = dataclasses.replace(finetuning_defaults(), device=device, show_progress=not no_progress)
+    return FinetuneConfig(eval_batch_size=batch_size, eval_batch_tokens=batch_tokens, train=train)
 
 
 def _need_model(model: Optional[Path], output: Optional[Path]) -> Path:
@@ -61,7 +63,7 @@ def squad(
                                                    "s_null - s_best (default: the model's, else chosen on this data)."),
     model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
     batch_tokens: Optional[int] = EVAL_TOKENS,
-    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS, quiet: bool = opt.OLD_QUIET,
+    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS,
     max_seq_length: int = typer.Option(384, "--max-seq-length"),
     doc_stride: int = typer.Option(128, "--doc-stride"),
     max_query_length: int = typer.Option(64, "--max-query-length"),
@@ -82,7 +84,7 @@ def squad(
         return
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     dev = s.read_squad(data, articles=articles, version_2=version_2)
-    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress)
     s.run_eval(dev, _need_model(model, output), cfg, scfg, threshold=null_threshold, output=output)
 
 
@@ -101,7 +103,7 @@ def glue(
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
     batch_tokens: Optional[int] = EVAL_TOKENS,
-    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS, quiet: bool = opt.OLD_QUIET,
+    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS,
 ) -> None:
     """Accuracy / F1 / MCC / correlations of a fine-tuned classifier on a GLUE dev file or your data."""
     from bertctl.tasks import glue as g
@@ -118,7 +120,7 @@ def glue(
         glue_data = g.load_data(task=task, data_dir=data_dir, dev=data, text_column=text_column,
                                 text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                                 skip_bad_rows=skip_bad_rows, need_train=False)
-    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress)
     g.run_eval(glue_data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
 
 
@@ -128,12 +130,12 @@ def ner(
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
     batch_tokens: Optional[int] = EVAL_TOKENS,
-    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS, quiet: bool = opt.OLD_QUIET,
+    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS,
 ) -> None:
     """Entity-level precision/recall/F1 (conlleval rules, per type too) of a fine-tuned tagger."""
     from bertctl.tasks import ner as n
 
-    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress)
     n.run_eval(data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
 
 
@@ -143,12 +145,12 @@ def swag(
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     model: Optional[Path] = MODEL, output: Optional[Path] = OUTPUT, batch_size: int = EVAL_BATCH,
     batch_tokens: Optional[int] = EVAL_TOKENS,
-    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS, quiet: bool = opt.OLD_QUIET,
+    device: str = DEVICE, no_progress: bool = opt.NO_PROGRESS,
 ) -> None:
     """Accuracy of a fine-tuned multiple-choice model."""
     from bertctl.tasks import swag as w
 
-    cfg = _cfg(batch_size, batch_tokens, device, no_progress, quiet)
+    cfg = _cfg(batch_size, batch_tokens, device, no_progress)
     w.run_eval(data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
 
 

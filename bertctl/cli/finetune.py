@@ -4,22 +4,24 @@ Each sub-command reads its data, fine-tunes with the paper's recipe (overridable
 OUT: ``model/`` (a Hugging Face-compatible directory with the task head and label names),
 predictions, ``metrics.json`` (also printed on stdout), ``metrics.jsonl`` and ``checkpoint/``
 (for ``--resume``).
+
+Every command takes its own options, then the fine-tuning options they all share (declared once
+below, written out in each signature), and hands them to ``finetune_config``.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from bertctl.cli import options as opt
 
-if TYPE_CHECKING:  # torch loads only when a command runs, not for --help
-    from bertctl.tasks.trainer import TrainConfig
+if TYPE_CHECKING:  # the config module loads only when a command runs
+    from bertctl.config import FinetuneConfig
 
 finetune_app = typer.Typer(help="Fine-tune a pretrained BERT (bertctl's or Hugging Face's) on GLUE, SQuAD, NER "
                                 "or SWAG.", no_args_is_help=True)
@@ -29,6 +31,7 @@ finetune_app = typer.Typer(help="Fine-tune a pretrained BERT (bertctl's or Huggi
 MODEL = typer.Option(..., "--model", help="Pretrained checkpoint directory (bertctl's or Hugging Face's).")
 OUTPUT = typer.Option(..., "--output", "-o", help="Output directory.")
 EPOCHS = typer.Option(3.0, "--epochs", help="Training epochs (fractions allowed).")
+SQUAD_EPOCHS = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0).")
 LR = typer.Option(5e-5, "--lr", help="Peak learning rate (AdamW).")
 LR_SWEEP = typer.Option(False, "--lr-sweep", help="Try lr 5e-5, 4e-5, 3e-5, 2e-5 and keep the best on dev.")
 BATCH = typer.Option(32, "--batch-size", help="Global training batch (examples per optimizer step, all processes).")
@@ -57,51 +60,9 @@ GRAPH_MIN_STEPS = typer.Option(16, "--graph-min-steps", help="With CUDA graphs: 
 LOG_EVERY = typer.Option(50, "--log-every", help="Steps between logged mean training losses (metrics.jsonl).")
 EPOCH_EVALS = typer.Option(True, "--epoch-evals/--no-epoch-evals", help="Score the dev set after every epoch (a "
                            "learning curve in metrics.jsonl), or once, after training.")
-
-
-def _train_config(v: dict) -> TrainConfig:
-    """A TrainConfig from the shared options' values (old flag spellings folded in, every number checked)."""
-    from bertctl.tasks.trainer import TrainConfig
-
-    v = opt.merge_aliases(v, attention=v.get("attention"), no_bf16=v.get("no_bf16"), quiet=v.get("quiet"),
-                          save_steps=v.get("save_steps"), log_steps=v.get("log_steps"), warmup=v.get("warmup"))
-    opt.check_training(batch_size=v["batch_size"], micro_batch_size=v["micro_batch_size"], lr=v["lr"],
-                       max_steps=v["max_steps"], epochs=v["epochs"], warmup_fraction=v["warmup_fraction"],
-                       weight_decay=v["weight_decay"], max_grad_norm=v["max_grad_norm"], save_every=v["save_every"],
-                       log_every=v["log_every"], precision=v["precision"], attn=v["attn"], kernels=v["kernels"],
-                       dropout_masks=v["dropout_masks"], dropout=v["dropout"], eval_batch_size=v["eval_batch_size"],
-                       eval_batch_tokens=v["eval_batch_tokens"])
-    opt.positive("--graph-min-steps", v["graph_min_steps"])
-    return TrainConfig(epochs=v["epochs"], lr=v["lr"], batch_size=v["batch_size"],
-                       micro_batch_size=v["micro_batch_size"], eval_batch_size=v["eval_batch_size"],
-                       eval_batch_tokens=v["eval_batch_tokens"],
-                       warmup_fraction=v["warmup_fraction"], weight_decay=v["weight_decay"],
-                       max_grad_norm=v["max_grad_norm"], seed=v["seed"], device=v["device"],
-                       precision=v["precision"], group_by_length=v["group_by_length"], compile=v["compile_"],
-                       max_steps=v["max_steps"], save_every=v["save_every"], progress=not v["no_progress"],
-                       log_every=v["log_every"], kernels=v["kernels"], dropout_masks=v["dropout_masks"],
-                       attn=v["attn"], tensorboard=v["tensorboard"],
-                       from_scratch=v["from_scratch"], cuda_graphs=v["cuda_graphs"],
-                       graph_min_steps=v["graph_min_steps"], epoch_evals=v["epoch_evals"])
-
-
-def _shared_options(
-    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
-    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH, micro_batch_size: Optional[int] = opt.MICRO_BATCH,
-    eval_batch_size: int = EVAL_BATCH, eval_batch_tokens: Optional[int] = EVAL_TOKENS,
-    warmup_fraction: float = WARMUP, weight_decay: float = WD, max_grad_norm: float = opt.MAX_GRAD_NORM,
-    dropout: Optional[float] = opt.DROPOUT, seed: int = SEED, device: str = opt.DEVICE,
-    precision: str = opt.PRECISION, group_by_length: bool = GROUP, compile_: bool = opt.COMPILE,
-    max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY, resume: bool = opt.RESUME,
-    no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY, epoch_evals: bool = EPOCH_EVALS,
-    kernels: str = opt.KERNELS,
-    dropout_masks: str = opt.DROPOUT_MASKS,
-    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
-    tensorboard: Optional[bool] = opt.TENSORBOARD, attention: Optional[str] = opt.OLD_ATTENTION,
-    no_bf16: bool = opt.OLD_NO_BF16, quiet: bool = opt.OLD_QUIET, save_steps: Optional[int] = opt.OLD_SAVE_STEPS,
-    log_steps: Optional[int] = opt.OLD_LOG_STEPS, warmup: Optional[float] = opt.OLD_WARMUP,
-) -> None:
-    """The options every fine-tuning command takes after its own: this signature is their one list."""
+SQUAD_EPOCH_EVALS = typer.Option(False, "--epoch-evals/--no-epoch-evals", help="Score the dev set after every epoch "
+                                 "(a learning curve in metrics.jsonl), or once, after training (as the paper's and "
+                                 "Hugging Face's scripts do; each evaluation decodes every dev question's answer).")
 
 
 @dataclass(frozen=True)
@@ -110,36 +71,38 @@ class Run:
 
     model: Path
     output: Path
-    cfg: TrainConfig
+    cfg: FinetuneConfig
     lr_sweep: bool
     resume: bool
     dropout: Optional[float]
 
 
-def _training_options(**overrides: typer.models.OptionInfo) -> Callable:
-    """A command with the shared options (``_shared_options``) after its own, given to it as ``run``;
-    ``overrides`` replaces an option's declaration (e.g. another help text)."""
-    shared = [p.replace(default=overrides.get(p.name, p.default))
-              for p in inspect.signature(_shared_options, eval_str=True).parameters.values()]
-    names = [p.name for p in shared]
+def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float, lr: float, lr_sweep: bool,
+                 batch_size: int, micro_batch_size: Optional[int], eval_batch_size: int,
+                 eval_batch_tokens: Optional[int], warmup_fraction: float, weight_decay: float, max_grad_norm: float,
+                 dropout: Optional[float], seed: int, device: str, precision: str, group_by_length: bool,
+                 compile_: bool, max_steps: Optional[int], save_every: int, resume: bool, no_progress: bool,
+                 log_every: int, epoch_evals: bool, kernels: str, dropout_masks: str, attn: str,
+                 cuda_graphs: Optional[bool], graph_min_steps: int, tensorboard: Optional[bool]) -> Run:
+    """The shared options, every number checked, as the task's ``Run`` (its ``FinetuneConfig``)."""
+    from bertctl.config import FinetuneConfig, finetuning_defaults
 
-    def decorate(command: Callable) -> Callable:
-        own = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
-               for p in inspect.signature(command, eval_str=True).parameters.values() if p.name != "run"]
-
-        @functools.wraps(command)
-        def wrapper(**values):
-            v = {name: values.pop(name) for name in names}
-            run = Run(model=v["model"], output=v["output"], cfg=_train_config(v), lr_sweep=v["lr_sweep"],
-                      resume=v["resume"], dropout=v["dropout"])
-            return command(**values, run=run)
-
-        params = own + shared
-        wrapper.__signature__ = inspect.Signature(params, return_annotation=None)
-        wrapper.__annotations__ = {p.name: p.annotation for p in params}
-        return wrapper
-
-    return decorate
+    opt.check_training(batch_size=batch_size, micro_batch_size=micro_batch_size, lr=lr, max_steps=max_steps,
+                       epochs=epochs, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
+                       max_grad_norm=max_grad_norm, save_every=save_every, log_every=log_every, precision=precision,
+                       attn=attn, kernels=kernels, dropout_masks=dropout_masks, dropout=dropout,
+                       eval_batch_size=eval_batch_size, eval_batch_tokens=eval_batch_tokens)
+    opt.positive("--graph-min-steps", graph_min_steps)
+    train = dataclasses.replace(  # the recipe's other fields (optimizer, schedule, checkpoints kept) as they are
+        finetuning_defaults(), batch_size=batch_size, micro_batch_size=micro_batch_size, max_steps=max_steps, lr=lr,
+        weight_decay=weight_decay, max_grad_norm=max_grad_norm, warmup_fraction=warmup_fraction, device=device,
+        precision=precision, kernels=kernels, dropout_masks=dropout_masks, attn=attn, compile=compile_,
+        cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps, save_every=save_every, log_every=log_every,
+        show_progress=not no_progress, tensorboard=tensorboard, seed=seed)
+    cfg = FinetuneConfig(epochs=epochs, eval_batch_size=eval_batch_size, eval_batch_tokens=eval_batch_tokens,
+                         group_by_length=group_by_length, from_scratch=from_scratch, epoch_evals=epoch_evals,
+                         train=train)
+    return Run(model=model, output=output, cfg=cfg, lr_sweep=lr_sweep, resume=resume, dropout=dropout)
 
 
 @contextlib.contextmanager
@@ -157,9 +120,7 @@ def _processes(output: Path):
             distributed.teardown(distributed.Dist(world_size=td.get_world_size()), synchronize=False)
 
 
-@finetune_app.command("glue")
-@_training_options()
-def glue(
+def glue_command(
     task: Optional[str] = typer.Option(None, "--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli "
                                                             "(omit for your own data with --text-column)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="GLUE folder (the task's or the parent)."),
@@ -172,11 +133,31 @@ def glue(
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed rows instead of "
                                                                       "stopping."),
     max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per example, specials included."),
-    *, run: Run,
+    # the shared fine-tuning options
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
+    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
+    max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
+    device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
+    compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
+    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
+    tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data."""
     from bertctl.tasks import glue as g
 
+    run = finetune_run(
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
+        eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
+        dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
+        tensorboard=tensorboard)
     data = g.load_data(task=task, data_dir=data_dir, train=train, dev=dev, text_column=text_column,
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)
@@ -185,13 +166,7 @@ def glue(
                        resume=run.resume, dropout=run.dropout)
 
 
-@finetune_app.command("squad")
-@_training_options(epochs=typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0)."),
-                   epoch_evals=typer.Option(False, "--epoch-evals/--no-epoch-evals", help="Score the dev set after "
-                                            "every epoch (a learning curve in metrics.jsonl), or once, after training "
-                                            "(as the paper's and Hugging Face's scripts do; each evaluation decodes "
-                                            "every dev question's answer)."))
-def squad(
+def squad_command(
     train: Path = typer.Option(..., "--train", help="SQuAD training JSON."),
     dev: Path = typer.Option(..., "--dev", help="SQuAD dev JSON."),
     train_articles: Optional[str] = typer.Option(None, "--train-articles", help="FILE:KEY, e.g. split.json:train; train "
@@ -205,11 +180,31 @@ def squad(
     n_best_size: int = typer.Option(20, "--n-best-size"),
     max_answer_length: int = typer.Option(30, "--max-answer-length"),
     write_nbest: bool = typer.Option(False, "--write-nbest", help="Also write nbest_predictions.json."),
-    *, run: Run,
+    # the shared fine-tuning options (SQuAD's own --epochs help and --epoch-evals default)
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = SQUAD_EPOCHS,
+    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
+    max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
+    device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
+    compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
+    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    epoch_evals: bool = SQUAD_EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
+    tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Fine-tune span question answering on SQuAD v1.1 or v2.0 (windows of 384 tokens, stride 128)."""
     from bertctl.tasks import squad as s
 
+    run = finetune_run(
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
+        eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
+        dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
+        tensorboard=tensorboard)
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     train_data = s.read_squad(train, articles=train_articles, version_2=version_2, training=True)
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
@@ -218,35 +213,77 @@ def squad(
                        resume=run.resume, dropout=run.dropout, write_nbest=write_nbest)
 
 
-@finetune_app.command("ner")
-@_training_options()
-def ner(
+def ner_command(
     data_dir: Path = typer.Option(..., "--data-dir", help="Folder with train.txt, valid.txt, test.txt (CoNLL)."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
-    *, run: Run,
+    # the shared fine-tuning options
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
+    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
+    max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
+    device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
+    compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
+    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
+    tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Fine-tune NER on CoNLL-format data; the epoch is chosen on valid, scores reported on test."""
     from bertctl.tasks import ner as n
 
+    run = finetune_run(
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
+        eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
+        dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
+        tensorboard=tensorboard)
     with _processes(run.output):
         n.run_finetune(data_dir, run.model, run.output, run.cfg, max_seq_length=max_seq_length, lr_sweep=run.lr_sweep,
                        resume=run.resume, dropout=run.dropout)
 
 
-@finetune_app.command("swag")
-@_training_options()
-def swag(
+def swag_command(
     train: Path = typer.Option(..., "--train", help="SWAG training JSONL or CSV."),
     dev: Path = typer.Option(..., "--dev", help="SWAG dev JSONL or CSV."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
-    *, run: Run,
+    # the shared fine-tuning options
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
+    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
+    eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
+    max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
+    device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
+    compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
+    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
+    attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
+    tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Fine-tune multiple choice (four endings, softmax over [CLS] scores) on SWAG."""
     from bertctl.tasks import swag as w
 
+    run = finetune_run(
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
+        eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
+        dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
+        tensorboard=tensorboard)
     with _processes(run.output):
         w.run_finetune(train, dev, run.model, run.output, run.cfg, max_seq_length=max_seq_length,
                        lr_sweep=run.lr_sweep, resume=run.resume, dropout=run.dropout)
+
+
+finetune_app.command("glue")(glue_command)
+finetune_app.command("squad")(squad_command)
+finetune_app.command("ner")(ner_command)
+finetune_app.command("swag")(swag_command)
 
 
 def register(app: typer.Typer) -> None:

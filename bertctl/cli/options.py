@@ -1,11 +1,8 @@
 """The training flags that ``pretrain`` and ``finetune`` share: one name, one meaning, one check.
 
 Each flag is a ``typer.Option`` constant declared once here; the commands take them as defaults.
-Earlier spellings (``finetune --attention``, ``--no-bf16``, ``--quiet``, ``--save-steps``,
-``--log-steps``, ``--warmup``; ``eval --quiet``; ``embed`` and ``tokenize encode --max-length``) are
-accepted as hidden aliases for one release and map onto the new names in ``merge_aliases`` (or, for
-one flag, where the command reads it). Numbers are checked by flag name: 0 and negatives are refused
-where the help does not give them a meaning.
+Numbers are checked by flag name: 0 and negatives are refused where the help does not give them a
+meaning.
 """
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import typer
 
@@ -53,34 +50,7 @@ DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dr
 WORKERS = typer.Option(None, "--workers", min=1, help="Worker processes (the output does not depend on it).",
                        show_default=f"the usable CPUs, {usable_cpus()} here")
 
-# Hidden spellings of earlier releases (finetune): accepted, not shown.
-OLD_ATTENTION = typer.Option(None, "--attention", hidden=True)
-OLD_NO_BF16 = typer.Option(False, "--no-bf16", hidden=True)
-OLD_QUIET = typer.Option(False, "--quiet", "-q", hidden=True)
-OLD_SAVE_STEPS = typer.Option(None, "--save-steps", hidden=True)
-OLD_LOG_STEPS = typer.Option(None, "--log-steps", hidden=True)
-OLD_WARMUP = typer.Option(None, "--warmup", hidden=True)
-OLD_MAX_LENGTH = typer.Option(None, "--max-length", hidden=True)  # embed and tokenize: --max-seq-length
-
-
-def merge_aliases(values: dict, *, attention: Optional[str] = None, no_bf16: bool = False, quiet: bool = False,
-                  save_steps: Optional[int] = None, log_steps: Optional[int] = None,
-                  warmup: Optional[float] = None) -> dict:
-    """Fold the hidden old spellings into the new flags' values (an old flag given wins over a default)."""
-    out = dict(values)
-    if attention is not None:
-        out["attn"] = attention
-    if no_bf16:
-        out["precision"] = "fp32"
-    if quiet:
-        out["no_progress"] = True
-    if save_steps is not None:
-        out["save_every"] = save_steps
-    if log_steps is not None:
-        out["log_every"] = log_steps
-    if warmup is not None:
-        out["warmup_fraction"] = warmup
-    return out
+OLD_MAX_LENGTH = typer.Option(None, "--max-length", hidden=True)  # embed: --max-seq-length
 
 
 def positive(flag: str, value, *, allow_none: bool = True):

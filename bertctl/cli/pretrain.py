@@ -15,6 +15,7 @@ LR_DEFAULTS = "per --model-size: tiny, mini 1e-3; small 5e-4; medium 3e-4; base 
 
 
 def pretrain_command(
+    # data, output and model
     data: Optional[Path] = typer.Option(None, "--data", help="Shard directory from `bertctl build-data`. "
                                         "Without it, the built-in default job runs (Python's own docs as corpus)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Run directory (checkpoints, metrics, "
@@ -29,6 +30,7 @@ def pretrain_command(
                                              "or a previous run's directory (e.g. phase 1 -> phase 2)."),
     keep_optimizer: bool = typer.Option(False, "--keep-optimizer", help="With --init-from a run: keep its "
                                         "optimizer moments (the new --lr and schedule still apply)."),
+    # schedule and batch
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps.",
                                             show_default="one epoch of the data; the built-in job fits its time"),
     minutes: Optional[float] = typer.Option(None, "--minutes", help="Time box: checkpoint and export after this long; "
@@ -38,6 +40,7 @@ def pretrain_command(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Global batch (sequences per step).",
                                              show_default="256 on a GPU, 32 on a CPU, 8 for the built-in job"),
     micro_batch_size: Optional[int] = opt.MICRO_BATCH,
+    # optimizer
     lr: Optional[float] = typer.Option(None, "--lr", help="Peak learning rate.", show_default=LR_DEFAULTS),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw or lamb."),
     weight_decay: float = typer.Option(0.01, "--weight-decay", help="Decoupled weight decay (not on biases and "
@@ -49,7 +52,7 @@ def pretrain_command(
                                           "when --warmup-steps is not given."),
     max_grad_norm: float = opt.MAX_GRAD_NORM,
     seed: int = typer.Option(0, "--seed", help="Random seed (initialisation, data order, masks, dropout)."),
-    resume: bool = opt.RESUME,
+    # runtime
     kernels: str = opt.KERNELS,
     attn: str = opt.ATTN,
     compile: bool = opt.COMPILE,
@@ -58,10 +61,13 @@ def pretrain_command(
                                         "padding when sequence lengths vary; every instance still once an epoch)."),
     precision: str = opt.PRECISION,
     device: str = opt.DEVICE,
+    # checkpoints
+    resume: bool = opt.RESUME,
     save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps.",
                                              show_default="by --save-minutes"),
     save_minutes: Optional[float] = typer.Option(30.0, "--save-minutes", help="Checkpoint every N minutes."),
     keep: int = typer.Option(3, "--keep", help="Checkpoints kept (the newest)."),
+    # logging and held-out evaluation
     log_every: int = typer.Option(10, "--log-every", help="Steps between metric lines (the only host syncs)."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every", help="Steps between held-out evaluations "
                                              "(always at the start and the end).",
@@ -70,14 +76,11 @@ def pretrain_command(
     dropout: Optional[float] = opt.DROPOUT,
     no_progress: bool = opt.NO_PROGRESS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
-    attn_old: Optional[str] = typer.Option(None, "--attention", hidden=True),
-    quiet: bool = opt.OLD_QUIET,
 ) -> None:
     """Pretrain BERT with masked LM + next-sentence prediction; prints a JSON summary on stdout."""
-    from bertctl.train.pretrain import PRESET_LR, TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import PRESET_LR, pretrain
 
-    v = opt.merge_aliases(dict(attn=attn, no_progress=no_progress), attention=attn_old, quiet=quiet)
-    attn, no_progress = v["attn"], v["no_progress"]
     if sum(x is not None for x in (config, init_from)) > 1:
         raise BertctlError("give at most one of --config and --init-from")
     opt.check_training(batch_size=batch_size, micro_batch_size=micro_batch_size, lr=lr, max_steps=max_steps,
@@ -123,8 +126,8 @@ def pretrain_command(
         size, batch = _size_and_batch(model_size, batch_size, config or init_from, device)
         common["model_size"] = size
         common["eval_every"] = eval_every or 1000
-        cfg = TrainConfig(output=str(output), data=str(data), batch_size=batch, lr=lr or PRESET_LR[size],
-                          fit_to_minutes=minutes is not None and max_steps is None, **common)
+        cfg = PretrainConfig.of(output=str(output), data=str(data), batch_size=batch, lr=lr or PRESET_LR[size],
+                                fit_to_minutes=minutes is not None and max_steps is None, **common)
         with opt.run_output(output):
             summary = pretrain(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 prints

@@ -61,7 +61,6 @@ def encode(
                                        help='Split each line into a text pair at the first SEP (TAB or "\\t" for a tab).'),
     max_seq_length: int = typer.Option(None, "--max-seq-length", help="Truncate to N tokens, [CLS]/[SEP] included.",
                                        min=2),
-    old_max_length: int = typer.Option(None, "--max-length", hidden=True, min=2),
     truncation: str = typer.Option("longest_first", "--truncation",
                                    help="longest_first, only_first or only_second (pairs)."),
     offsets: bool = typer.Option(False, "--offsets", help="Add character offsets to each JSON line."),
@@ -79,8 +78,7 @@ def encode(
 
     check_writable(output)
     tok = _tokenizer(vocab, model, cased, spm_model)
-    max_length = old_max_length if max_seq_length is None else max_seq_length
-    summary = encode_file(tok, input, output, pair_separator=pair_separator, max_length=max_length,
+    summary = encode_file(tok, input, output, pair_separator=pair_separator, max_length=max_seq_length,
                           truncation=truncation, offsets=offsets, progress=not no_progress)
     typer.echo(json.dumps(summary))
 

@@ -6,14 +6,14 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from bertctl.errors import BertctlError
 from bertctl.io import write_json
 from bertctl.progress import MetricsLog, stderr
-from bertctl.tasks.trainer import TrainConfig, TrainResult, fine_tune, lr_sweep_values, runtime_of, with_lr
+from bertctl.tasks.trainer import FinetuneConfig, TrainResult, fine_tune, lr_sweep_values, runtime_of, with_lr
 
 MODEL_SUBDIR = "model"
 
@@ -37,13 +37,13 @@ def model_dir_of(path: str | Path) -> Path:
 
 
 def load_tokenizer(model_dir: str | Path):
-    from bertctl.tokenizer import load_tokenizer
+    from bertctl.text import load_tokenizer
 
     return load_tokenizer(model_dir_of(model_dir))
 
 
 def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | None = None,
-                        cfg: TrainConfig | None = None, **head) -> torch.nn.Module:
+                        cfg: FinetuneConfig | None = None, **head) -> torch.nn.Module:
     """A pretrained encoder (bertctl's or Hugging Face's) with a freshly initialised task head.
 
     ``head`` sets num_labels / id2label / label2id / problem_type in the config, so the saved
@@ -109,8 +109,8 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: TrainConfig, *,
-                     evaluate: Callable[[torch.nn.Module], dict], main_metric: str, output: Path,
+def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: FinetuneConfig, *,
+                     evaluate: Callable[[torch.nn.Module, Any], dict], main_metric: str, output: Path,
                      lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None) -> SweepOutcome:
     """Fine-tune once, or once per lr of the paper's grid, keeping the best on dev (``main_metric``).
 
@@ -118,16 +118,16 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
     and ``result.json`` there, so ``resume`` skips it. Under torchrun every process trains; only
     ``SweepOutcome.is_main`` writes outputs.
     """
-    lrs = lr_sweep_values(lr_sweep, cfg.lr)
+    lrs = lr_sweep_values(lr_sweep, cfg.train.lr)
     user_build = build_model
 
     def build_model():  # the seed fixes the fresh head's initialisation too
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.train.seed)
         return user_build()
     if len(lrs) == 1:
         result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
                            output_dir=output, resume=resume and _has_checkpoint(output), log=log)
-        return SweepOutcome(result, cfg.lr, [{"lr": cfg.lr, "dev": result.best}])
+        return SweepOutcome(result, cfg.train.lr, [{"lr": cfg.train.lr, "dev": result.best}])
     from bertctl.checkpoints.hf import load_state, save_pretrained
 
     sweep = []

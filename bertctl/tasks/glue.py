@@ -33,7 +33,7 @@ from bertctl.io import atomic_open, iter_jsonl
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import GLUE_METRICS, glue_metrics
-from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
 
 
 @dataclass(frozen=True)
@@ -299,10 +299,10 @@ def featurize(examples: Sequence[Example], tokenizer, task: GlueTask, max_seq_le
     return features
 
 
-def _predictions(model, features, cfg: TrainConfig, regression: bool, progress: bool) -> np.ndarray:
+def _predictions(model, features, cfg: FinetuneConfig, regression: bool, progress: bool, shards=None) -> np.ndarray:
     out = predict(model, features, outputs=("logits",), batch_size=cfg.eval_batch_size,
-                  batch_tokens=cfg.eval_batch_tokens, precision=cfg.precision, progress=progress,
-                  description="evaluate")
+                  batch_tokens=cfg.eval_batch_tokens, precision=cfg.train.precision, progress=progress,
+                  description="evaluate", shards=shards)
     logits = np.stack([o[0] for o in out])
     return logits[:, 0] if regression else logits.argmax(-1)
 
@@ -393,16 +393,17 @@ def _report_skips(reports: Sequence[ReadReport]) -> dict:
     return skipped
 
 
-def evaluate_devs(model, data: GlueData, tokenizer, cfg: TrainConfig, label_names, max_seq_length: int,
-                  progress: bool, features: dict[str, list[dict]] | None = None) -> tuple[dict, dict]:
+def evaluate_devs(model, data: GlueData, tokenizer, cfg: FinetuneConfig, label_names, max_seq_length: int,
+                  progress: bool, features: dict[str, list[dict]] | None = None, shards=None) -> tuple[dict, dict]:
     """Metrics per dev file (MNLI: matched and mismatched) and the predictions for writing;
-    ``features``: the dev files' features by name, made once for a run's every evaluation."""
+    ``features``: the dev files' features by name, made once for a run's every evaluation; ``shards``:
+    the processes that share the predictions (``predict``)."""
     metrics, preds = {}, {}
     regression = data.task.labels is None
     for name, _, examples in data.devs:
         feats = features[name] if features is not None else featurize(examples, tokenizer, data.task, max_seq_length,
                                                                        label_names=label_names)
-        p = _predictions(model, feats, cfg, regression, progress)
+        p = _predictions(model, feats, cfg, regression, progress, shards)
         preds[name] = p
         if any(e.label is None for e in examples):  # unlabelled (test) file: predictions only
             continue
@@ -421,7 +422,7 @@ def main_metric_name(data: GlueData) -> str:
     return f"{data.devs[0][0]}_{first}" if len(data.devs) > 1 else first
 
 
-def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg: TrainConfig, *,
+def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg: FinetuneConfig, *,
                  max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
                  dropout: float | None = None) -> dict:
     """Fine-tune on ``data.train``, evaluate on the dev file(s), write model, predictions, metrics."""
@@ -434,7 +435,7 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
     tokenizer = common.load_tokenizer(model_dir)
     regression = data.task.labels is None
     label_names = list(data.task.labels) if not regression else None
-    train_features = featurize(data.train, tokenizer, data.task, max_seq_length, progress=cfg.progress)
+    train_features = featurize(data.train, tokenizer, data.task, max_seq_length, progress=cfg.train.show_progress)
     head = dict(id2label={0: "score"}, label2id={"score": 0}, problem_type="regression") if regression else dict(
         id2label=dict(enumerate(label_names)), label2id={l: i for i, l in enumerate(label_names)},
         problem_type="single_label_classification")
@@ -448,23 +449,23 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
     dev_features = {name: featurize(examples, tokenizer, data.task, max_seq_length, label_names=label_names)
                     for name, _, examples in data.devs}
 
-    def evaluate(model):
+    def evaluate(model, shards):
         return last.keep(model, evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False,
-                                              dev_features))[0]
+                                              dev_features, shards))[0]
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.tensorboard) as log:
+    with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model
         metrics, preds = last.reuse(outcome) or evaluate_devs(model, data, tokenizer, cfg, label_names,
-                                                              max_seq_length, cfg.progress, dev_features)
+                                                              max_seq_length, cfg.train.show_progress, dev_features)
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         for name, path, examples in data.devs:
             write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
         result = {"task": data.task.name, **metrics, "lr": outcome.lr, "epochs": outcome.result.epochs,
-                  "batch_size": cfg.batch_size, "seed": cfg.seed, "train_examples": len(train_features),
+                  "batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "train_examples": len(train_features),
                   "train_examples_per_second": outcome.result.examples_per_second,
                   "seconds": common.run_seconds(outcome), "device": device_info()}
         if len(outcome.sweep) > 1:
@@ -483,7 +484,7 @@ def regression_head(model_dir: str | Path) -> bool:
     return load_config(common.model_dir_of(model_dir)).num_labels == 1
 
 
-def run_eval(data: GlueData, model_dir: str | Path, cfg: TrainConfig, *, max_seq_length: int = 128,
+def run_eval(data: GlueData, model_dir: str | Path, cfg: FinetuneConfig, *, max_seq_length: int = 128,
              output: str | Path | None = None) -> dict:
     """Evaluate a fine-tuned classifier on the dev file(s); its head must fit the task."""
     from bertctl.model import BertForSequenceClassification
@@ -508,7 +509,7 @@ def run_eval(data: GlueData, model_dir: str | Path, cfg: TrainConfig, *, max_seq
         normalise_labels(ex, data.task, str(path))
     tokenizer = common.load_tokenizer(model_dir)
     model.to(runtime_of(cfg).torch_device)
-    metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.progress)
+    metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.train.show_progress)
     result = {"task": data.task.name, **metrics, "examples": sum(len(e) for _, _, e in data.devs)}
     if skipped:
         result["skipped_rows"] = skipped

@@ -23,7 +23,7 @@ from bertctl.io import atomic_open
 from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import conlleval
-from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
 
 
 @dataclass
@@ -145,12 +145,13 @@ def write_predictions(path: Path, data: NerData, predicted: list[list[str]]) -> 
             f.write("\n")
 
 
-def _predict_tags(model, data: NerData, tokenizer, id2label, tcfg: TrainConfig, max_seq_length: int,
-                  progress: bool, feats: NerFeatures | None = None) -> tuple[list[list[str]], NerFeatures]:
+def _predict_tags(model, data: NerData, tokenizer, id2label, tcfg: FinetuneConfig, max_seq_length: int,
+                  progress: bool, feats: NerFeatures | None = None,
+                  shards=None) -> tuple[list[list[str]], NerFeatures]:
     feats = feats or featurize(data, tokenizer, None, max_seq_length)
     logits = predict(model, feats.features, outputs=("logits",), batch_size=tcfg.eval_batch_size,
-                     batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.precision,
-                     per_token=True, progress=progress, description=f"predict {Path(data.path).name}")
+                     batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.train.precision,
+                     per_token=True, progress=progress, description=f"predict {Path(data.path).name}", shards=shards)
     return decode(feats.features, [o[0] for o in logits], id2label), feats
 
 
@@ -174,7 +175,7 @@ def find_files(data_dir: str | Path) -> tuple[Path, Path, Path | None]:
     return train, valid, test if test.exists() else None
 
 
-def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path, tcfg: TrainConfig, *,
+def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path, tcfg: FinetuneConfig, *,
                  max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
                  dropout: float | None = None) -> dict:
     """Fine-tune on train.txt, choose the epoch (and lr) on valid.txt, report valid and test."""
@@ -190,19 +191,19 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
     labels = label_list(train, valid, *([test] if test else []))
     label_to_id = {l: i for i, l in enumerate(labels)}
     tokenizer = common.load_tokenizer(model_dir)
-    train_feats = featurize(train, tokenizer, label_to_id, max_seq_length, progress=tcfg.progress)
+    train_feats = featurize(train, tokenizer, label_to_id, max_seq_length, progress=tcfg.train.show_progress)
     valid_feats = featurize(valid, tokenizer, None, max_seq_length)
     head = dict(id2label=dict(enumerate(labels)), label2id=label_to_id)
 
     def build():
         return common.load_for_finetuning(BertForTokenClassification, model_dir, dropout=dropout, cfg=tcfg, **head)
 
-    def evaluate(model):
-        tags, _ = _predict_tags(model, valid, tokenizer, labels, tcfg, max_seq_length, False, valid_feats)
+    def evaluate(model, shards):
+        tags, _ = _predict_tags(model, valid, tokenizer, labels, tcfg, max_seq_length, False, valid_feats, shards)
         m = score(valid, tags)
         return {"valid_f1": m["f1"], "valid_precision": m["precision"], "valid_recall": m["recall"]}
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
+    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
                                           main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
                                           resume=resume, log=log)
@@ -213,14 +214,15 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
         for name, d, feats in (("valid", valid, valid_feats), ("test", test, None)):
             if d is None:
                 continue
-            tags, feats = _predict_tags(model, d, tokenizer, labels, tcfg, max_seq_length, tcfg.progress, feats)
+            tags, feats = _predict_tags(model, d, tokenizer, labels, tcfg, max_seq_length, tcfg.train.show_progress,
+                                        feats)
             result.update(_flat(score(d, tags), name))
             write_predictions(output / f"predictions_{name}.txt", d, tags)
             if feats.truncated_words:
                 result[f"{name}_truncated_words"] = feats.truncated_words
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         result.update(lr=outcome.lr, epochs=outcome.result.epochs, best_epoch=(outcome.result.best or {}).get("epoch"),
-                      batch_size=tcfg.batch_size, seed=tcfg.seed, train_sentences=len(train.sentences),
+                      batch_size=tcfg.train.batch_size, seed=tcfg.train.seed, train_sentences=len(train.sentences),
                       train_examples_per_second=outcome.result.examples_per_second,
                       seconds=common.run_seconds(outcome), device=device_info())
         if train_feats.truncated_words:
@@ -232,7 +234,7 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
     return result
 
 
-def _select_best(tcfg: TrainConfig) -> TrainConfig:
+def _select_best(tcfg: FinetuneConfig) -> FinetuneConfig:
     """The recipe's epoch choice on valid: an evaluation after every epoch, the best one kept."""
     import dataclasses
 
@@ -242,7 +244,7 @@ def _select_best(tcfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(tcfg, select_best=True)
 
 
-def run_eval(data_path: str | Path, model_dir: str | Path, tcfg: TrainConfig, *, max_seq_length: int = 128,
+def run_eval(data_path: str | Path, model_dir: str | Path, tcfg: FinetuneConfig, *, max_seq_length: int = 128,
              output: str | Path | None = None) -> dict:
     """Score a fine-tuned token classifier on one CoNLL file; gold tags unknown to the head are an error."""
     from bertctl.model import BertForTokenClassification
@@ -256,7 +258,7 @@ def run_eval(data_path: str | Path, model_dir: str | Path, tcfg: TrainConfig, *,
                            f"({', '.join(labels)})")
     tokenizer = common.load_tokenizer(model_dir)
     model.to(runtime_of(tcfg).torch_device)
-    tags, feats = _predict_tags(model, data, tokenizer, labels, tcfg, max_seq_length, tcfg.progress)
+    tags, feats = _predict_tags(model, data, tokenizer, labels, tcfg, max_seq_length, tcfg.train.show_progress)
     m = score(data, tags)
     result = {"task": "ner", **{k: m[k] for k in ("precision", "recall", "f1", "accuracy")},
               "per_type": {t: {k: v[k] for k in ("precision", "recall", "f1", "gold")} for t, v in m["per_type"].items()},

@@ -28,7 +28,7 @@ from bertctl.io import read_json_object, write_json
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import squad_v1_evaluate, squad_v2_evaluate
-from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
 from bertctl.workers import map_in_order, usable_cpus
 
 NULL_THRESHOLD_KEY = "squad_null_score_diff_threshold"
@@ -378,10 +378,10 @@ def write_predictions(output: Path, preds: dict[str, Prediction], version_2: boo
 # ---------------------------------------------------------------------------------- runs
 
 
-def _logits(model, features, tcfg: TrainConfig, progress: bool):
+def _logits(model, features, tcfg: FinetuneConfig, progress: bool, shards=None):
     out = predict(model, features, outputs=("start_logits", "end_logits"), batch_size=tcfg.eval_batch_size,
-                  batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.precision, per_token=True, progress=progress,
-                  description="predict")
+                  batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.train.precision, per_token=True,
+                  progress=progress, description="predict", shards=shards)
     return [(o[0], o[1]) for o in out]
 
 
@@ -396,7 +396,7 @@ def _report(data: SquadData) -> dict:
     return info
 
 
-def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output: str | Path, tcfg: TrainConfig,
+def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output: str | Path, tcfg: FinetuneConfig,
                  scfg: SquadConfig, *, lr_sweep: bool = False, resume: bool = False, dropout: float | None = None,
                  write_nbest: bool = False) -> dict:
     from bertctl.checkpoints.hf import save_pretrained
@@ -405,7 +405,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     tokenizer = common.load_tokenizer(model_dir)
-    train_features = featurize(train, tokenizer, scfg, training=True, progress=tcfg.progress)
+    train_features = featurize(train, tokenizer, scfg, training=True, progress=tcfg.train.show_progress)
     dev_contexts = tokenize_contexts(dev.contexts, tokenizer)
     dev_features = featurize(dev, tokenizer, scfg, training=False, contexts=dev_contexts)
     main = "f1"
@@ -415,19 +415,20 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
 
     last = common.LastEvaluation()
 
-    def evaluate(model):
-        preds = last.keep(model, decode(dev, dev_features, _logits(model, dev_features, tcfg, False), dev_contexts,
-                                        scfg))
+    def evaluate(model, shards):
+        preds = last.keep(model, decode(dev, dev_features, _logits(model, dev_features, tcfg, False, shards),
+                                        dev_contexts, scfg))
         metrics, _ = score_predictions(dev, preds, scfg.version_2)
         return {k: float(v) for k, v in metrics.items() if k in ("exact_match", "f1", "best_f1")}
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
+    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, tcfg, evaluate=evaluate, main_metric=main,
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model
-        preds = last.reuse(outcome) or decode(dev, dev_features, _logits(model, dev_features, tcfg, tcfg.progress),
+        preds = last.reuse(outcome) or decode(dev, dev_features,
+                                              _logits(model, dev_features, tcfg, tcfg.train.show_progress),
                                               dev_contexts, scfg)
         metrics, threshold = score_predictions(dev, preds, scfg.version_2)
         if scfg.version_2:
@@ -435,7 +436,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         write_predictions(output, preds, scfg.version_2, threshold or 0.0, write_nbest)
         result = {"task": "squad-v2.0" if scfg.version_2 else "squad-v1.1", **metrics, "lr": outcome.lr,
-                  "epochs": outcome.result.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
+                  "epochs": outcome.result.epochs, "batch_size": tcfg.train.batch_size, "seed": tcfg.train.seed,
                   "train_questions": len(train.examples), "train_features": len(train_features),
                   "dev_questions": len(dev.examples), "train_examples_per_second": outcome.result.examples_per_second,
                   **_report(train), "seconds": common.run_seconds(outcome), "device": device_info()}
@@ -446,7 +447,7 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
     return result
 
 
-def run_eval(dev: SquadData, model_dir: str | Path, tcfg: TrainConfig, scfg: SquadConfig, *,
+def run_eval(dev: SquadData, model_dir: str | Path, tcfg: FinetuneConfig, scfg: SquadConfig, *,
              threshold: float | None = None, output: str | Path | None = None, write_nbest: bool = False) -> dict:
     """Evaluate a fine-tuned QA model. v2.0: τ from ``threshold``, else the model's saved τ, else
     chosen on this data (and said so in the output)."""
@@ -457,7 +458,7 @@ def run_eval(dev: SquadData, model_dir: str | Path, tcfg: TrainConfig, scfg: Squ
     model.to(runtime_of(tcfg).torch_device)
     contexts = tokenize_contexts(dev.contexts, tokenizer)
     features = featurize(dev, tokenizer, scfg, training=False, contexts=contexts)
-    preds = decode(dev, features, _logits(model, features, tcfg, tcfg.progress), contexts, scfg)
+    preds = decode(dev, features, _logits(model, features, tcfg, tcfg.train.show_progress), contexts, scfg)
     source = None
     if scfg.version_2:
         if threshold is None and NULL_THRESHOLD_KEY in model.config.extra:

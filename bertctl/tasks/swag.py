@@ -20,7 +20,7 @@ from bertctl.io import atomic_open, iter_jsonl
 from bertctl.progress import MetricsLog, track
 from bertctl.tasks import common
 from bertctl.tasks.metrics import accuracy
-from bertctl.tasks.trainer import TrainConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
 
 NUM_CHOICES = 4
 COLUMNS = ("sent1", "sent2", "ending0", "ending1", "ending2", "ending3")
@@ -103,10 +103,10 @@ def featurize(examples: Sequence[SwagExample], tokenizer, max_seq_length: int = 
     return feats
 
 
-def _choices(model, feats, tcfg: TrainConfig, progress: bool) -> np.ndarray:
+def _choices(model, feats, tcfg: FinetuneConfig, progress: bool, shards=None) -> np.ndarray:
     out = predict(model, feats, outputs=("logits",), batch_size=max(1, tcfg.eval_batch_size // NUM_CHOICES),
-                  batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.precision, progress=progress,
-                  description="evaluate")
+                  batch_tokens=tcfg.eval_batch_tokens, precision=tcfg.train.precision, progress=progress,
+                  description="evaluate", shards=shards)
     return np.stack([o[0] for o in out])  # (N, 4)
 
 
@@ -121,7 +121,7 @@ def write_predictions(path: Path, examples: Sequence[SwagExample], logits: np.nd
             f.write(f"{i}\t{int(p.argmax())}\t{gold}\t" + "\t".join(f"{x:.4f}" for x in p) + f"\t{e.where}\n")
 
 
-def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, max_seq_length: int = 128,
+def run_finetune(train_path, dev_path, model_dir, output, tcfg: FinetuneConfig, *, max_seq_length: int = 128,
                  lr_sweep: bool = False, resume: bool = False, dropout: float | None = None) -> dict:
     from bertctl.checkpoints.hf import save_pretrained
     from bertctl.model import BertForMultipleChoice
@@ -130,7 +130,7 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
     output.mkdir(parents=True, exist_ok=True)
     train, dev = read_swag(train_path), read_swag(dev_path)
     tokenizer = common.load_tokenizer(model_dir)
-    train_feats = featurize(train, tokenizer, max_seq_length, progress=tcfg.progress)
+    train_feats = featurize(train, tokenizer, max_seq_length, progress=tcfg.train.show_progress)
     dev_feats = featurize(dev, tokenizer, max_seq_length)
     gold = [e.label for e in dev]
 
@@ -139,10 +139,11 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
 
     last = common.LastEvaluation()
 
-    def evaluate(model):
-        return {"accuracy": accuracy(last.keep(model, _choices(model, dev_feats, tcfg, False)).argmax(-1), gold)}
+    def evaluate(model, shards):
+        return {"accuracy": accuracy(last.keep(model, _choices(model, dev_feats, tcfg, False, shards)).argmax(-1),
+                                     gold)}
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.tensorboard) as log:
+    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
                                           output=output, lr_sweep=lr_sweep, resume=resume, log=log)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
@@ -150,11 +151,11 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
         model = outcome.result.model
         logits = last.reuse(outcome)
         if logits is None:
-            logits = _choices(model, dev_feats, tcfg, tcfg.progress)
+            logits = _choices(model, dev_feats, tcfg, tcfg.train.show_progress)
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
         write_predictions(output / "predictions_dev.tsv", dev, logits)
         result = {"task": "swag", "accuracy": accuracy(logits.argmax(-1), gold), "lr": outcome.lr,
-                  "epochs": outcome.result.epochs, "batch_size": tcfg.batch_size, "seed": tcfg.seed,
+                  "epochs": outcome.result.epochs, "batch_size": tcfg.train.batch_size, "seed": tcfg.train.seed,
                   "train_examples": len(train), "dev_examples": len(dev),
                   "train_examples_per_second": outcome.result.examples_per_second,
                   "seconds": common.run_seconds(outcome), "device": device_info()}
@@ -165,7 +166,7 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: TrainConfig, *, 
     return result
 
 
-def run_eval(data_path, model_dir, tcfg: TrainConfig, *, max_seq_length: int = 128, output=None) -> dict:
+def run_eval(data_path, model_dir, tcfg: FinetuneConfig, *, max_seq_length: int = 128, output=None) -> dict:
     from bertctl.model import BertForMultipleChoice
 
     model = common.load_finetuned(BertForMultipleChoice, model_dir, task="swag")
@@ -173,7 +174,7 @@ def run_eval(data_path, model_dir, tcfg: TrainConfig, *, max_seq_length: int = 1
     model.to(runtime_of(tcfg).torch_device)
     examples = read_swag(data_path, need_label=False)
     feats = featurize(examples, tokenizer, max_seq_length)
-    logits = _choices(model, feats, tcfg, tcfg.progress)
+    logits = _choices(model, feats, tcfg, tcfg.train.show_progress)
     result = {"task": "swag", "examples": len(examples)}
     labelled = [i for i, e in enumerate(examples) if e.label is not None]
     if labelled:

@@ -5,7 +5,7 @@ the first 10% of steps then linear decay to 0, batch 32, 3 epochs, lr 5e-5, drop
 paper's lr sweep over {5e-5, 4e-5, 3e-5, 2e-5} picks the best on dev.
 
 A task is a model with a fresh head, featurised examples (dicts of numpy arrays, see
-``bertctl.data.batching.collate``) and an ``evaluate(model)`` callback; ``fine_tune`` runs them on
+``bertctl.data.batching.collate``) and an ``evaluate(model, shards)`` callback; ``fine_tune`` runs them on
 ``bertctl.train.engine.Engine``, which brings DDP under ``torchrun``, accumulation from
 ``micro_batch_size``, bf16/fp16/fp32, compile, exact resume and the metrics log. Batches are
 random (Hugging Face Trainer's order) and padded to their own longest row; ``group_by_length``
@@ -32,49 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from bertctl.checkpoints import training
-from bertctl.config import IGNORE_INDEX
+from bertctl.config import IGNORE_INDEX, FinetuneConfig
 from bertctl.data.batching import (BATCH_TOKENS, Prefetcher, collate, feature_length, length_batches,
                                    median_step_length, steps_per_epoch, task_batches)
 from bertctl.errors import BertctlError, Stopped
 from bertctl.nn.attention import cudnn_training_attention, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.runtime import Runtime, resolve, resolve_precision
-from bertctl.train import distributed, graphs
-from bertctl.train.engine import Engine, EngineConfig, autocast, to_device, warmup_steps
-
-
-@dataclass
-class TrainConfig:
-    """Fine-tuning hyper-parameters; the defaults are the paper's (Appendix A.3)."""
-
-    epochs: float = 3.0
-    lr: float = 5e-5
-    batch_size: int = 32                  # global: examples per optimizer step
-    micro_batch_size: int | None = None   # per process per forward; gradients accumulate to batch_size
-    eval_batch_size: int = 128
-    eval_batch_tokens: int | None = None  # padded tokens per evaluation batch; None: predict's default
-    warmup_fraction: float = 0.1
-    weight_decay: float = 0.01
-    adam_eps: float = 1e-6
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    device: str = "auto"                  # "auto" = cuda if available
-    precision: str = "auto"               # auto = bf16 autocast on GPU, fp32 on CPU; fp16 with loss scaling
-    group_by_length: bool = False
-    compile: bool = False
-    kernels: str = "auto"                 # model ops: "auto" (compiled kernels where built), "fused" or "torch"
-    dropout_masks: str = "torch"          # with the compiled kernels: torch's masks or the fused op's own (faster)
-    attn: str = "auto"                    # attention backend: "auto", "sdpa", "explicit" or "unpadded"
-    cuda_graphs: bool | None = None       # whole-step CUDA graphs; None = wherever they apply
-    graph_min_steps: int = graphs.MIN_SHAPE_STEPS  # capture a batch shape only when the run has this many steps of it
-    max_steps: int | None = None          # stop early (tests, smoke runs)
-    from_scratch: bool = False            # the model's architecture with random weights (no pretraining)
-    save_every: int = 0                   # also checkpoint every N optimizer steps (0 = only at epoch ends)
-    log_every: int = 50
-    select_best: bool = False             # keep the epoch with the best dev score (NER: chosen on valid)
-    epoch_evals: bool = True              # evaluate on dev after every epoch; False: once, after training
-    progress: bool = True
-    tensorboard: bool | None = None       # TensorBoard events beside metrics.jsonl (None: when importable)
+from bertctl.train import distributed
+from bertctl.train.engine import Engine, autocast, to_device
 
 
 @dataclass
@@ -93,12 +59,13 @@ class TrainResult:
         return self.train_examples / self.train_seconds if self.train_seconds > 0 else 0.0
 
 
-def runtime_of(cfg: TrainConfig) -> Runtime:
+def runtime_of(cfg: FinetuneConfig) -> Runtime:
     """Where and how fine-tuning runs: the runtime ``cfg`` asks for. Decided before the model is built,
     since with CUDA graphs ``--attn auto`` picks the padded attention; graphs asked for where they cannot
     run are one clear error."""
-    return resolve(cfg.device, cfg.precision, attn=cfg.attn, kernels=cfg.kernels, dropout_masks=cfg.dropout_masks,
-                   compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
+    t = cfg.train
+    return resolve(t.device, t.precision, attn=t.attn, kernels=t.kernels, dropout_masks=t.dropout_masks,
+                   compile=t.compile, cuda_graphs=t.cuda_graphs, optimizer=t.optimizer)
 
 
 def eager_ddp_note(runtime: Runtime, world_size: int, graphs_on: bool) -> str | None:
@@ -124,37 +91,25 @@ def _dist(runtime: Runtime) -> distributed.Dist:
     return dist
 
 
+#: The batch fields a task's loss reads; the model's forward gets the rest, and returns logits only.
+LABEL_KEYS = ("labels", "start_positions", "end_positions")
+
+
 # ------------------------------------------------------------------------------------ prediction
-
-# The processes that share the evaluation in progress (fine-tuning's epoch ends under torchrun), or
-# None: ``predict`` then runs every batch here.
-_eval_shards: distributed.Dist | None = None
-
-
-@contextlib.contextmanager
-def sharded_predictions(dist: distributed.Dist):
-    """Inside, ``predict`` on each of ``dist``'s processes runs every ``world_size``-th of its batches
-    (longest first, so the shares are even) and all of them receive every result. Every process must
-    then make the same ``predict`` calls, as evaluating the same features does."""
-    global _eval_shards
-    previous, _eval_shards = _eval_shards, (dist if dist.enabled else None)
-    try:
-        yield
-    finally:
-        _eval_shards = previous
-
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequence[str] = ("logits",),
             batch_size: int = 128, batch_tokens: int | None = None, device: torch.device | None = None,
             precision: str = "auto", per_token: bool = False, progress: bool = False,
-            description: str = "predict") -> list[list[np.ndarray]]:
+            description: str = "predict", shards: distributed.Dist | None = None) -> list[list[np.ndarray]]:
     """Run ``model`` over ``features`` and return, per feature, the float32 numpy arrays of the named
     output fields; with ``per_token`` the arrays are cut back to the feature's own length (token
     classification, QA logits). Features go longest first, in batches of at most ``batch_size`` and
     ``batch_tokens`` padded tokens (``embed``'s budget: by default 1024 on the CPU, where long batches
-    run slower, 65536 on a GPU); a multiple-choice feature counts its choices' tokens. Within
-    ``sharded_predictions`` the processes split the batches."""
+    run slower, 65536 on a GPU); a multiple-choice feature counts its choices' tokens. With
+    ``shards`` (several processes evaluating the same features, as fine-tuning's epoch ends under
+    torchrun) each process runs every ``world_size``-th batch (longest first, so the shares are even)
+    and all of them receive every result: every process must then make the same ``predict`` calls."""
     device = device or next(model.parameters()).device
     precision = resolve_precision(precision, device.type)
     was_training = model.training
@@ -175,7 +130,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
                 results[i] = row
         pending.clear()
 
-    shards = _eval_shards
+    shards = shards if shards is not None and shards.enabled else None
     batches = length_batches(cost, batch_size, budget)
     if shards is not None:
         batches = batches[shards.rank::shards.world_size]
@@ -185,7 +140,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
             if device.type == "cuda":  # pinned: the copy queues behind the GPU's work instead of waiting for it
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             batch = to_device(batch, device)
-            for key in ("labels", "start_positions", "end_positions"):
+            for key in LABEL_KEYS:
                 batch.pop(key, None)
             with autocast(precision, device):
                 try:
@@ -214,14 +169,15 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
 
 
 class TaskObjective:
-    """A task head's loss as a sum over the micro-batch, normalised by the global batch's examples
-    (labelled tokens for per-token labels), so accumulation and N processes give the one-batch loss."""
+    """A task's one loss, on the head's logits: a sum over the micro-batch, normalised by the global
+    batch's examples (labelled tokens for per-token labels), so accumulation and N processes give the
+    one-batch loss. The labels stay out of the forward, so the head computes no second loss."""
 
     loss_terms = ("loss",)
     stat_names = ()
 
     def sums(self, model, mb):
-        out = model(**mb)
+        out = model(**{k: v for k, v in mb.items() if k not in LABEL_KEYS})
         if hasattr(out, "start_logits"):  # span QA: mean of the start and end cross-entropies
             S = out.start_logits.shape[1]
             start = F.cross_entropy(out.start_logits.float(), mb["start_positions"].clamp(0, S), ignore_index=S,
@@ -242,20 +198,20 @@ class TaskObjective:
         return f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} {rec['seq_per_s']:.0f} ex/s"
 
 
-def total_steps(num_features: int, cfg: TrainConfig, world_size: int = 1) -> int:
-    per_epoch = steps_per_epoch(num_features, cfg.batch_size, world_size)
+def total_steps(num_features: int, cfg: FinetuneConfig, world_size: int = 1) -> int:
+    per_epoch = steps_per_epoch(num_features, cfg.train.batch_size, world_size)
     steps = math.ceil(per_epoch * cfg.epochs)
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+    return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
-def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: TrainConfig, *,
-              evaluate: Callable[[torch.nn.Module], dict] | None = None, main_metric: str | None = None,
-              output_dir: str | Path | None = None, resume: bool = False,
+def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: FinetuneConfig, *,
+              evaluate: Callable[[torch.nn.Module, distributed.Dist], dict] | None = None,
+              main_metric: str | None = None, output_dir: str | Path | None = None, resume: bool = False,
               log: MetricsLog | None = None) -> TrainResult:
     """Fine-tune ``model`` on ``train_features``; evaluate after every epoch (shared by the processes).
 
-    ``evaluate(model)`` returns a metrics dict; ``main_metric`` names the key that picks the best
-    epoch when ``cfg.select_best``. Checkpoints go to ``output_dir/checkpoints/`` (epoch ends,
+    ``evaluate(model, shards)`` returns a metrics dict, predicting with ``predict(..., shards=shards)``;
+    ``main_metric`` names the key that picks the best epoch when ``cfg.select_best``. Checkpoints go to ``output_dir/checkpoints/`` (epoch ends,
     every ``save_every`` steps, and on SIGINT/SIGTERM, after which ``Stopped`` ends the process
     with exit 0); they are removed once the run completes. Returns the model (best epoch's
     weights when ``select_best``, else the last), the evaluation history and the throughput.
@@ -265,24 +221,19 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     runtime = runtime_of(cfg)
     dist = _dist(runtime)
     W = dist.world_size
-    if cfg.batch_size < W:
-        raise BertctlError(f"--batch-size {cfg.batch_size} is smaller than the {W} processes")
-    per_epoch = steps_per_epoch(len(train_features), cfg.batch_size, W)
+    if cfg.train.batch_size < W:
+        raise BertctlError(f"--batch-size {cfg.train.batch_size} is smaller than the {W} processes")
+    per_epoch = steps_per_epoch(len(train_features), cfg.train.batch_size, W)
     steps = total_steps(len(train_features), cfg, W)
     run_dir = Path(output_dir) if output_dir is not None else None
     log = log if (log is not None and dist.is_main) else MetricsLog(None)
-    ecfg = EngineConfig(batch_size=cfg.batch_size, max_steps=steps, micro_batch_size=cfg.micro_batch_size,
-                        lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
-                        warmup_steps=warmup_steps(steps, None, cfg.warmup_fraction), max_grad_norm=cfg.max_grad_norm,
-                        seed=cfg.seed, precision=cfg.precision, compile=cfg.compile, compile_dynamic=True,
-                        cuda_graphs=runtime.cuda_graphs and (cfg.cuda_graphs or getattr(
-                            getattr(model, "config", None), "attn_implementation", None) != "unpadded"),
-                        graph_min_steps=cfg.graph_min_steps, log_every=max(1, cfg.log_every),
-                        save_every=cfg.save_every or None, keep=1, show_progress=cfg.progress and dist.is_main,
-                        description="finetune")
-    engine = Engine(ecfg, model, TaskObjective(), dist=dist, run_dir=run_dir, log=log)
+    if runtime.cuda_graphs and not cfg.train.cuda_graphs \
+            and getattr(getattr(model, "config", None), "attn_implementation", None) == "unpadded":
+        runtime = dataclasses.replace(runtime, cuda_graphs=False)  # a model built unpadded: graphs by default only
+    engine = Engine(cfg.train, runtime, model, TaskObjective(), dist=dist, max_steps=steps, run_dir=run_dir, log=log,
+                    compile_dynamic=True, description="finetune")
     model = engine.model
-    note = eager_ddp_note(runtime, W, ecfg.cuda_graphs)
+    note = eager_ddp_note(runtime, W, runtime.cuda_graphs)
     if note and dist.is_main:
         stderr.print(note)
     history: list[dict] = []
@@ -302,7 +253,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
     def checkpoint(reason: str) -> None:
         if run_dir is None:
             return
-        extra = {"history": history, "best": best, "configs": {"training": dataclasses.asdict(cfg)}}
+        extra = {"history": history, "best": best, "configs": {"training": cfg.to_dict()}}
         if cfg.select_best and best_state is not None:
             extra["best_model"] = best_state
         engine.save(extra, {"epoch": engine.step / per_epoch}, reason, wait=reason == "interrupted")
@@ -313,8 +264,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
             return
         if evaluate is not None and (cfg.epoch_evals or step == steps):
             t0 = time.perf_counter()
-            with sharded_predictions(dist):  # every process predicts a share and scores the whole
-                metrics = evaluate(model)
+            metrics = evaluate(model, dist)  # every process predicts a share and scores the whole
             eval_seconds += time.perf_counter() - t0
             record = {"epoch": round(step / per_epoch, 4), "step": step, **metrics}
             history.append(record)
@@ -330,15 +280,16 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Train
             checkpoint("epoch")
 
     pin = engine.device.type == "cuda"
-    batches = Prefetcher(task_batches(train_features, cfg.batch_size, seed=cfg.seed, start_step=engine.step,
+    batches = Prefetcher(task_batches(train_features, cfg.train.batch_size, seed=cfg.train.seed, start_step=engine.step,
                                       steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
-                                      rank=dist.rank, world_size=W, micro_batch_size=cfg.micro_batch_size,
-                                      max_steps=steps, min_shape_steps=ecfg.graph_min_steps if ecfg.cuda_graphs else None),
+                                      rank=dist.rank, world_size=W, micro_batch_size=cfg.train.micro_batch_size,
+                                      max_steps=steps,
+                                      min_shape_steps=cfg.train.graph_min_steps if runtime.cuda_graphs else None),
                          lambda sb: sb, pin=pin)
     config = getattr(model, "config", None)
     long_steps = config is not None and cudnn_training_attention(
         config.hidden_size // config.num_attention_heads,
-        median_step_length(train_features, cfg.batch_size, seed=cfg.seed, group_by_length=cfg.group_by_length,
+        median_step_length(train_features, cfg.train.batch_size, seed=cfg.train.seed, group_by_length=cfg.group_by_length,
                            world_size=W), steps)
     try:
         with contextlib.nullcontext() if long_steps else varied_shapes():
@@ -367,8 +318,8 @@ def lr_sweep_values(lr_sweep: bool, lr: float) -> list[float]:
     return [5e-5, 4e-5, 3e-5, 2e-5] if lr_sweep else [lr]
 
 
-def with_lr(cfg: TrainConfig, lr: float) -> TrainConfig:
-    return dataclasses.replace(cfg, lr=lr)
+def with_lr(cfg: FinetuneConfig, lr: float) -> FinetuneConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=lr))
 
 
 def device_info() -> dict:

@@ -51,41 +51,11 @@ from bertctl.checkpoints import training
 from bertctl.data.batching import StepBatch
 from bertctl.errors import BertctlError
 from bertctl.progress import MetricsLog, progress
-from bertctl.runtime import graphs_unsupported, resolve_precision
+from bertctl.config import TrainConfig
+from bertctl.runtime import Runtime, graphs_unsupported
 from bertctl.train import distributed
 from bertctl.train.graphs import StepGraphs
 from bertctl.train.optim import build_optimizer, build_scheduler
-
-
-@dataclass
-class EngineConfig:
-    """The training concerns every job shares (the job's own config holds the rest)."""
-
-    batch_size: int                       # global: sequences (examples) per optimizer step
-    max_steps: int
-    micro_batch_size: int | None = None   # per process per forward; None = batch_size // world_size
-    optimizer: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
-    schedule: str = "linear"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU
-    compile: bool = False
-    compile_dynamic: bool | None = None   # torch.compile(dynamic=...): True for varied task shapes
-    cuda_graphs: bool = False             # replay each step as one CUDA graph (bertctl.train.graphs)
-    graph_min_steps: int = 1              # capture only shapes the run has this many steps of (when known)
-    log_every: int = 10
-    save_every: int | None = None         # steps
-    save_minutes: float | None = None
-    keep: int = 3
-    minutes: float | None = None          # time box
-    fit_to_minutes: bool = False          # re-plan max_steps from the measured step time to end the schedule in time
-    show_progress: bool = True
-    description: str = "train"
 
 
 class Objective(Protocol):
@@ -221,29 +191,36 @@ class RunResult:
 class Engine:
     """Build optimizer, scheduler, scaler and the DDP/compiled step model around ``model``."""
 
-    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, objective: Objective, *,
-                 dist: distributed.Dist, run_dir: str | Path | None = None, log: MetricsLog | None = None,
-                 flops: Callable[[dict], float] | None = None):
-        self.cfg, self.objective, self.dist = cfg, objective, dist
+    def __init__(self, cfg: TrainConfig, runtime: Runtime, model: torch.nn.Module, objective: Objective, *,
+                 dist: distributed.Dist, max_steps: int, run_dir: str | Path | None = None,
+                 log: MetricsLog | None = None, flops: Callable[[dict], float] | None = None,
+                 compile_dynamic: bool | None = None, description: str = "train"):
+        """``cfg`` as the job gives it; ``max_steps``: the job's plan (its own count of an epoch, or
+        ``cfg.max_steps``), which a time-boxed run re-plans; ``compile_dynamic``: ``torch.compile``'s
+        ``dynamic`` (True for fine-tuning's varied shapes)."""
+        self.cfg, self.runtime, self.objective, self.dist = cfg, runtime, objective, dist
+        self.max_steps = max_steps
+        self.description = description
         self.device = dist.device
         self.run_dir = Path(run_dir) if run_dir is not None else None  # where checkpoints go
-        self.precision = resolve_precision(cfg.precision, self.device.type)
+        self.precision = runtime.precision
         self.reduce_dtype = distributed.REDUCE_DTYPES[distributed.ddp_options().get("reduce", "fp32")]
         self.log = log or MetricsLog(None)
         self.flops = flops  # counts -> training FLOPs of a step (for TFLOP/s and MFU), optional
         self.model = model.to(self.device)
-        if cfg.cuda_graphs:
+        if runtime.cuda_graphs:  # the model's own attention, whatever built it, must fit the graphs too
             why = graphs_unsupported(device_type=self.device.type, precision=self.precision, optimizer=cfg.optimizer,
-                                     compile=cfg.compile,
+                                     compile=runtime.compile,
                                      attn=getattr(getattr(model, "config", None), "attn_implementation", None))
             if why:
                 raise BertctlError(f"--cuda-graphs: {why}")
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         betas=tuple(cfg.betas), eps=cfg.eps, capturable=cfg.cuda_graphs)
-        self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.schedule)
+                                         betas=tuple(cfg.betas), eps=cfg.adam_eps, capturable=runtime.cuda_graphs)
+        self.warmup_steps = warmup_steps(max_steps, cfg.warmup_steps, cfg.warmup_fraction)
+        self.scheduler = build_scheduler(self.optimizer, self.warmup_steps, max_steps, cfg.schedule)
         self.graphs = None
         self._flat_grad: torch.Tensor | None = None  # several processes under graphs: the all-reduced gradients
-        if cfg.cuda_graphs:
+        if runtime.cuda_graphs:
             self._lr_to_tensors()
             self.graphs = StepGraphs(self._graph_body, self._graph_state, self.device)
             self._graph_stats: torch.Tensor | None = None
@@ -263,8 +240,8 @@ class Engine:
         self.ddp = None
         if dist.enabled and self._flat_grad is None:
             step_model = self.ddp = distributed.wrap_ddp(self.model, self.device, self.reduce_dtype)
-        if cfg.compile:
-            step_model = torch.compile(step_model, dynamic=cfg.compile_dynamic)
+        if runtime.compile:
+            step_model = torch.compile(step_model, dynamic=compile_dynamic)
         self.step_model = step_model
         self._last_save = time.monotonic()
         self._writer = training.CheckpointWriter()  # mid-run checkpoints go to disk in the background
@@ -441,7 +418,7 @@ class Engine:
             self.scaler.load_state_dict(blob["scaler"])
         self.step = int(blob["step"])
         if self.cfg.fit_to_minutes:  # a re-planned run continues with its plan
-            self.cfg.max_steps = self.scheduler.lr_lambdas[0].total
+            self.max_steps = self.scheduler.lr_lambdas[0].total
         rngs = blob.get("rng") or []
         if self.dist.rank < len(rngs):
             training.restore_rng(rngs[self.dist.rank])
@@ -450,7 +427,7 @@ class Engine:
 
     def run(self, batches: Iterator[StepBatch], *, after_step: Callable[[int], None] | None = None,
             checkpoint: Callable[[str], Any] | None = None, on_interrupt: str = "then saving") -> RunResult:
-        """Train from ``self.step`` to ``cfg.max_steps`` (or a stop request / the time box).
+        """Train from ``self.step`` to ``self.max_steps`` (or a stop request / the time box).
 
         ``after_step(step)`` runs after every step (evaluation when due; its time is not training
         time); ``checkpoint(reason)`` saves (periodic saves and on a stop request). Returns how the
@@ -482,13 +459,14 @@ class Engine:
         record: dict = {}
         stop_reason = None
         pace_from = None  # (step, time) from which the time-boxed plan measures the pace
-        sync_every = max(1, cfg.log_every) if self.dist.enabled else 1
+        log_every = max(1, cfg.log_every)
+        sync_every = log_every if self.dist.enabled else 1
         bar = progress(disable=not (self.dist.is_main and cfg.show_progress))
         what_next = lambda: f"finishing step {self.step + 1}, {on_interrupt}"  # noqa: E731
         with StopSignal(what_next) as stop, bar:
-            task = bar.add_task(cfg.description, total=cfg.max_steps, completed=self.step, info="")
+            task = bar.add_task(self.description, total=self.max_steps, completed=self.step, info="")
             t_window = time.perf_counter()
-            while self.step < cfg.max_steps:
+            while self.step < self.max_steps:
                 try:
                     sb = next(batches)
                 except StopIteration:
@@ -508,13 +486,13 @@ class Engine:
                 want_save = cfg.save_minutes is not None and time.monotonic() - self._last_save >= cfg.save_minutes * 60
                 if not self.dist.enabled:
                     pass  # one process decides alone: no collective, no host sync
-                elif self.step % sync_every == 0 or self.step == cfg.max_steps:
+                elif self.step % sync_every == 0 or self.step == self.max_steps:
                     flags = torch.tensor([float(want_stop), float(want_save)], device=self.device)
                     distributed.all_reduce_sum(flags, self.dist)
                     want_stop, want_save = bool(flags[0] > 0), bool(flags[1] > 0)
                 else:
                     want_stop = want_save = False
-                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or want_stop:
+                if self.step % log_every == 0 or self.step == self.max_steps or want_stop:
                     now = time.perf_counter()
                     train_seconds += now - t_window
                     rec = self._log_window(stats, window, now - t_window)
@@ -535,7 +513,7 @@ class Engine:
                     stop_reason = stop.requested or "time limit"
                     break
                 if checkpoint is not None and ((cfg.save_every and self.step % cfg.save_every == 0) or want_save) \
-                        and self.step < cfg.max_steps:
+                        and self.step < self.max_steps:
                     self.check_finite(bad)
                     checkpoint("periodic")
                 t_window += time.perf_counter() - paused  # evaluation and checkpoints are not training time
@@ -579,17 +557,17 @@ class Engine:
         The lr keeps its current value and decays linearly to 0 at the new last step, so a run whose
         steps got slower (a busy machine) still completes its schedule instead of stopping mid-decay.
         """
-        if self.step >= self.cfg.max_steps:  # the schedule is complete: nothing to stretch
+        if self.step >= self.max_steps:  # the schedule is complete: nothing to stretch
             return
         rate = steps_done / max(seconds, 1e-9)  # steps per second, everything included
         left = self.cfg.minutes * 60 - elapsed
         total = self.step + max(1, int(0.85 * left * rate))
-        if abs(total - self.cfg.max_steps) < max(2.0, 0.1 * (self.cfg.max_steps - self.step)):
+        if abs(total - self.max_steps) < max(2.0, 0.1 * (self.max_steps - self.step)):
             return
         self.scheduler.lr_lambdas[0].replan(self.step, total)
-        self.log.log(event="replan", step=self.step, max_steps=total, previous=self.cfg.max_steps,
+        self.log.log(event="replan", step=self.step, max_steps=total, previous=self.max_steps,
                      steps_per_s=rate)
-        self.cfg.max_steps = total
+        self.max_steps = total
         bar.update(task, total=total)
 
     def check_finite(self, bad: torch.Tensor | None = None) -> None:

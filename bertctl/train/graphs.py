@@ -15,7 +15,7 @@ How, and what stays exact:
   computes on the same tensors, with the same dropout masks. A run that meets more than
   ``max_graphs`` shapes runs the rest eagerly, and so does a shape too rare to repay its capture:
   fine-tuning knows its whole run's batches in advance, so each step comes with the number of steps
-  that share its shapes, and a shape with fewer than ``MIN_SHAPE_STEPS`` runs eagerly. Before that,
+  that share its shapes, and a shape with fewer than ``graph_min_steps`` (``bertctl.config.MIN_SHAPE_STEPS``) runs eagerly. Before that,
   the loader pads a batch whose length is that rare up to the next common length
   (``batching.common_lengths``), which attention and the losses mask: eager steps are bound by the
   host, and do not get faster with more GPUs.
@@ -56,10 +56,6 @@ from typing import Callable
 import torch
 
 from bertctl.errors import BertctlError
-
-#: Fine-tuning's default: capture a shape only when the run has at least this many steps of it.
-MIN_SHAPE_STEPS = 16
-
 
 class StepGraphs:
     """Captures and replays ``body(static_micro)``, one graph per micro-batch shape signature.

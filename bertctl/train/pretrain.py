@@ -5,7 +5,7 @@ The objective comes from the data: ``build-data --objective mlm-nsp`` (the defau
 §5.1) trains ``BertForMaskedLM``, masked LM alone, with no pooler or NSP head to train, and the
 exported model is a ``BertForMaskedLM`` that ``transformers`` loads as such.
 
-``pretrain(TrainConfig(...))`` is the whole job: build or load the model, resume from the
+``pretrain(PretrainConfig(...))`` is the whole job: build or load the model, resume from the
 run's newest checkpoint if asked, train on the one engine (``bertctl.train.engine``: DDP under
 ``torchrun``, accumulation to the global batch, precision, checkpoints, logging), evaluate on
 held-out data (and say so when the run has collapsed), and export a Hugging Face directory.
@@ -21,12 +21,10 @@ micro-batches give one process's loss and gradient on the same global batch.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,73 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from bertctl.checkpoints import training
-from bertctl.config import IGNORE_INDEX
+from bertctl.config import IGNORE_INDEX, PretrainConfig
 from bertctl.data.batching import Prefetcher, bucketed_batches, pretraining_step, trim
 from bertctl.errors import BertctlError
 from bertctl.model import masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
 from bertctl.runtime import Runtime, resolve
 from bertctl.train import distributed
-from bertctl.train.engine import Engine, EngineConfig, autocast, load_optimizer_state, to_device, warmup_steps
+from bertctl.train.engine import Engine, autocast, load_optimizer_state, to_device
 from bertctl.train.metrics import plot_curves, train_flops_6nt
 from bertctl.train.optim import build_scheduler
-
-
-@dataclass
-class TrainConfig:
-    """Everything that defines a pretraining run (saved in every checkpoint)."""
-
-    output: str
-    data: str | None = None
-    eval_data: str | None = None          # held-out shards; default: the data's held-out part if it has one
-    # Model: a preset, a config.json, or initialised from a HF directory / previous run.
-    model_size: str = "base"
-    model_config: str | None = None
-    init_from: str | None = None
-    keep_optimizer: bool = False          # with init_from = a previous run: keep its optimizer moments
-    model_overrides: dict = field(default_factory=dict)  # e.g. {"hidden_dropout_prob": 0.0}
-    # Schedule.
-    max_steps: int | None = None          # None: one epoch of the data
-    minutes: float | None = None          # time box: stop (checkpoint + export) after this long
-    fit_to_minutes: bool = False          # re-plan max_steps from the measured step time (built-in job)
-    batch_size: int = 256                 # global, sequences per optimizer step
-    micro_batch_size: int | None = None   # per process per forward; None = batch_size // world_size
-    optimizer: str = "adamw"
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
-    schedule: str = "linear"
-    warmup_steps: int | None = None
-    warmup_fraction: float = 0.06         # the paper: 10,000 of 1,000,000 steps; short runs need more
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    # Speed.
-    precision: str = "auto"               # auto = bf16 on GPU, fp32 on CPU; fp16 uses loss scaling
-    kernels: str = "auto"
-    attn: str = "auto"                    # auto: unpadded on a CPU, sdpa on a GPU (packed data)
-    compile: bool = False
-    cuda_graphs: bool | None = None       # each step one CUDA graph; None: wherever they can run (runtime.graphs_wanted)
-    bucket_lengths: bool = False          # length-bucketed batch order (less padding for varied lengths)
-    device: str | None = None             # cpu | cuda | None (cuda when available)
-    # Never lose work.
-    resume: bool = False
-    save_every: int | None = None         # steps
-    save_minutes: float | None = 30.0
-    keep: int = 3
-    # Observability.
-    log_every: int = 10
-    eval_every: int | None = None
-    eval_batches: int = 20
-    eval_batch_size: int | None = None
-    eval_at_start: bool = True
-    show_progress: bool = True
-    tensorboard: bool | None = None       # TensorBoard events beside metrics.jsonl (None: when importable)
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        return d
 
 
 # --------------------------------------------------------------------------- helpers
@@ -260,7 +201,7 @@ def collapse_warning(previous: dict | None, ev: dict, step: int, warmup: int, ma
 class Trainer:
     """A pretraining run: data, model and evaluation around the one training engine."""
 
-    def __init__(self, cfg: TrainConfig, dist: distributed.Dist, runtime: Runtime, tokenizer=None):
+    def __init__(self, cfg: PretrainConfig, dist: distributed.Dist, runtime: Runtime, tokenizer=None):
         self.cfg, self.dist, self.runtime = cfg, dist, runtime
         self.device = dist.device
         self.out = Path(cfg.output)
@@ -297,13 +238,13 @@ class Trainer:
             raise BertctlError(f"--eval-data {self.cfg.eval_data}: built with --objective {self.eval_data.objective}, "
                                f"but --data {self.cfg.data} with --objective {self.objective}: evaluate on data "
                                f"built with the same --objective")
-        G, W = self.cfg.batch_size, self.dist.world_size
+        G, W = self.cfg.train.batch_size, self.dist.world_size
         if G < 1:
             raise BertctlError(f"--batch-size must be at least 1, not {G}")
         if G % W:
             raise BertctlError(f"--batch-size {G} is not divisible by the {W} processes")
         per_rank = G // W
-        self.micro = self.cfg.micro_batch_size or per_rank
+        self.micro = self.cfg.train.micro_batch_size or per_rank
         if self.micro < 1 or per_rank % self.micro:
             raise BertctlError(f"per-process batch {per_rank} (= --batch-size {G} / {W} processes) is not a multiple "
                                f"of --micro-batch-size {self.micro}")
@@ -311,7 +252,7 @@ class Trainer:
         if self.steps_per_epoch < 1:
             raise BertctlError(f"{self.cfg.data}: its {self.data.num_instances} instances are fewer than one "
                                f"--batch-size of {G}: lower --batch-size or build more data")
-        self.max_steps = self.cfg.max_steps or self.steps_per_epoch
+        self.max_steps = self.cfg.train.max_steps or self.steps_per_epoch
         if self.tokenizer is None:
             self.tokenizer = _data_tokenizer(Path(self.cfg.data), self.data.manifest)
 
@@ -378,7 +319,7 @@ class Trainer:
             raise BertctlError(f"data max_seq_length {self.data.max_seq_length} exceeds the model's "
                                f"max_position_embeddings {mconf.max_position_embeddings}")
         # Same initial weights on every rank: seed before construction.
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.train.seed)
         if hf_dir is not None and init_state is None:
             model = load_pretrained(model_cls, hf_dir, fresh_heads=True,
                                     **{**cfg.model_overrides, **self.runtime.model_overrides()})
@@ -394,36 +335,31 @@ class Trainer:
                                    f"--keep-optimizer")
             load_state(model, init_state["model"], fresh_heads=True, source=str(cfg.init_from))
         self.model_config = model.config
-        self.warmup = warmup_steps(self.max_steps, cfg.warmup_steps, cfg.warmup_fraction)
-        ecfg = EngineConfig(batch_size=cfg.batch_size, max_steps=self.max_steps, micro_batch_size=self.micro,
-                            optimizer=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas),
-                            eps=cfg.eps, schedule=cfg.schedule, warmup_steps=self.warmup,
-                            max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, precision=cfg.precision,
-                            compile=cfg.compile, cuda_graphs=self.use_graphs, log_every=max(1, cfg.log_every),
-                            save_every=cfg.save_every, save_minutes=cfg.save_minutes, keep=cfg.keep,
-                            minutes=cfg.minutes, fit_to_minutes=cfg.fit_to_minutes, show_progress=cfg.show_progress,
-                            description="pretrain")
         n_params = sum(p.numel() for p in model.parameters())
         self.n_params = n_params
-        self.engine = Engine(ecfg, model, PretrainingObjective(nsp=self.data.nsp), dist=self.dist, run_dir=self.out, log=self.log,
+        self.engine = Engine(cfg.train, self.runtime, model, PretrainingObjective(nsp=self.data.nsp), dist=self.dist,
+                             max_steps=self.max_steps, run_dir=self.out, log=self.log, description="pretrain",
                              flops=lambda c: train_flops_6nt(self.model_config, n_params, c["tokens"], c["attn_pairs"]))
+        self.warmup = self.engine.warmup_steps
         self.model = self.engine.model
         if resume_from is None and init_state is not None and cfg.keep_optimizer:
             load_optimizer_state(self.engine.optimizer, init_state["optimizer"])
             for g in self.engine.optimizer.param_groups:  # the new phase's hyper-parameters, the old moments
-                g["lr"] = g["initial_lr"] = cfg.lr
-                g["weight_decay"] = cfg.weight_decay if g["weight_decay"] else 0.0
-            self.engine.scheduler = build_scheduler(self.engine.optimizer, self.warmup, self.max_steps, cfg.schedule)
+                g["lr"] = g["initial_lr"] = cfg.train.lr
+                g["weight_decay"] = cfg.train.weight_decay if g["weight_decay"] else 0.0
+            self.engine.scheduler = build_scheduler(self.engine.optimizer, self.warmup, self.max_steps,
+                                                    cfg.train.schedule)
         if resume_from is not None:
             saved = init_state["configs"]
             if saved.get("data_manifest_id") != _manifest_id(self.data.manifest):
                 raise BertctlError(f"{resume_from.path}: checkpoint was trained on other data "
                                    f"(manifest {saved.get('data_manifest_id')}); cannot resume on {cfg.data}")
-            if saved["training"]["batch_size"] != cfg.batch_size:
-                raise BertctlError(f"{resume_from.path}: checkpoint used --batch-size "
-                                   f"{saved['training']['batch_size']}, not {cfg.batch_size}")
+            saved_batch = PretrainConfig.from_dict(saved["training"]).train.batch_size
+            if saved_batch != cfg.train.batch_size:
+                raise BertctlError(f"{resume_from.path}: checkpoint used --batch-size {saved_batch}, "
+                                   f"not {cfg.train.batch_size}")
             self.engine.restore(init_state)
-            self.max_steps = self.engine.cfg.max_steps
+            self.max_steps = self.engine.max_steps
             self._say(f"resumed from {resume_from.path} at step {self.engine.step}")
         self.resumed_from = str(resume_from.path) if resume_from else None
 
@@ -437,12 +373,12 @@ class Trainer:
         """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying)."""
         epoch, k = divmod(start_step, self.steps_per_epoch)
         while True:
-            kw = dict(seed=self.cfg.seed, epoch=epoch, start_step=k, rank=self.dist.rank,
+            kw = dict(seed=self.cfg.train.seed, epoch=epoch, start_step=k, rank=self.dist.rank,
                       world_size=self.dist.world_size)
             if self.cfg.bucket_lengths:
-                yield from bucketed_batches(self.data, self.cfg.batch_size, **kw)
+                yield from bucketed_batches(self.data, self.cfg.train.batch_size, **kw)
             else:
-                yield from self.data.batches(self.cfg.batch_size, **kw)
+                yield from self.data.batches(self.cfg.train.batch_size, **kw)
             epoch, k = epoch + 1, 0
 
     # ----------------------------------------------------------------- eval
@@ -454,7 +390,7 @@ class Trainer:
         if self.eval_data is None:
             return None
         W = self.dist.world_size
-        G = self.cfg.eval_batch_size or min(self.cfg.batch_size, 256)
+        G = self.cfg.eval_batch_size or min(self.cfg.train.batch_size, 256)
         G = min(G, self.eval_data.num_instances)  # a held-out split smaller than a batch is one batch
         G = (G // W) * W
         if G < 1:  # fewer held-out instances than processes: nothing to evaluate
@@ -463,7 +399,8 @@ class Trainer:
         self.model.eval()
         sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         label_hist = None
-        it = self.eval_data.batches(G, seed=self.cfg.seed, epoch=0, start_step=0, rank=self.dist.rank, world_size=W)
+        it = self.eval_data.batches(G, seed=self.cfg.train.seed, epoch=0, start_step=0, rank=self.dist.rank,
+                                    world_size=W)
         for _, batch in zip(range(n), it):
             mb = to_device(trim(batch), self.device)
             with autocast(self.precision, self.device):
@@ -500,8 +437,8 @@ class Trainer:
         ev = self.evaluate()
         if ev is None:
             return None
-        warning = collapse_warning(self.last_eval, ev, step, self.warmup, self.engine.cfg.max_steps, self.cfg.lr,
-                                   self.cfg.batch_size)
+        warning = collapse_warning(self.last_eval, ev, step, self.warmup, self.engine.max_steps, self.cfg.train.lr,
+                                   self.cfg.train.batch_size)
         self.last_eval = ev
         if warning:
             ev["collapsed"] = True
@@ -517,7 +454,7 @@ class Trainer:
     def save(self, reason: str) -> Path | None:
         epoch, k = divmod(self.step, self.steps_per_epoch)
         extra = {"data": {"epoch": epoch, "step_in_epoch": k, "global_step": self.step,
-                          "sequences_seen": self.step * self.cfg.batch_size},
+                          "sequences_seen": self.step * self.cfg.train.batch_size},
                  "configs": self._configs()}
         return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"]}, reason,
                                 wait=reason != "periodic")  # periodic ones are written while training goes on
@@ -547,7 +484,7 @@ class Trainer:
                      "masked LM only, no NSP (the paper's section 5.1 ablation), BertForMaskedLM"))
         if self.dist.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.log = self.engine.log = MetricsLog(self.out / "metrics.jsonl", tensorboard=self.cfg.tensorboard)
+            self.log = self.engine.log = MetricsLog(self.out / "metrics.jsonl", tensorboard=self.cfg.train.tensorboard)
             self.log.log(event="config", step=self.step, configs=self._configs(), world_size=self.dist.world_size,
                          precision=self.precision, parameters=self.n_params, device=str(self.device))
         eval_start = None
@@ -555,7 +492,7 @@ class Trainer:
             eval_start = self._evaluate_and_log(0)
         # Fewer distinct shapes to compile or capture. With graphs under torchrun every rank must capture
         # and replay the same graphs at the same steps: no trimming (packed sequences are nearly full).
-        multiple = 64 if cfg.compile or self.use_graphs else 8
+        multiple = 64 if cfg.train.compile or self.use_graphs else 8
         if self.use_graphs and self.dist.world_size > 1:
             multiple = self.data.max_seq_length
         loader = Prefetcher(self._batches(self.step), lambda b: pretraining_step(b, self.micro, multiple),
@@ -564,7 +501,7 @@ class Trainer:
         start_step = self.step
 
         def after_step(step: int) -> None:
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < self.engine.cfg.max_steps:
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < self.engine.max_steps:
                 self._evaluate_and_log(step)
 
         def checkpoint(reason: str) -> None:
@@ -575,7 +512,7 @@ class Trainer:
             result = self.engine.run(loader, after_step=after_step, checkpoint=checkpoint)
         finally:
             loader.close()
-        self.max_steps = self.engine.cfg.max_steps
+        self.max_steps = self.engine.max_steps
         stop_reason = result.stopped
         ckpt = self.save("interrupted" if stop_reason and stop_reason != "time limit" else "final")
         eval_end = None
@@ -634,15 +571,16 @@ def _data_tokenizer(data_dir: Path, manifest: dict):
     """The tokenizer the data was built with: its SentencePiece model, or vocab.txt with the manifest's settings."""
     if not (data_dir / "vocab.txt").is_file():
         return None
-    from bertctl.tokenizer import load_tokenizer
+    from bertctl.text import load_tokenizer
 
     return load_tokenizer(data_dir)  # a build-data folder is a tokenizer directory
 
 
-def pretrain(cfg: TrainConfig, tokenizer=None) -> dict[str, Any]:
-    """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``TrainConfig``."""
-    runtime = resolve(cfg.device, cfg.precision, attn=cfg.attn, kernels=cfg.kernels, compile=cfg.compile,
-                      cuda_graphs=cfg.cuda_graphs, optimizer=cfg.optimizer, packed_data=True)
+def pretrain(cfg: PretrainConfig, tokenizer=None) -> dict[str, Any]:
+    """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``PretrainConfig``."""
+    t = cfg.train
+    runtime = resolve(t.device, t.precision, attn=t.attn, kernels=t.kernels, compile=t.compile,
+                      cuda_graphs=t.cuda_graphs, optimizer=t.optimizer, packed_data=True)
     dist = distributed.setup(runtime.device_type)
     finished = False
     trainer = None

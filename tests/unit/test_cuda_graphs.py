@@ -2,11 +2,14 @@
 resume, the eager fallback past the graph budget; on the CPU, the choice and its errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from bertctl.checkpoints import training
+from bertctl.config import MIN_SHAPE_STEPS, FinetuneConfig
 from bertctl.errors import BertctlError
 from bertctl.tasks import trainer as T
 from bertctl.train import graphs as G
@@ -18,7 +21,7 @@ cuda = pytest.mark.cuda
 
 def _run(build, feats, **kw):
     # every shape captured (these runs are too short for the default graph_min_steps)
-    cfg = dict(epochs=2, lr=1e-3, batch_size=8, device="cuda", progress=False, attn="sdpa", log_every=1,
+    cfg = dict(epochs=2, lr=1e-3, batch_size=8, device="cuda", show_progress=False, attn="sdpa", log_every=1,
                graph_min_steps=1)
     cfg.update(kw)
     log_records = []
@@ -30,7 +33,7 @@ def _run(build, feats, **kw):
         def close(self):
             pass
 
-    result = T.fine_tune(build(), feats, T.TrainConfig(**cfg), log=Log())
+    result = T.fine_tune(build(), feats, FinetuneConfig.of(**cfg), log=Log())
     losses = [r["loss"] for r in log_records if r.get("event") == "train"]
     if cfg.get("cuda_graphs") and cfg["graph_min_steps"] == 1:  # the graphs did run
         assert [r for r in log_records if r.get("event") == "cuda_graphs"][-1]["graphs"] > 0
@@ -71,14 +74,14 @@ def test_dropout_masks_change_from_step_to_step_under_graphs(tmp_path, masks):
 @cuda
 def test_graph_resume_is_exact(tmp_path):
     build, feats = _setup(tmp_path, dropout=0.1)
-    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cuda", progress=False, save_every=3,
+    cfg = FinetuneConfig.of(epochs=2, lr=1e-3, batch_size=8, device="cuda", show_progress=False, save_every=3,
                         attn="sdpa", cuda_graphs=True, graph_min_steps=1)
     straight = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "a")
 
     class Crash(Exception):
         pass
 
-    def crash(model):
+    def crash(model, shards):
         raise Crash
 
     with pytest.raises(Crash):
@@ -92,7 +95,7 @@ def test_graph_resume_is_exact(tmp_path):
     # and an eager run resumes a graph run's checkpoint (one format)
     with pytest.raises(Crash):
         T.fine_tune(build(), feats, cfg, evaluate=crash, main_metric="score", output_dir=tmp_path / "c")
-    eager_cfg = T.TrainConfig(**{**cfg.__dict__, "cuda_graphs": False})
+    eager_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_graphs=False))
     T.fine_tune(build(), feats, eager_cfg, output_dir=tmp_path / "c", resume=True)
 
 
@@ -172,10 +175,10 @@ def test_where_graphs_do_not_apply():
 
 
 def test_auto_is_off_on_the_cpu_and_asking_there_is_one_clear_error():
-    assert not T.runtime_of(T.TrainConfig(device="cpu")).cuda_graphs
-    assert not T.runtime_of(T.TrainConfig(device="cpu", cuda_graphs=False)).cuda_graphs
+    assert not T.runtime_of(FinetuneConfig.of(device="cpu")).cuda_graphs
+    assert not T.runtime_of(FinetuneConfig.of(device="cpu", cuda_graphs=False)).cuda_graphs
     with pytest.raises(BertctlError, match="--cuda-graphs: they need a CUDA device"):
-        T.runtime_of(T.TrainConfig(device="cpu", cuda_graphs=True))
+        T.runtime_of(FinetuneConfig.of(device="cpu", cuda_graphs=True))
 
 
 def test_attention_auto_is_padded_under_graphs():
@@ -456,7 +459,7 @@ def test_each_step_knows_how_many_steps_of_the_run_share_its_shapes(world_size, 
 def test_the_finetune_flag_defaults_to_the_engines_threshold():
     from bertctl.cli.finetune import GRAPH_MIN_STEPS
 
-    assert GRAPH_MIN_STEPS.default == G.MIN_SHAPE_STEPS == T.TrainConfig().graph_min_steps
+    assert GRAPH_MIN_STEPS.default == MIN_SHAPE_STEPS == FinetuneConfig().train.graph_min_steps
 
 
 @cuda

@@ -42,7 +42,7 @@ def losses(out):
 def test_sst2_end_to_end_and_eval(tiny, sst2, tmp_path):
     out = tmp_path / "out"
     r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
-                str(out), "--epochs", "6", "--lr", "2e-3", "--batch-size", "16", "--log-steps", "3", "--quiet",
+                str(out), "--epochs", "6", "--lr", "2e-3", "--batch-size", "16", "--log-every", "3", "--no-progress",
                 "--seed", "1"])
     assert r.exit_code == 0, r.output
     metrics = json.loads((out / "metrics.json").read_text())
@@ -59,11 +59,9 @@ def test_sst2_end_to_end_and_eval(tiny, sst2, tmp_path):
     gold = [l.split("\t")[1].strip() for l in (sst2 / "dev.tsv").read_text().splitlines()[1:]]
     assert metrics["accuracy"] == pytest.approx(np.mean([p == g for p, g in zip(preds, gold)]))
     # bertctl eval on the fine-tuned directory gives the same score.
-    # --no-progress as in every command; --quiet, its old spelling here, still works.
-    for flag in ("--no-progress", "--quiet"):
-        r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(out), flag])
-        assert r.exit_code == 0, r.output
-        assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(metrics["accuracy"])
+    r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(out), "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(metrics["accuracy"])
     # A task folder holding only its dev file evaluates (no train.tsv needed), here in the canonical SST-2/.
     dev_only = tmp_path / "glue" / "SST-2"
     dev_only.mkdir(parents=True)
@@ -84,7 +82,7 @@ def test_saved_model_loads_in_transformers(tiny, sst2, tmp_path):
 
     out = tmp_path / "out"
     r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
-                str(out), "--max-steps", "2", "--quiet"])
+                str(out), "--max-steps", "2", "--no-progress"])
     assert r.exit_code == 0, r.output
     ours = load_pretrained(BertForSequenceClassification, out / "model").eval()
     hf = transformers.BertForSequenceClassification.from_pretrained(out / "model").eval()
@@ -97,7 +95,7 @@ def test_saved_model_loads_in_transformers(tiny, sst2, tmp_path):
 def test_head_mismatch_is_a_clear_error(tiny, sst2, tmp_path):
     out = tmp_path / "out"
     assert invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
-                   str(out), "--max-steps", "1", "--quiet"]).exit_code == 0
+                   str(out), "--max-steps", "1", "--no-progress"]).exit_code == 0
     mnli = tmp_path / "dev_matched.tsv"
     mnli.write_text("index\tsentence1\tsentence2\tgold_label\n0\ta\tb\tneutral\n")
     r = invoke(["eval", "glue", "--task", "mnli", "--data", str(mnli), "--model", str(out)])
@@ -155,11 +153,11 @@ def test_own_data_csv_and_jsonl(tiny, tmp_path):
     out = tmp_path / "out"
     r = invoke(["finetune", "glue", "--train", str(train), "--dev", str(dev), "--text-column", "text",
                 "--text-pair-column", "other", "--label-column", "label", "--model", str(tiny), "--output", str(out),
-                "--epochs", "1", "--quiet"])
+                "--epochs", "1", "--no-progress"])
     assert r.exit_code == 0, r.output
     assert json.loads((out / "model" / "config.json").read_text())["id2label"] == {"0": "neg", "1": "pos"}
     r = invoke(["eval", "glue", "--data", str(dev), "--text-column", "text", "--text-pair-column", "other",
-                "--label-column", "label", "--model", str(out), "--quiet"])
+                "--label-column", "label", "--model", str(out), "--no-progress"])
     assert r.exit_code == 0, r.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a", "label": "pos"}\n{"text": "b"}\n')
@@ -177,7 +175,7 @@ def test_regression_head(tiny, tmp_path):
     (d / "dev.tsv").write_text(h + rows)
     out = tmp_path / "out"
     r = invoke(["finetune", "glue", "--task", "stsb", "--data-dir", str(d), "--model", str(tiny), "--output",
-                str(out), "--epochs", "1", "--quiet"])
+                str(out), "--epochs", "1", "--no-progress"])
     assert r.exit_code == 0, r.output
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics) >= {"pearson", "spearmanr"}
@@ -207,13 +205,13 @@ def test_own_scores_train_a_regression_without_the_flag(tiny, tmp_path):
     cols = ["--text-column", "a", "--text-pair-column", "b", "--label-column", "score"]
     out = tmp_path / "out"
     r = invoke(["finetune", "glue", "--train", str(train), "--dev", str(dev), *cols, "--model", str(tiny), "--output",
-                str(out), "--epochs", "1", "--quiet"])
+                str(out), "--epochs", "1", "--no-progress"])
     assert r.exit_code == 0, r.output
     assert "regression" in r.output and "--no-regression" in r.output
     config = json.loads((out / "model" / "config.json").read_text())
     assert config["num_labels"] == 1 and config["problem_type"] == "regression"
     r = invoke(["eval", "glue", "--data", str(dev), *cols, "--model", str(out), "--output", str(tmp_path / "ev"),
-                "--quiet"])
+                "--no-progress"])
     assert r.exit_code == 0, r.output
     metrics = json.loads((tmp_path / "ev" / "metrics.json").read_text())
     rows = [line.split("\t") for line in (tmp_path / "ev" / "predictions_dev.tsv").read_text().splitlines()[1:]]
@@ -224,7 +222,7 @@ def test_own_scores_train_a_regression_without_the_flag(tiny, tmp_path):
     assert sorted(gold) == sorted((i * 7) % 5 + 0.5 for i in range(8))
     classes = tmp_path / "classes"
     r = invoke(["finetune", "glue", "--train", str(train), "--dev", str(train), *cols, "--no-regression", "--model",
-                str(tiny), "--output", str(classes), "--epochs", "1", "--quiet"])
+                str(tiny), "--output", str(classes), "--epochs", "1", "--no-progress"])
     assert r.exit_code == 0, r.output
     config = json.loads((classes / "model" / "config.json").read_text())
     assert config["num_labels"] == len({f"{i % 5}.{i % 3}" for i in range(16)})
@@ -233,11 +231,11 @@ def test_own_scores_train_a_regression_without_the_flag(tiny, tmp_path):
 def test_unlabelled_test_file_gets_predictions(tiny, sst2, tmp_path):
     out = tmp_path / "out"
     assert invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",
-                   str(out), "--max-steps", "1", "--quiet"]).exit_code == 0
+                   str(out), "--max-steps", "1", "--no-progress"]).exit_code == 0
     test = tmp_path / "test.tsv"
     test.write_text("index\tsentence\n0\ta fine film .\n1\tdreadful .\n")
     r = invoke(["eval", "glue", "--task", "sst2", "--data", str(test), "--model", str(out), "--output",
-                str(tmp_path / "pred"), "--quiet"])
+                str(tmp_path / "pred"), "--no-progress"])
     assert r.exit_code == 0, r.output
     rows = (tmp_path / "pred" / "predictions_sst2.tsv").read_text().splitlines()
     assert len(rows) == 3 and all(r.split("\t")[1] in ("0", "1") for r in rows[1:])
@@ -261,7 +259,7 @@ def test_eval_of_a_transformers_fine_tuned_model_matches_transformers(tiny, sst2
     enc = tok([r[0] for r in rows], padding=True, truncation=True, max_length=128, return_tensors="pt")
     with torch.no_grad():
         want = (hf(**enc).logits.argmax(-1).numpy() == np.array([int(r[1]) for r in rows])).mean()
-    r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(d), "--quiet",
+    r = invoke(["eval", "glue", "--task", "sst2", "--data", str(sst2 / "dev.tsv"), "--model", str(d), "--no-progress",
                 "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout[r.stdout.index("{"):])["accuracy"] == pytest.approx(want)
@@ -390,12 +388,12 @@ def test_from_scratch_keeps_the_architecture_and_draws_every_weight_afresh(tiny,
     from bertctl.checkpoints.hf import read_state_dict
     from bertctl.model import BertForSequenceClassification
     from bertctl.tasks.common import load_for_finetuning
-    from bertctl.tasks.trainer import TrainConfig
+    from bertctl.config import FinetuneConfig
 
     pretrained = read_state_dict(tiny)
     torch.manual_seed(3)
-    scratch = load_for_finetuning(BertForSequenceClassification, tiny, cfg=TrainConfig(from_scratch=True), num_labels=2)
-    loaded = load_for_finetuning(BertForSequenceClassification, tiny, cfg=TrainConfig(), num_labels=2)
+    scratch = load_for_finetuning(BertForSequenceClassification, tiny, cfg=FinetuneConfig.of(from_scratch=True), num_labels=2)
+    loaded = load_for_finetuning(BertForSequenceClassification, tiny, cfg=FinetuneConfig.of(), num_labels=2)
     name, saved = "bert.embeddings.word_embeddings.weight", pretrained["embeddings.word_embeddings.weight"].float()
     assert torch.equal(loaded.state_dict()[name], saved)
     fresh = scratch.state_dict()[name]
@@ -403,7 +401,7 @@ def test_from_scratch_keeps_the_architecture_and_draws_every_weight_afresh(tiny,
     # The initialiser's distribution, N(0, initializer_range), not the checkpoint's.
     assert fresh.std().item() == pytest.approx(scratch.config.initializer_range, rel=0.05)
     torch.manual_seed(3)
-    again = load_for_finetuning(BertForSequenceClassification, tiny, cfg=TrainConfig(from_scratch=True), num_labels=2)
+    again = load_for_finetuning(BertForSequenceClassification, tiny, cfg=FinetuneConfig.of(from_scratch=True), num_labels=2)
     assert all(torch.equal(a, b) for a, b in zip(scratch.state_dict().values(), again.state_dict().values()))
     out = tmp_path / "out"
     r = invoke(["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output",

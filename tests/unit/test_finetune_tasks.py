@@ -98,7 +98,7 @@ def test_ner_end_to_end_iob1(tiny, tmp_path):
                 f.write("\n")
     out = tmp_path / "out"
     r = runner.invoke(app, ["finetune", "ner", "--data-dir", str(d), "--model", str(tiny), "--output", str(out),
-                            "--epochs", "5", "--lr", "3e-3", "--batch-size", "8", "--log-steps", "2", "--quiet"])
+                            "--epochs", "5", "--lr", "3e-3", "--batch-size", "8", "--log-every", "2", "--no-progress"])
     assert r.exit_code == 0, r.output
     metrics = json.loads((out / "metrics.json").read_text())
     ls = train_losses(out)
@@ -119,7 +119,7 @@ def test_ner_end_to_end_iob1(tiny, tmp_path):
     assert all(len(c) == 3 for s in sents for c in s)
     rescored = conlleval([[c[1] for c in s] for s in sents], [[c[2] for c in s] for s in sents])
     assert rescored["f1"] == pytest.approx(metrics["test_f1"])
-    r = runner.invoke(app, ["eval", "ner", "--data", str(d / "test.txt"), "--model", str(out), "--quiet"])
+    r = runner.invoke(app, ["eval", "ner", "--data", str(d / "test.txt"), "--model", str(out), "--no-progress"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout[r.stdout.index("{"):])["f1"] == pytest.approx(metrics["test_f1"])
 
@@ -132,7 +132,7 @@ def test_squad_end_to_end(tiny, tmp_path):
     out = tmp_path / "out"
     r = runner.invoke(app, ["finetune", "squad", "--train", str(path), "--dev", str(path), "--model", str(tiny),
                             "--output", str(out), "--epochs", "8", "--lr", "2e-3", "--batch-size", "16",
-                            "--log-steps", "2", "--max-seq-length", "128", "--doc-stride", "64", "--quiet"])
+                            "--log-every", "2", "--max-seq-length", "128", "--doc-stride", "64", "--no-progress"])
     assert r.exit_code == 0, r.output
     ls = train_losses(out)
     assert np.mean(ls[-2:]) < ls[0] - 0.5, ls
@@ -146,7 +146,7 @@ def test_squad_end_to_end(tiny, tmp_path):
     scored = json.loads(r.stdout)
     assert scored["f1"] == pytest.approx(metrics["f1"]) and scored["exact_match"] == pytest.approx(metrics["exact_match"])
     r = runner.invoke(app, ["eval", "squad", "--data", str(path), "--model", str(out), "--max-seq-length", "128",
-                            "--doc-stride", "64", "--quiet"])
+                            "--doc-stride", "64", "--no-progress"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout[r.stdout.index("{"):])["f1"] == pytest.approx(metrics["f1"])
 
@@ -163,7 +163,7 @@ def test_squad_scores_its_dev_set_once_by_default_and_training_does_not_depend_o
         out = tmp_path / (flag.strip("-") or "default")
         r = runner.invoke(app, ["finetune", "squad", "--train", str(path), "--dev", str(path), "--model", str(tiny),
                                 "--output", str(out), "--epochs", "3", "--batch-size", "16", "--log-every", "1",
-                                "--max-seq-length", "128", "--doc-stride", "64", "--quiet", "--device", "cpu"]
+                                "--max-seq-length", "128", "--doc-stride", "64", "--no-progress", "--device", "cpu"]
                                + ([flag] if flag else []))
         assert r.exit_code == 0, r.output
         events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -184,7 +184,7 @@ def test_ner_refuses_no_epoch_evals(tiny, tmp_path):
     for name in ("train", "valid", "test"):
         conll_slice(data_path("conll2003", f"{name}.txt"), d / f"{name}.txt", 8)
     r = runner.invoke(app, ["finetune", "ner", "--data-dir", str(d), "--model", str(tiny), "--output",
-                            str(tmp_path / "out"), "--no-epoch-evals", "--quiet", "--device", "cpu"])
+                            str(tmp_path / "out"), "--no-epoch-evals", "--no-progress", "--device", "cpu"])
     assert r.exit_code == 2 and "--no-epoch-evals" in r.output and len(r.output.strip().splitlines()) == 1, r.output
 
 
@@ -203,7 +203,7 @@ def test_squad_v2_end_to_end(tiny, tmp_path):
     path.write_text(json.dumps(src))
     out = tmp_path / "out"
     r = runner.invoke(app, ["finetune", "squad", "--version-2", "--train", str(path), "--dev", str(path), "--model",
-                            str(tiny), "--output", str(out), "--epochs", "2", "--max-seq-length", "128", "--quiet"])
+                            str(tiny), "--output", str(out), "--epochs", "2", "--max-seq-length", "128", "--no-progress"])
     assert r.exit_code == 0, r.output
     metrics = json.loads((out / "metrics.json").read_text())
     assert {"HasAns_f1", "NoAns_f1", "null_score_diff_threshold"} <= set(metrics)
@@ -249,7 +249,7 @@ def test_swag_end_to_end_jsonl_and_csv(tiny, tmp_path):
     out = tmp_path / "out"
     r = runner.invoke(app, ["finetune", "swag", "--train", str(sample), "--dev", str(csv_path), "--model", str(tiny),
                             "--output", str(out), "--epochs", "12", "--lr", "2e-3", "--batch-size", "4",
-                            "--log-steps", "1", "--quiet"])
+                            "--log-every", "1", "--no-progress"])
     assert r.exit_code == 0, r.output
     ls = train_losses(out)
     # 36 steps over the 10 examples: from chance (ln 4) to well below it (0.22-0.41 over seeds 1-5; at 6 epochs
@@ -260,7 +260,7 @@ def test_swag_end_to_end_jsonl_and_csv(tiny, tmp_path):
     np.testing.assert_allclose(probs.sum(1), 1.0, atol=2e-4)  # softmax across the four choices
     acc = np.mean([int(r.split("\t")[1]) == e.label for r, e in zip(rows, examples)])
     assert json.loads((out / "metrics.json").read_text())["accuracy"] == pytest.approx(acc)
-    r = runner.invoke(app, ["eval", "swag", "--data", str(sample), "--model", str(out), "--quiet"])
+    r = runner.invoke(app, ["eval", "swag", "--data", str(sample), "--model", str(out), "--no-progress"])
     assert r.exit_code == 0, r.output
 
 
@@ -276,7 +276,7 @@ def test_lr_sweep_keeps_the_best_on_dev_and_resume_skips_done_runs(tiny, tmp_pat
     sample = data_path("swag", "sample.jsonl")
     out = tmp_path / "out"
     args = ["finetune", "swag", "--train", str(sample), "--dev", str(sample), "--model", str(tiny), "--output", str(out),
-            "--epochs", "1", "--batch-size", "5", "--lr-sweep", "--quiet"]
+            "--epochs", "1", "--batch-size", "5", "--lr-sweep", "--no-progress"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     metrics = json.loads((out / "metrics.json").read_text())
@@ -294,21 +294,21 @@ def test_lr_sweep_keeps_the_best_on_dev_and_resume_skips_done_runs(tiny, tmp_pat
 def test_kernels_and_attention_choices_reach_the_model(tiny, tmp_path):
     from bertctl.model import BertForMultipleChoice
     from bertctl.tasks import common
-    from bertctl.tasks.trainer import TrainConfig
+    from bertctl.config import FinetuneConfig
 
-    model = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(kernels="torch",
+    model = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=FinetuneConfig.of(kernels="torch",
                                                                                     attn="explicit"))
     assert model.config.kernels == "torch" and model.config.attn_implementation == "explicit"
-    auto = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(device="cpu"))
+    auto = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=FinetuneConfig.of(device="cpu"))
     assert auto.config.attn_implementation == "unpadded"  # auto on a CPU
     assert auto.config.dropout_masks == "torch"
-    own = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=TrainConfig(device="cpu", dropout_masks="fused"))
+    own = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=FinetuneConfig.of(device="cpu", dropout_masks="fused"))
     assert own.config.dropout_masks == "fused"
     r = runner.invoke(app, ["finetune", "swag", "--train", str(data_path("swag", "sample.jsonl")), "--dev",
                             str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
-                            str(tmp_path / "m"), "--max-steps", "1", "--dropout-masks", "philox", "--quiet"])
+                            str(tmp_path / "m"), "--max-steps", "1", "--dropout-masks", "philox", "--no-progress"])
     assert r.exit_code == 2 and "--dropout-masks must be one of fused, torch, not 'philox'" in r.output
     r = runner.invoke(app, ["finetune", "swag", "--train", str(data_path("swag", "sample.jsonl")), "--dev",
                             str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
-                            str(tmp_path / "o"), "--max-steps", "1", "--attention", "bogus", "--quiet"])
-    assert r.exit_code == 2 and "--attn must be one of auto, sdpa, explicit, unpadded, not 'bogus'" in r.output  # the old spelling too
+                            str(tmp_path / "o"), "--max-steps", "1", "--attn", "bogus", "--no-progress"])
+    assert r.exit_code == 2 and "--attn must be one of auto, sdpa, explicit, unpadded, not 'bogus'" in r.output

@@ -7,6 +7,7 @@ import torch
 
 from bertctl.checkpoints import training
 from bertctl.errors import BertctlError
+from bertctl.config import FinetuneConfig
 from bertctl.tasks import trainer as T
 from bertctl.data import batching as L
 from test_finetune_support import make_tiny_model_dir
@@ -115,10 +116,10 @@ def test_predict_batches_by_token_budget_with_the_one_at_a_time_outputs(tmp_path
 def test_accumulation_gives_the_large_batch_result(tmp_path, tokens):
     """Batch 16 in micro-batches of 4 (and of 5: uneven) = batch 16 at once: same loss, same weights."""
     build, feats = _setup(tmp_path, dropout=0.0, tokens=tokens)
-    base = dict(epochs=2, lr=1e-3, batch_size=16, device="cpu", progress=False)
-    whole = T.fine_tune(build(), feats, T.TrainConfig(**base))
+    base = dict(epochs=2, lr=1e-3, batch_size=16, device="cpu", show_progress=False)
+    whole = T.fine_tune(build(), feats, FinetuneConfig.of(**base))
     for micro in (4, 5):
-        acc = T.fine_tune(build(), feats, T.TrainConfig(**base, micro_batch_size=micro))
+        acc = T.fine_tune(build(), feats, FinetuneConfig.of(**base, micro_batch_size=micro))
         for (k, a), b in zip(whole.model.state_dict().items(), acc.model.state_dict().values()):
             # the same sums in another order: float32 rounding only
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=k)
@@ -144,7 +145,7 @@ def test_accumulation_gives_the_large_batch_result(tmp_path, tokens):
 
 def test_the_seed_reaches_data_order_dropout_and_head(tmp_path):
     build, feats = _setup(tmp_path, dropout=0.1)
-    runs = [T.fine_tune(build(), feats, T.TrainConfig(epochs=1, lr=1e-3, batch_size=8, device="cpu", progress=False,
+    runs = [T.fine_tune(build(), feats, FinetuneConfig.of(epochs=1, lr=1e-3, batch_size=8, device="cpu", show_progress=False,
                                                       seed=seed)) for seed in (42, 42, 43)]
     w = [r.model.classifier.weight for r in runs]
     assert torch.equal(w[0], w[1]) and not torch.allclose(w[0], w[2])
@@ -162,10 +163,10 @@ def test_the_seed_reaches_data_order_dropout_and_head(tmp_path):
 def test_resume_mid_epoch_gives_the_same_weights(tmp_path, masks):
     """Dropout 0.1 from either kind of mask (torch's, fine-tuning's, or the fused op's own)."""
     build, feats = _setup(tmp_path, masks=masks)
-    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=3)
+    cfg = FinetuneConfig.of(epochs=2, lr=1e-3, batch_size=8, device="cpu", show_progress=False, save_every=3)
     calls = []
 
-    def evaluate(model):
+    def evaluate(model, shards):
         calls.append(1)
         return {"score": float(len(calls))}
 
@@ -174,7 +175,7 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path, masks):
     class Crash(Exception):
         pass
 
-    def crash(model):  # dies at the end of epoch 1, after the step-3 checkpoint (5 steps per epoch)
+    def crash(model, shards):  # dies at the end of epoch 1, after the step-3 checkpoint (5 steps per epoch)
         raise Crash
 
     with pytest.raises(Crash):
@@ -192,10 +193,10 @@ def test_resume_mid_epoch_gives_the_same_weights(tmp_path, masks):
 
 def test_select_best_restores_the_best_epoch(tmp_path):
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=3, lr=1e-3, batch_size=8, device="cpu", progress=False, select_best=True)
+    cfg = FinetuneConfig.of(epochs=3, lr=1e-3, batch_size=8, device="cpu", show_progress=False, select_best=True)
     snapshots = []
 
-    def evaluate(model):
+    def evaluate(model, shards):
         snapshots.append({k: v.clone() for k, v in model.state_dict().items()})
         return {"score": [0.2, 0.9, 0.5][len(snapshots) - 1]}
 
@@ -207,7 +208,7 @@ def test_select_best_restores_the_best_epoch(tmp_path):
 
 def test_warmup_and_linear_decay_schedule(tmp_path):
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, log_every=1)
+    cfg = FinetuneConfig.of(epochs=2, lr=1e-3, batch_size=8, device="cpu", show_progress=False, log_every=1)
     from bertctl.progress import MetricsLog
     import json
 
@@ -223,7 +224,7 @@ def test_warmup_and_linear_decay_schedule(tmp_path):
 @pytest.mark.cuda
 def test_bf16_fine_tuning_on_gpu_learns(tmp_path):
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=12, lr=1e-3, batch_size=8, device="cuda", progress=False, log_every=5)
+    cfg = FinetuneConfig.of(epochs=12, lr=1e-3, batch_size=8, device="cuda", show_progress=False, log_every=5)
     from bertctl.progress import MetricsLog
     import json
 
@@ -245,12 +246,14 @@ def test_a_step_across_processes_never_waits_for_the_gpu(tmp_path, monkeypatch):
     last, and two GPUs ran slower than one. The step runs under CUDA's sync check, as rank 0 of 2
     (the all-reduce itself stubbed: it is asynchronous in NCCL)."""
     from bertctl.train import distributed
+    from bertctl.config import TrainConfig
+    from bertctl.runtime import resolve
     from bertctl.data.batching import StepBatch
-    from bertctl.train.engine import Engine, EngineConfig
+    from bertctl.train.engine import Engine
 
     build, feats = _setup(tmp_path)
-    engine = Engine(EngineConfig(batch_size=8, max_steps=10, precision="bf16"), build(), T.TaskObjective(),
-                    dist=distributed.Dist(device=torch.device("cuda", torch.cuda.current_device())))
+    engine = Engine(TrainConfig(batch_size=8, warmup_steps=0), resolve("cuda", "bf16"), build(), T.TaskObjective(),
+                    dist=distributed.Dist(device=torch.device("cuda", torch.cuda.current_device())), max_steps=10)
     engine.dist = distributed.Dist(rank=0, world_size=2, device=engine.device)
     monkeypatch.setattr(distributed, "all_reduce_sum", lambda t, d: t)
     batch = L.collate(feats[:8])
@@ -296,7 +299,7 @@ def test_mid_run_checkpoints_are_written_while_training_goes_on(tmp_path, monkey
     from bertctl.progress import MetricsLog
 
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=3, log_every=1)
+    cfg = FinetuneConfig.of(epochs=2, lr=1e-3, batch_size=8, device="cpu", show_progress=False, save_every=3, log_every=1)
     straight = T.fine_tune(build(), feats, cfg, output_dir=tmp_path / "a")
     real = training.save_checkpoint
 
@@ -309,7 +312,7 @@ def test_mid_run_checkpoints_are_written_while_training_goes_on(tmp_path, monkey
     class Crash(Exception):
         pass
 
-    def crash(model):  # at the end of epoch 1 (5 steps), with the step-3 checkpoint still being written
+    def crash(model, shards):  # at the end of epoch 1 (5 steps), with the step-3 checkpoint still being written
         raise Crash
 
     with MetricsLog(tmp_path / "log.jsonl") as log, pytest.raises(Crash):
@@ -330,7 +333,7 @@ def test_a_step_out_of_device_memory_is_one_line_naming_the_flag(tmp_path, monke
     from bertctl.train.engine import Engine
 
     build, feats = _setup(tmp_path)
-    cfg = T.TrainConfig(epochs=2, lr=1e-3, batch_size=8, device="cpu", progress=False, save_every=2)
+    cfg = FinetuneConfig.of(epochs=2, lr=1e-3, batch_size=8, device="cpu", show_progress=False, save_every=2)
     real = Engine.train_step
 
     def step(self, sb, stats):
@@ -478,7 +481,7 @@ def test_fine_tuning_trains_with_torchs_dropout_masks(tmp_path):
     from bertctl.tasks import common
 
     d = make_tiny_model_dir(tmp_path / "tiny")
-    tuned = common.load_for_finetuning(BertForSequenceClassification, d, cfg=T.TrainConfig(device="cpu"), num_labels=2)
+    tuned = common.load_for_finetuning(BertForSequenceClassification, d, cfg=FinetuneConfig.of(device="cpu"), num_labels=2)
     assert tuned.config.dropout_masks == "torch"
     other = load_pretrained(BertForSequenceClassification, d, fresh_heads=True, num_labels=2)
     assert other.config.dropout_masks == "fused"
@@ -522,6 +525,6 @@ def test_training_keeps_cudnn_attention_only_for_long_steps_of_wide_heads(monkey
     rng = np.random.default_rng(0)
     feats = [{"input_ids": rng.integers(5, 100, int(n)), "token_type_ids": np.zeros(int(n), dtype=np.int8),
               "labels": i % 2} for i, n in enumerate(rng.integers(length - 20, length + 1, 16))]
-    T.fine_tune(model, feats, T.TrainConfig(device="cpu", batch_size=8, max_steps=1, progress=False,
+    T.fine_tune(model, feats, FinetuneConfig.of(device="cpu", batch_size=8, max_steps=1, show_progress=False,
                                             tensorboard=False))
     assert bool(entered) == (not cudnn)

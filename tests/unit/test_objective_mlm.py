@@ -353,12 +353,12 @@ def mlm_data(small_tokenizer, tmp_path_factory) -> Path:
 
 
 def _config(data: Path, out: Path, **kw):
-    from bertctl.train.pretrain import TrainConfig
+    from bertctl.config import PretrainConfig
 
     base = dict(output=str(out), data=str(data), model_size="tiny", batch_size=16, lr=2e-3, max_steps=30,
                 device="cpu", log_every=5, eval_every=10, eval_batches=4, show_progress=False, warmup_fraction=0.1,
                 save_minutes=None)
-    return TrainConfig(**{**base, **kw})
+    return PretrainConfig.of(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")

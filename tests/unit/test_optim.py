@@ -207,9 +207,10 @@ def test_a_time_boxed_run_fits_its_schedule_to_the_time(data_dir, tmp_path):
     ends its schedule (lr 0) inside the time box instead of being cut off mid-decay."""
     import json
 
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
-    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=8,
+    s = pretrain(PretrainConfig.of(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=8,
                              lr=1e-3, max_steps=100_000, minutes=0.25, fit_to_minutes=True, log_every=5,
                              eval_at_start=False, eval_batches=1, device="cpu", show_progress=False,
                              save_minutes=1000, tensorboard=False))

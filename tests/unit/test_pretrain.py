@@ -53,10 +53,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory):
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
     out = tmp_path_factory.mktemp("pretrain-run") / "run"
-    summary = pretrain(TrainConfig(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16, lr=2e-3,
+    summary = pretrain(PretrainConfig.of(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16, lr=2e-3,
                                    max_steps=40, device="cpu", log_every=5, eval_batches=4, show_progress=False,
                                    warmup_fraction=0.1))
     return out, summary
@@ -84,14 +85,15 @@ def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
     from bertctl.data import PretrainingData
     from bertctl.model import BertForPreTraining
     from bertctl.runtime import resolve
-    from bertctl.train.pretrain import Trainer, TrainConfig
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import Trainer
     from bertctl.train import distributed
 
     out, _ = trained
     model = load_pretrained(BertForPreTraining, out / "model").eval()
     ds = PretrainingData(data_dir, split="eval")
     batch = next(ds.batches(16, seed=0, epoch=0))
-    t = Trainer(TrainConfig(output=str(out / "x"), data=str(data_dir), eval_batches=1, eval_batch_size=16,
+    t = Trainer(PretrainConfig.of(output=str(out / "x"), data=str(data_dir), eval_batches=1, eval_batch_size=16,
                             device="cpu", seed=0), distributed.Dist(), resolve("cpu"))
     t.data, t.eval_data, t.model, t.model_config, t.precision = ds, ds, model, model.config, "fp32"
     ev = t.evaluate()
@@ -200,9 +202,10 @@ def test_kill_during_checkpoint_write_keeps_previous(data_dir, tmp_path):
     st = training.load_checkpoint(ckpts[0].path)
     assert st["step"] == 3 and st["data"]["global_step"] == 3
     # ...and a resumed run starts from it.
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
-    summary = pretrain(TrainConfig(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16, lr=2e-3,
+    summary = pretrain(PretrainConfig.of(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16, lr=2e-3,
                                    max_steps=4, device="cpu", resume=True, show_progress=False,
                                    eval_batches=1, save_minutes=1000))
     assert summary["start_step"] == 3 and summary["steps"] == 4
@@ -295,11 +298,12 @@ def test_two_gloo_processes_equal_one_process(data_dir, tmp_path):
 
 def test_phase_two_continues_from_phase_one(trained, data_dir, tmp_path):
     """--init-from a run: its weights (and with --keep-optimizer its Adam moments) carry over; steps restart."""
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
     phase1, s1 = trained
     out = tmp_path / "phase2"
-    s2 = pretrain(TrainConfig(output=str(out), data=str(data_dir), init_from=str(phase1), keep_optimizer=True,
+    s2 = pretrain(PretrainConfig.of(output=str(out), data=str(data_dir), init_from=str(phase1), keep_optimizer=True,
                               batch_size=16, lr=1e-3, max_steps=2, device="cpu", eval_batches=4, show_progress=False))
     assert s2["start_step"] == 0 and s2["steps"] == 2
     # Same held-out batches, same weights before phase 2's first step: the same loss as phase 1's end.
@@ -314,7 +318,7 @@ def test_phase_two_continues_from_phase_one(trained, data_dir, tmp_path):
 def minilm_data_dir(shared_data, minilm_dir, tmp_path_factory) -> Path:
     """Shards built with MiniLM's own vocabulary (continued pretraining needs the model's vocabulary)."""
     from bertctl.data import DataConfig, build_data
-    from bertctl.tokenizer import BertTokenizer
+    from bertctl.text.wordpiece import BertTokenizer
 
     from conftest import PRETRAIN_FILES
 
@@ -328,10 +332,11 @@ def minilm_data_dir(shared_data, minilm_dir, tmp_path_factory) -> Path:
 def test_init_from_a_model_with_another_vocabulary_is_refused(minilm_dir, data_dir, tmp_path):
     """Data built with a 690-token vocabulary cannot train MiniLM (30,522): one line naming the fix."""
     from bertctl.errors import BertctlError
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
     with pytest.raises(BertctlError, match=r"690-token vocabulary, not the 30522-token .*build-data --vocab"):
-        pretrain(TrainConfig(output=str(tmp_path / "x"), data=str(data_dir), init_from=str(minilm_dir),
+        pretrain(PretrainConfig.of(output=str(tmp_path / "x"), data=str(data_dir), init_from=str(minilm_dir),
                              batch_size=8, max_steps=1, device="cpu", show_progress=False))
     assert not (tmp_path / "x").exists()
     r = _cli(*_args(data_dir, tmp_path / "cli", "--init-from", str(minilm_dir), "--max-steps", "1"))
@@ -343,10 +348,11 @@ def test_init_from_hf_directory_with_fresh_heads(minilm_dir, minilm_data_dir, tm
     """MiniLM has no MLM/NSP heads: they start fresh, the encoder starts from MiniLM's weights."""
     from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertModel
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
     out = tmp_path / "cont"
-    s = pretrain(TrainConfig(output=str(out), data=str(minilm_data_dir), init_from=str(minilm_dir), batch_size=8,
+    s = pretrain(PretrainConfig.of(output=str(out), data=str(minilm_data_dir), init_from=str(minilm_dir), batch_size=8,
                              lr=1e-12, max_steps=1, device="cpu", eval_at_start=False, eval_batches=1,
                              show_progress=False, save_minutes=1000))
     assert s["steps"] == 1
@@ -380,6 +386,7 @@ def test_pretrain_help():
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
     from bertctl.errors import BertctlError
+    from bertctl.config import PretrainConfig
     from bertctl.train import pretrain as pt
 
     real, calls = pt.pretraining_sums, []
@@ -394,7 +401,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
     monkeypatch.setattr(pt, "pretraining_sums", poisoned)
     out = tmp_path / "run"
     with pytest.raises(BertctlError, match="non-finite loss.*step-00000002"):
-        pt.pretrain(pt.TrainConfig(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16,
+        pt.pretrain(PretrainConfig.of(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16,
                                    max_steps=8, save_every=2, device="cpu", eval_at_start=False,
                                    show_progress=False, save_minutes=1000))
     assert [c.step for c in training.list_checkpoints(out)] == [2]
@@ -403,9 +410,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_
 
 
 def test_lamb_with_accumulation_lowers_the_loss(data_dir, tmp_path):
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
-    s = pretrain(TrainConfig(output=str(tmp_path / "lamb"), data=str(data_dir), model_size="tiny", batch_size=32,
+    s = pretrain(PretrainConfig.of(output=str(tmp_path / "lamb"), data=str(data_dir), model_size="tiny", batch_size=32,
                              micro_batch_size=8, optimizer="lamb", lr=2e-2, max_steps=12, device="cpu",
                              eval_batches=2, log_every=4, show_progress=False, save_minutes=1000))
     assert s["eval_end"]["mlm_loss"] < s["eval_start"]["mlm_loss"] - 0.5  # 6.57 -> 5.75 seen
@@ -413,12 +421,13 @@ def test_lamb_with_accumulation_lowers_the_loss(data_dir, tmp_path):
 
 def test_model_from_a_config_file(data_dir, tmp_path):
     from bertctl.config import BertConfig
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
     conf = tmp_path / "config.json"
     BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
                max_position_embeddings=64).to_json_file(conf)
-    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_config=str(conf), batch_size=8,
+    s = pretrain(PretrainConfig.of(output=str(tmp_path / "run"), data=str(data_dir), model_config=str(conf), batch_size=8,
                              max_steps=1, device="cpu", eval_at_start=False, eval_batches=1, show_progress=False))
     exported = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
     assert (exported["num_hidden_layers"], exported["hidden_size"], exported["vocab_size"]) == (1, 32, 1000)
@@ -479,11 +488,12 @@ def test_a_collapsed_run_says_so(data_dir, tmp_path, monkeypatch):
     line and metrics.jsonl (a warning event, the evaluations flagged) say so (the 1000-step floor is
     lowered to keep the test short)."""
     from bertctl.train import pretrain as pt
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
     monkeypatch.setattr(pt, "COLLAPSE_MIN_STEPS", 0)
 
-    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=16,
+    s = pretrain(PretrainConfig.of(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=16,
                              lr=0.05, max_steps=40, warmup_steps=2, eval_every=10, eval_batches=2, device="cpu",
                              show_progress=False, save_minutes=1000))
     assert s["collapsed"]
@@ -497,11 +507,12 @@ def test_a_held_out_split_smaller_than_the_batch_is_still_evaluated(data_dir, tm
     """A small corpus's held-out split can hold fewer instances than one batch: it is then evaluated
     as one batch of all of them, not silently skipped."""
     from bertctl.data.dataset import PretrainingData
-    from bertctl.train.pretrain import TrainConfig, pretrain
+    from bertctl.config import PretrainConfig
+    from bertctl.train.pretrain import pretrain
 
     held_out = PretrainingData(str(data_dir), split="eval").num_instances
     batch = 2 * held_out
-    s = pretrain(TrainConfig(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=batch,
+    s = pretrain(PretrainConfig.of(output=str(tmp_path / "run"), data=str(data_dir), model_size="tiny", batch_size=batch,
                              max_steps=1, device="cpu", show_progress=False, eval_batches=4))
     assert s["eval_start"] is not None and s["eval_end"] is not None
     assert s["eval_end"]["sequences"] == held_out

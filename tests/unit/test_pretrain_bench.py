@@ -109,7 +109,9 @@ def test_the_graphs_provider_times_pretrains_own_step():
 
     from bertctl.bench.model import _engine_step_fn, bench_model
     from bertctl.train import distributed
-    from bertctl.train.engine import Engine, EngineConfig
+    from bertctl.config import TrainConfig
+    from bertctl.runtime import resolve
+    from bertctl.train.engine import Engine
     from bertctl.data.batching import pretraining_step
     from bertctl.train.pretrain import PretrainingObjective
 
@@ -121,8 +123,8 @@ def test_the_graphs_provider_times_pretrains_own_step():
     cpu = synthetic_batches(500, 64, 8, n=3, seed=5)
     gpu = [{k: v.to(cuda) for k, v in b.items()} for b in cpu]
     step = _engine_step_fn(model, cpu, gpu, distributed.Dist(device=cuda), 64)
-    eager = Engine(EngineConfig(batch_size=8, max_steps=1 << 40, lr=1e-4, precision="bf16"), twin,
-                   PretrainingObjective(), dist=distributed.Dist(device=cuda))
+    eager = Engine(TrainConfig(batch_size=8, lr=1e-4, warmup_steps=0), resolve("cuda", "bf16"), twin,
+                   PretrainingObjective(), dist=distributed.Dist(device=cuda), max_steps=1 << 40)
     stats = torch.zeros(4, device=cuda)
     keys = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels",
             "next_sentence_label")

@@ -59,14 +59,14 @@ def test_encode_jsonl_matches_hf(tmp_path, hf):
     assert rows[1]["input_ids"] == [101, 102]  # empty line: [CLS] [SEP], not skipped
 
 
-@pytest.mark.parametrize("separator,length_flag", [("TAB", "--max-seq-length"), ("\\t", "--max-length")])
-def test_encode_pairs_npy_and_truncation(tmp_path, hf, separator, length_flag):
-    """--max-seq-length as in build-data and finetune; --max-length, its old spelling here, still works."""
+@pytest.mark.parametrize("separator", ["TAB", "\\t"])
+def test_encode_pairs_npy_and_truncation(tmp_path, hf, separator):
+    """--max-seq-length as in build-data and finetune."""
     pairs = [("What is BERT?", "A bidirectional encoder."), ("Short", "a much longer second text here " * 5)]
     src = tmp_path / "pairs.txt"
     src.write_text("".join(f"{a}\t{b}\n" for a, b in pairs), encoding="utf-8")
     out = tmp_path / "out.npy"
-    result = run("tokenize", "encode", "--vocab", VOCAB, "--pair-separator", separator, length_flag, "16",
+    result = run("tokenize", "encode", "--vocab", VOCAB, "--pair-separator", separator, "--max-seq-length", "16",
                  "--output", str(out), str(src))
     assert result.exit_code == 0, result.output
     ids = np.load(out)
