@@ -118,3 +118,41 @@ def test_named_repository_paths_exist():
             if not (ROOT / path).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, "\n".join(missing)
+
+
+# Flags of other programs the docs show beside bertctl's.
+OTHER_PROGRAMS_FLAGS = {"--no-build-isolation": "pip", "--nproc-per-node": "torchrun", "--logdir": "tensorboard"}
+
+
+def cli_flags() -> set[str]:
+    """Every long option of every bertctl command, read from the application itself."""
+    import typer
+
+    from bertctl.cli.app import build_app
+
+    flags: set[str] = set()
+
+    def walk(command):
+        for param in command.params:
+            flags.update(o for o in [*param.opts, *getattr(param, "secondary_opts", [])] if o.startswith("--"))
+        for sub in getattr(command, "commands", {}).values():
+            walk(sub)
+
+    walk(typer.main.get_command(build_app()))
+    return flags
+
+
+def test_documented_flags_exist():
+    """A flag the README or docs name is one bertctl (or the benchmark script, or the program) has."""
+    known = cli_flags() | set(OTHER_PROGRAMS_FLAGS)
+    assert "--train-articles" in known and "--minutes" in known  # the walk reached the subcommands
+    for script in (ROOT / "benchmarks").rglob("*.py"):
+        known |= set(re.findall(r"--[a-z][a-z0-9-]*", script.read_text(encoding="utf-8")))
+    unknown = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        if page.name == "measured.md":
+            continue
+        for flag in sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", page.read_text(encoding="utf-8")))):
+            if flag not in known:
+                unknown.append(f"{page.relative_to(ROOT)}: {flag}")
+    assert not unknown, "\n".join(unknown)
