@@ -104,17 +104,15 @@ def check_training(*, batch_size=None, micro_batch_size=None, lr=None, max_steps
     positive("--log-every", log_every)
     if dropout is not None:
         fraction("--dropout", dropout)
-    if precision is not None:
-        choice("--precision", precision, ("auto", "bf16", "fp16", "fp32"))
-    if attn is not None:
-        from bertctl.runtime import ATTENTION_CHOICES
+    from bertctl.runtime import ATTENTION_CHOICES, DROPOUT_MASK_CHOICES, KERNEL_CHOICES, PRECISION_CHOICES
 
+    if precision is not None:
+        choice("--precision", precision, PRECISION_CHOICES)
+    if attn is not None:
         choice("--attn", attn, ATTENTION_CHOICES)
     if kernels is not None:
-        choice("--kernels", kernels, ("auto", "fused", "torch"))
+        choice("--kernels", kernels, KERNEL_CHOICES)
     if dropout_masks is not None:
-        from bertctl.runtime import DROPOUT_MASK_CHOICES
-
         choice("--dropout-masks", dropout_masks, DROPOUT_MASK_CHOICES)
 
 

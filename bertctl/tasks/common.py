@@ -13,6 +13,7 @@ import torch
 from bertctl.errors import BertctlError
 from bertctl.io import write_json
 from bertctl.progress import MetricsLog, stderr
+from bertctl.runtime import Runtime
 from bertctl.tasks.trainer import FinetuneConfig, TrainResult, fine_tune, lr_sweep_values, runtime_of, with_lr
 
 MODEL_SUBDIR = "model"
@@ -43,19 +44,20 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | None = None,
-                        cfg: FinetuneConfig | None = None, **head) -> torch.nn.Module:
+                        cfg: FinetuneConfig | None = None, runtime: Runtime | None = None, **head) -> torch.nn.Module:
     """A pretrained encoder (bertctl's or Hugging Face's) with a freshly initialised task head.
 
     ``head`` sets num_labels / id2label / label2id / problem_type in the config, so the saved
     model carries its label names. ``dropout`` overrides hidden and attention dropout. With
     ``cfg.from_scratch`` the directory gives only the architecture (config.json): every weight is
-    initialised afresh, the paper's "no pretraining" baseline.
+    initialised afresh, the paper's "no pretraining" baseline. ``runtime``: the command's, resolved once
+    (default: ``cfg``'s).
     """
     from bertctl.checkpoints.hf import load_config, load_pretrained
 
     overrides = dict(head)
     if cfg is not None:  # runtime choices over the same weights
-        overrides.update(runtime_of(cfg).model_overrides())
+        overrides.update((runtime or runtime_of(cfg)).model_overrides())
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     if cfg is not None and cfg.from_scratch:
@@ -111,7 +113,8 @@ def is_main_process() -> bool:
 
 def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: FinetuneConfig, *,
                      evaluate: Callable[[torch.nn.Module, Any], dict], main_metric: str, output: Path,
-                     lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None) -> SweepOutcome:
+                     lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None,
+                     runtime: Runtime | None = None) -> SweepOutcome:
     """Fine-tune once, or once per lr of the paper's grid, keeping the best on dev (``main_metric``).
 
     With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
@@ -126,7 +129,7 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
         return user_build()
     if len(lrs) == 1:
         result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
-                           output_dir=output, resume=resume and _has_checkpoint(output), log=log)
+                           output_dir=output, resume=resume and _has_checkpoint(output), log=log, runtime=runtime)
         return SweepOutcome(result, cfg.train.lr, [{"lr": cfg.train.lr, "dev": result.best}])
     from bertctl.checkpoints.hf import load_state, save_pretrained
 
@@ -144,7 +147,7 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
             stderr.print(f"lr sweep: lr {lr:g}")
             result = fine_tune(build_model(), train_features, with_lr(cfg, lr), evaluate=evaluate,
                                main_metric=main_metric, output_dir=run_dir,
-                               resume=resume and _has_checkpoint(run_dir), log=log)
+                               resume=resume and _has_checkpoint(run_dir), log=log, runtime=runtime)
             record = {"lr": lr, "dev": result.best, "examples_per_second": result.examples_per_second}
             if is_main_process():
                 save_pretrained(result.model, run_dir / MODEL_SUBDIR)

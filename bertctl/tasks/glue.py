@@ -441,8 +441,10 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
         problem_type="single_label_classification")
     main = main_metric_name(data)
 
+    runtime = runtime_of(cfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
     def build():
-        return common.load_for_finetuning(BertForSequenceClassification, model_dir, dropout=dropout, cfg=cfg, **head)
+        return common.load_for_finetuning(BertForSequenceClassification, model_dir,
+                                          dropout=dropout, cfg=cfg, runtime=runtime, **head)
 
     last = common.LastEvaluation()
 
@@ -455,7 +457,8 @@ def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg:
 
     with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
-                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log,
+                                          runtime=runtime)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model

@@ -195,8 +195,10 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
     valid_feats = featurize(valid, tokenizer, None, max_seq_length)
     head = dict(id2label=dict(enumerate(labels)), label2id=label_to_id)
 
+    runtime = runtime_of(tcfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
     def build():
-        return common.load_for_finetuning(BertForTokenClassification, model_dir, dropout=dropout, cfg=tcfg, **head)
+        return common.load_for_finetuning(BertForTokenClassification, model_dir,
+                                          dropout=dropout, cfg=tcfg, runtime=runtime, **head)
 
     def evaluate(model, shards):
         tags, _ = _predict_tags(model, valid, tokenizer, labels, tcfg, max_seq_length, False, valid_feats, shards)
@@ -206,7 +208,8 @@ def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path
     with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
                                           main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
-                                          resume=resume, log=log)
+                                          resume=resume, log=log,
+                                          runtime=runtime)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model

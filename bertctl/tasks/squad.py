@@ -410,8 +410,10 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
     dev_features = featurize(dev, tokenizer, scfg, training=False, contexts=dev_contexts)
     main = "f1"
 
+    runtime = runtime_of(tcfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
     def build():
-        return common.load_for_finetuning(BertForQuestionAnswering, model_dir, dropout=dropout, cfg=tcfg)
+        return common.load_for_finetuning(BertForQuestionAnswering, model_dir,
+                                          dropout=dropout, cfg=tcfg, runtime=runtime)
 
     last = common.LastEvaluation()
 
@@ -423,7 +425,8 @@ def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output
 
     with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_features, tcfg, evaluate=evaluate, main_metric=main,
-                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log,
+                                          runtime=runtime)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model

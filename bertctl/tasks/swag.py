@@ -134,8 +134,9 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: FinetuneConfig, 
     dev_feats = featurize(dev, tokenizer, max_seq_length)
     gold = [e.label for e in dev]
 
+    runtime = runtime_of(tcfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
     def build():
-        return common.load_for_finetuning(BertForMultipleChoice, model_dir, dropout=dropout, cfg=tcfg)
+        return common.load_for_finetuning(BertForMultipleChoice, model_dir, dropout=dropout, cfg=tcfg, runtime=runtime)
 
     last = common.LastEvaluation()
 
@@ -145,7 +146,8 @@ def run_finetune(train_path, dev_path, model_dir, output, tcfg: FinetuneConfig, 
 
     with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
         outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
-                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log)
+                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log,
+                                          runtime=runtime)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
             return {}
         model = outcome.result.model

@@ -70,8 +70,8 @@ def runtime_of(cfg: FinetuneConfig) -> Runtime:
 
 def eager_ddp_note(runtime: Runtime, world_size: int, graphs_on: bool) -> str | None:
     """A note for several GPUs stepping eagerly: at fine-tuning's batches each step waits on the host
-    issuing its kernels, which DDP adds to, so more GPUs can be slower than one (measured: BERT-Large
-    on SQuAD, 16 rows a GPU, 2 H200s at 0.74x one, ``finetune-ddp-squad-large-eager-*.json``)."""
+    issuing its kernels, which DDP adds to, so more GPUs can be slower than one
+    (``benchmarks/results/finetune-ddp-squad-large-eager-*.json``; the note gives its figure)."""
     if world_size < 2 or runtime.device_type != "cuda" or graphs_on:
         return None
     why = runtime.graphs_unsupported or "--no-cuda-graphs"
@@ -207,18 +207,19 @@ def total_steps(num_features: int, cfg: FinetuneConfig, world_size: int = 1) -> 
 def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: FinetuneConfig, *,
               evaluate: Callable[[torch.nn.Module, distributed.Dist], dict] | None = None,
               main_metric: str | None = None, output_dir: str | Path | None = None, resume: bool = False,
-              log: MetricsLog | None = None) -> TrainResult:
+              log: MetricsLog | None = None, runtime: Runtime | None = None) -> TrainResult:
     """Fine-tune ``model`` on ``train_features``; evaluate after every epoch (shared by the processes).
 
     ``evaluate(model, shards)`` returns a metrics dict, predicting with ``predict(..., shards=shards)``;
-    ``main_metric`` names the key that picks the best epoch when ``cfg.select_best``. Checkpoints go to ``output_dir/checkpoints/`` (epoch ends,
-    every ``save_every`` steps, and on SIGINT/SIGTERM, after which ``Stopped`` ends the process
+    ``main_metric`` names the key that picks the best epoch when ``cfg.select_best``; ``runtime``: the
+    command's (default: ``cfg``'s). Checkpoints go to ``output_dir/checkpoints/`` (epoch ends, every
+    ``save_every`` steps, and on SIGINT/SIGTERM, after which ``Stopped`` ends the process
     with exit 0); they are removed once the run completes. Returns the model (best epoch's
     weights when ``select_best``, else the last), the evaluation history and the throughput.
     """
     if not train_features:
         raise BertctlError("no training examples")
-    runtime = runtime_of(cfg)
+    runtime = runtime if runtime is not None else runtime_of(cfg)
     dist = _dist(runtime)
     W = dist.world_size
     if cfg.train.batch_size < W:
@@ -280,8 +281,8 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Finet
             checkpoint("epoch")
 
     pin = engine.device.type == "cuda"
-    batches = Prefetcher(task_batches(train_features, cfg.train.batch_size, seed=cfg.train.seed, start_step=engine.step,
-                                      steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
+    batches = Prefetcher(task_batches(train_features, cfg.train.batch_size, seed=cfg.train.seed,
+                                      start_step=engine.step, steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
                                       rank=dist.rank, world_size=W, micro_batch_size=cfg.train.micro_batch_size,
                                       max_steps=steps,
                                       min_shape_steps=cfg.train.graph_min_steps if runtime.cuda_graphs else None),
@@ -289,8 +290,8 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Finet
     config = getattr(model, "config", None)
     long_steps = config is not None and cudnn_training_attention(
         config.hidden_size // config.num_attention_heads,
-        median_step_length(train_features, cfg.train.batch_size, seed=cfg.train.seed, group_by_length=cfg.group_by_length,
-                           world_size=W), steps)
+        median_step_length(train_features, cfg.train.batch_size, seed=cfg.train.seed,
+                           group_by_length=cfg.group_by_length, world_size=W), steps)
     try:
         with contextlib.nullcontext() if long_steps else varied_shapes():
             result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")

@@ -88,11 +88,9 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def seed_step(seed: int, device: torch.device) -> None:
-    """What ``torch.manual_seed(seed)`` does to the generators a training process draws from: the CPU's
-    and, on a GPU, CUDA's, in about 2 us. ``torch.manual_seed`` also queues the seed for backends this
-    process never initialises (XPU, MTIA), formatting the stack each time: 90 us a call on the 2-core
-    CPU at the top of a stack, 306 us 30 frames down, where the training loop runs; a step replayed
-    from a CUDA graph takes 2.2 ms on the GPU for MiniLM at batch 32."""
+    """What ``torch.manual_seed(seed)`` does to the generators a training process draws from (the CPU's
+    and, on a GPU, CUDA's), without its seeding of backends this process never uses, which formats the
+    stack at every call: a cost of the order of a step replayed from a CUDA graph."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed_all(seed)

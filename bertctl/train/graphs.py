@@ -1,12 +1,9 @@
 """Whole-step CUDA graphs: one optimizer step (forward, backward, clipping, AdamW, zeroing) replayed
 as a single graph launch.
 
-Why: a fine-tuning step at batch 32 is bound by the host. BERT-Base's eager step issues ~960 kernels
-in 31.7 ms of host time for 8.4 ms of GPU work on an H100 (``finetune-step-cudagraphs-h100.json``);
-replayed from a graph, the host issues one launch. Pretraining too, wherever a step's GPU work is
-short: on an H100 at sequences of 128, medium at batch 128 ran 2.07x the eager step's sequences/s,
-small at 64 3.6x, mini and tiny at 32 5.5-8x (``pretrain-step-modes-h100-*.json``); where the GPU
-work is longer (medium at batch 128 x 256 on an H200) the two are level.
+Why: a fine-tuning step at batch 32 is bound by the host issuing its ~1,000 kernels; replayed from a
+graph, the host issues one launch (``benchmarks/results/finetune-step-cudagraphs-h100.json``). So is
+pretraining wherever a step's GPU work is short (``pretrain-step-modes-h100-*.json``).
 
 How, and what stays exact:
 
@@ -15,16 +12,10 @@ How, and what stays exact:
   computes on the same tensors, with the same dropout masks. A run that meets more than
   ``max_graphs`` shapes runs the rest eagerly, and so does a shape too rare to repay its capture:
   fine-tuning knows its whole run's batches in advance, so each step comes with the number of steps
-  that share its shapes, and a shape with fewer than ``graph_min_steps`` (``bertctl.config.MIN_SHAPE_STEPS``) runs eagerly. Before that,
-  the loader pads a batch whose length is that rare up to the next common length
-  (``batching.common_lengths``), which attention and the losses mask: eager steps are bound by the
-  host, and do not get faster with more GPUs.
-  A capture (an eager warm-up, the recording, the instantiation) took 0.12 s a shape for MiniLM and
-  0.2-0.3 s for BERT-Base and -Large on an H200; a replay saves at most the host time an eager step
-  spends issuing kernels, about 5-7 ms for MiniLM at batch 32 and little where the GPU work is long,
-  so a shape seen a few times costs more captured than eager. SQuAD's windows at batch 32 make 18
-  shapes in 3 epochs, 7 of them 3 steps or fewer; padded to common lengths, 8 shapes, and 3 eager steps
-  (each epoch's smaller last batch) instead of 82.
+  that share its shapes, and a shape with fewer than ``graph_min_steps`` runs eagerly
+  (``finetune-graph-min-steps-h200-*.json``). Before that, the loader pads a batch whose length is
+  that rare up to the next common length (``batching.common_lengths``), which attention and the
+  losses mask: eager steps are bound by the host, and do not get faster with more GPUs.
 - Inputs are copied into static buffers; the learning rate is a device tensor the scheduler fills
   in place; gradients, AdamW's moments and step counts live at fixed addresses, allocated before the
   first capture; everything the graph allocates comes from one shared memory pool and is dead when a
@@ -38,15 +29,17 @@ How, and what stays exact:
   no trace.
 
 Several processes (torchrun): the graph holds the all-reduces too (NCCL collectives can be
-captured), so DDP's hooks are not used: gradients live in one flat buffer that one captured
-all-reduce averages, and the loss normalisers are summed over ranks inside the graph. NCCL requires
-that every rank captures, and replays, the same collectives at the same steps, so the graph key is
-the *global* step's signature (every rank's shapes, known to every rank from the global batch), not
-this rank's shapes alone: all ranks then hit, capture or fall back to eager at the same steps.
+captured), so DDP's hooks are not used: gradients live in one flat buffer that
+``distributed.GradientReducer`` sums over ranks in buckets (the loss scales are 1 / the global count,
+so a sum is the one-process gradient), and the loss normalisers are summed over ranks inside the
+graph. NCCL requires that every rank captures, and replays, the same collectives at the same steps,
+so the graph key is the *global* step's signature (every rank's shapes, known to every rank from the
+global batch), not this rank's shapes alone: all ranks then hit, capture or fall back to eager at
+the same steps.
 
-What cannot be captured runs eagerly and the engine says so at start: fp16 (its loss scaler decides
-on the host whether to skip a step), LAMB (host-side step count), ``torch.compile`` (its own graphs)
-and the unpadded attention (data-dependent sizes).
+What cannot be captured runs eagerly, and ``bertctl.runtime.graphs_unsupported`` says why: fp16 (its
+loss scaler decides on the host whether to skip a step), LAMB (host-side step count),
+``torch.compile`` (its own graphs) and the unpadded attention (data-dependent sizes).
 """
 from __future__ import annotations
 

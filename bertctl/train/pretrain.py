@@ -48,12 +48,9 @@ from bertctl.train.optim import build_scheduler
 
 
 #: Default peak learning rate of each ``--model-size`` preset (AdamW, post-LN BERT, warm-up 6% of the
-#: run), the same at every batch size. A post-LN BERT collapses (MLM accuracy pinned at the majority
-#: token, NSP at the class prior) when the lr is too high for its warm-up. At batch 2048 with 500
-#: steps (a 30-step warm-up) the batch-256 values are the stable ones: the square-root rule for Adam
-#: (base 2.8e-4, large 1.4e-4) and large at 1e-4 all collapsed there, on an H100. Large at 5e-5 and
-#: batch 2048 spends its first ~250 steps at the unigram stage and then learns (held-out MLM 0.166
-#: after 2,000 steps, above its batch-256 run's 0.110).
+#: run), the same at every batch size: a post-LN BERT collapses (MLM accuracy pinned at the majority
+#: token, NSP at the class prior) when the lr is too high for its warm-up, and scaling the lr up with
+#: the batch did so at batch 2048 (``benchmarks/results/convergence-preset-large-2048-*.json``).
 PRESET_LR = {"tiny": 1e-3, "mini": 1e-3, "small": 5e-4, "medium": 3e-4, "base": 1e-4, "large": 5e-5}
 
 
@@ -152,8 +149,8 @@ def memorising_note(train: dict | None, held_out: dict | None, passes: float) ->
     training accuracy well above the held-out one. MLM: more (different) text then helps more than
     more steps. NSP: the model knows its training text, so a "next" segment cut from it is easy to
     tell and one from an unseen document is not (training NSP accuracy near 1, held-out far below).
-    It is the text, not the pairs, that it learns: built with 20 passes, so that each pair was seen
-    about once, the convergence benchmark's data gave the same gap (bd90980)."""
+    It is the text, not the pairs, that it learns: data built with each pair seen about once gave the
+    same gap."""
     if not train or not held_out or passes < 2:
         return None
     notes = []
