@@ -517,7 +517,8 @@ def summary_markdown(summary: dict) -> str:
             value = f"{table[column]:.1f}" if column in table else None
         cells.append(value if value is not None else ("failed" if task in present else "–"))
     average = "–" if summary["average"] is None else f"{summary['average']:.1f}"
-    name = Path(summary["model"]).name or summary["model"]
+    model = Path(summary["model"])
+    name = model.parent.name if model.name == "model" else model.name  # a package's or a finetune OUT's model/
     lines = [f"# GLUE dev results: {name}", "",
              "Scores on the dev sets, as the paper's Table 1 reports them on test: F1 for QQP and MRPC, Spearman "
              "for STS-B, Matthews correlation for CoLA, accuracy for the others. The average is over the columns "
@@ -558,3 +559,90 @@ def summary_markdown(summary: dict) -> str:
             lines.append(f"Not there (the GLUE server wants every file): {', '.join(sub['missing'])}.")
         lines.append("")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ from finetune glue's flags
+
+# finetune glue's parameters the suite reads itself; its other given flags go to every run as they came.
+SUITE_PARAMS = ("task", "data_dir", "model", "output", "lr", "lr_sweep", "batch_size", "epochs", "seed",
+                "max_seq_length", "device", "no_progress", "resume", "restarts", "grid", "devices", "parallel")
+OWN_DATA_PARAMS = ("train", "dev", "text_column", "text_pair_column", "label_column", "regression")
+
+
+def wanted(task: str | None, lr: str, batch_size: str, epochs: str, restarts: int, grid: str | None) -> bool:
+    """Whether finetune glue's flags ask for the protocol (--task all, --restarts, --grid or a list of values)
+    rather than one fine-tuning run."""
+    lists = any("," in str(v) for v in (lr, batch_size, epochs))
+    return task == "all" or restarts != 1 or grid is not None or lists
+
+
+def one_setting(lr: str, batch_size: str, epochs: str) -> tuple[float, int, float]:
+    """A single run's --lr, --batch-size and --epochs, as numbers."""
+    return (parse_list("--lr", lr, float)[0], parse_list("--batch-size", batch_size, int)[0],
+            parse_list("--epochs", epochs, float)[0])
+
+
+def passthrough(ctx, skip: Sequence[str]) -> tuple[str, ...]:
+    """The flags given on the command line (not defaults), except ``skip``, written back as flags."""
+    from click.core import ParameterSource
+
+    args: list[str] = []
+    for param in ctx.command.params:
+        if param.name in skip or ctx.get_parameter_source(param.name) not in (ParameterSource.COMMANDLINE,
+                                                                               ParameterSource.ENVIRONMENT):
+            continue
+        value = ctx.params[param.name]
+        if getattr(param, "is_flag", False):
+            if value:
+                args.append(param.opts[0])
+            elif param.secondary_opts:
+                args.append(param.secondary_opts[0])
+        elif value is not None:
+            args += [param.opts[0], str(value)]
+    return tuple(args)
+
+
+def from_cli(ctx) -> dict:
+    """Run the suite from finetune glue's parsed flags (``ctx``: its click context)."""
+    from click.core import ParameterSource
+
+    p = ctx.params
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+
+    own = [f"--{n.replace('_', '-')}" for n in OWN_DATA_PARAMS if given(n)]
+    if own:
+        raise BertctlError(f"{', '.join(own)}: the suite runs the GLUE tasks of --data-dir; own data takes one run")
+    if p["task"] is None or p["data_dir"] is None:
+        raise BertctlError("the suite needs --task (all, or one GLUE task) and --data-dir (a GLUE folder, or the "
+                           "task's)")
+    lrs = parse_list("--lr", p["lr"], float)
+    batch_sizes = parse_list("--batch-size", p["batch_size"], int)
+    epochs = parse_list("--epochs", p["epochs"], float)
+    if p["grid"] is not None:
+        if p["grid"] != "paper":
+            raise BertctlError(f"--grid: 'paper' (Appendix A.3), not {p['grid']!r}; lists such as --lr 5e-5,3e-5 "
+                               "--batch-size 16,32 --epochs 2,3 make your own")
+        clash = [f"--{n.replace('_', '-')}" for n in ("lr", "batch_size", "epochs", "lr_sweep") if given(n)]
+        if clash:
+            raise BertctlError(f"--grid paper sets the learning rates, batch sizes and epochs; drop {', '.join(clash)}")
+        lrs, batch_sizes, epochs = PAPER_GRID["lr"], PAPER_GRID["batch_size"], PAPER_GRID["epochs"]
+    elif p["lr_sweep"]:
+        if given("lr"):
+            raise BertctlError("--lr-sweep runs the paper's learning rates (5e-5, 4e-5, 3e-5, 2e-5); drop --lr, or "
+                               "give your own list as --lr")
+        lrs = LR_SWEEP
+    devices = None
+    if p["devices"] is not None:
+        devices = tuple(d.strip() for d in p["devices"].split(",") if d.strip())
+        if not devices or not all(d.isdigit() for d in devices):
+            raise BertctlError(f"--devices: CUDA device numbers such as 0,1, not {p['devices']!r}")
+    if p["parallel"] is not None and p["parallel"] < 1:
+        raise BertctlError(f"--parallel must be 1 or more, not {p['parallel']}")
+    cfg = SuiteConfig(data_dir=Path(p["data_dir"]), model=Path(p["model"]), output=Path(p["output"]),
+                      tasks=None if p["task"] == "all" else (p["task"],), lrs=lrs, batch_sizes=batch_sizes,
+                      epochs=epochs, restarts=p["restarts"], seed=p["seed"], device=p["device"], devices=devices,
+                      parallel=p["parallel"], finetune_args=passthrough(ctx, SUITE_PARAMS), resume=p["resume"],
+                      max_seq_length=p["max_seq_length"])
+    return run_suite(cfg)
