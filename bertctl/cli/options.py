@@ -50,6 +50,7 @@ DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dr
 WORKERS = typer.Option(None, "--workers", min=1, help="Worker processes (the output does not depend on it).",
                        show_default=f"the usable CPUs, {usable_cpus()} here")
 
+
 def positive(flag: str, value, *, allow_none: bool = True):
     """``value`` > 0 (``None`` allowed where it means "not given"); else one line naming the flag."""
     if value is None:
