@@ -66,6 +66,10 @@ class BertTokenizer(Tokenizer):
         if missing:
             raise BertctlError(f"vocabulary lacks the special token(s) {' '.join(missing)}")
         self.basic = BasicTokenizer(do_lower_case, strip_accents, tokenize_chinese_chars)
+        # Its settings, as tokenizer_config.json names them; plain attributes, read on every uncached chunk.
+        self.do_lower_case = self.basic.do_lower_case
+        self.strip_accents = self.basic.strip_accents
+        self.tokenize_chinese_chars = self.basic.tokenize_chinese_chars
         self.model_max_length = int(model_max_length)
         self.pad_token_id = self.vocab["[PAD]"]
         self.unk_token_id = self.vocab["[UNK]"]
@@ -88,19 +92,6 @@ class BertTokenizer(Tokenizer):
         for key in ("_chunk_cache", "_word_cache", "_basic_cache"):
             state[key] = {}
         return state
-
-    # The basic tokenizer's settings, as tokenizer_config.json names them.
-    @property
-    def do_lower_case(self) -> bool:
-        return self.basic.do_lower_case
-
-    @property
-    def strip_accents(self) -> bool | None:
-        return self.basic.strip_accents
-
-    @property
-    def tokenize_chinese_chars(self) -> bool:
-        return self.basic.tokenize_chinese_chars
 
     # ------------------------------------------------------------------ construction / files
     @property
