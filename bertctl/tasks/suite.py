@@ -245,6 +245,12 @@ def _free_gpu_bytes(device: str) -> float | None:
                               physical], capture_output=True, text=True, timeout=30, check=True).stdout
         return float(out.strip().splitlines()[0]) * 2**20
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    try:  # no nvidia-smi: the GPU's whole memory (reading it creates no CUDA context here)
+        import torch
+
+        return float(torch.cuda.get_device_properties(int(device)).total_memory)
+    except Exception:
         return None
 
 
