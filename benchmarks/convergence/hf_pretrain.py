@@ -37,7 +37,7 @@ from bertctl.bench import harness  # noqa: E402
 from bertctl.bench.model import hf_model  # noqa: E402
 from bertctl.config import BertConfig  # noqa: E402
 from bertctl.data import PretrainingData  # noqa: E402
-from bertctl.data.batching import trim  # noqa: E402
+from bertctl.data.batching import pretraining_batches, trim  # noqa: E402
 from bertctl.train.pretrain import PRESET_LR  # noqa: E402
 
 IGNORE = -100
@@ -70,7 +70,7 @@ def evaluate(model, data: PretrainingData, batch_size: int, n_batches: int, seed
     model.eval()
     n = max(1, min(n_batches, data.steps_per_epoch(batch_size)))
     mlm_sum = mlm_ok = n_masked = nsp_ok = n_seq = 0.0
-    for _, batch in zip(range(n), data.batches(batch_size, seed=seed, epoch=0)):
+    for _, batch in zip(range(n), pretraining_batches(data, batch_size, seed=seed, epoch=0)):
         b = to_hf(batch, device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = model(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"],
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     pace_mark, anchor = None, None
     epoch = 0
     while step < total:
-        for batch in data.batches(a.batch_size, seed=a.seed, epoch=epoch):
+        for batch in pretraining_batches(data, a.batch_size, seed=a.seed, epoch=epoch):
             if step >= total:
                 break
             t0 = time.perf_counter()

@@ -6,9 +6,9 @@
 - by length: ``length_batches``, the longest texts first under a padded-token budget
   (``BATCH_TOKENS``), for inference (embedding, fine-tuning's evaluations);
 - epoch order: ``epoch_batches``, one epoch of a task's global batches as a pure function of
-  (seed, epoch), so a resumed run seeks instead of replaying; ``bucketed_batches``, pretraining's
-  shards (``PretrainingData``, whose own ``batches`` is the shards' plain epoch order) in
-  length-bucketed order;
+  (seed, epoch), so a resumed run seeks instead of replaying; ``pretraining_batches`` and
+  ``bucketed_batches``, pretraining's shards (``PretrainingData``) in their plain epoch order and
+  in length-bucketed order;
 - steps: ``task_step`` / ``task_batches`` and ``pretraining_step`` cut this rank's part of a global
   batch into micro-batches for gradient accumulation and count the work and each loss term's
   normaliser (``StepBatch``);
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from bertctl.config import IGNORE_INDEX
+from bertctl.errors import BertctlError
 
 if TYPE_CHECKING:
     import torch
@@ -151,6 +152,29 @@ def pretraining_step(batch: dict[str, torch.Tensor], micro_batch_size: int, mult
               "attn_pairs": float((lengths * lengths).sum()),
               "padded_tokens": float(sum(m["input_ids"].numel() for m in micro))}
     return StepBatch(micro, counts)
+
+
+def pretraining_batches(data, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0,
+                        rank: int = 0, world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
+    """One epoch of ``PretrainingData`` from ``start_step`` on, in its plain order: the epoch's permutation
+    (the data set's, from (seed, epoch)) cut into global batches, batch ``k`` being ``perm[k*G:(k+1)*G]``,
+    of which rank ``r`` of ``world_size`` takes the ``r``-th contiguous slice. So N ranks together see
+    exactly what one process sees, and ``start_step`` seeks to batch ``k`` without reading the ones
+    before it. Tensors are CPU int64, ``max_seq_length`` wide (``trim`` cuts the padding)."""
+    if global_batch_size < 1 or global_batch_size % world_size:
+        raise BertctlError(f"global batch size {global_batch_size} must be a positive multiple of "
+                           f"world size {world_size}")
+    if not 0 <= rank < world_size:
+        raise BertctlError(f"rank {rank} not in [0, {world_size})")
+    steps = data.steps_per_epoch(global_batch_size)
+    if steps == 0:
+        raise BertctlError(f"{data.dir}: {data.num_instances} instances in split {data.split!r}, fewer than one "
+                           f"global batch of {global_batch_size}")
+    perm = data.permutation(seed, epoch)
+    b = global_batch_size // world_size
+    for k in range(start_step, steps):
+        idx = perm[k * global_batch_size + rank * b : k * global_batch_size + (rank + 1) * b]
+        yield data.collate(idx, seed=seed, epoch=epoch)
 
 
 def bucketed_batches(data, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0,

@@ -1,12 +1,10 @@
-"""``PretrainingData``: memory-mapped shards -> batches for pretraining.
+"""``PretrainingData``: the reader of a ``bertctl build-data`` folder's memory-mapped shards.
 
-Epoch order is one permutation of all instances drawn from ``(seed, epoch)``;
-global batch ``k`` is ``perm[k*G:(k+1)*G]`` and rank ``r`` of ``world_size``
-takes its ``r``-th contiguous slice, so N ranks together see exactly what one
-process sees, and ``start_step`` seeks to batch ``k`` without reading the ones
-before it.  Shards built with dynamic masking are masked here, from
-``(seed, epoch, instance index)``: new masks every epoch, the same masks on
-every rerun.
+It gives records by global instance index (``records``), an epoch's instance order drawn from
+``(seed, epoch)`` (``permutation``) and a batch of instances (``collate``); the batch iterators
+over it are ``bertctl.data.batching.pretraining_batches`` (the plain epoch order) and
+``bucketed_batches``.  Shards built with dynamic masking are masked here, from
+``(seed, epoch, instance index)``: new masks every epoch, the same masks on every rerun.
 
 The data's objective (``objective``: ``"mlm-nsp"`` pairs with NSP labels, or ``"mlm"``
 one-segment instances without them) comes from the manifest; folders built before
@@ -29,8 +27,6 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Iterator
-
 import numpy as np
 import torch
 
@@ -178,25 +174,6 @@ class PretrainingData:
         perm = np.arange(self.num_instances, dtype=dtype)
         np.random.default_rng([seed, epoch]).shuffle(perm)
         return perm
-
-    def batches(self, global_batch_size: int, *, seed: int, epoch: int = 0, start_step: int = 0, rank: int = 0,
-                world_size: int = 1) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches of one epoch from ``start_step`` on (see the module docstring); tensors are CPU int64,
-        ``max_seq_length`` wide (the batch loader, ``bertctl.data.batching``, trims the padding)."""
-        if global_batch_size < 1 or global_batch_size % world_size:
-            raise BertctlError(f"global batch size {global_batch_size} must be a positive multiple of "
-                               f"world size {world_size}")
-        if not 0 <= rank < world_size:
-            raise BertctlError(f"rank {rank} not in [0, {world_size})")
-        steps = self.steps_per_epoch(global_batch_size)
-        if steps == 0:
-            raise BertctlError(f"{self.dir}: {self.num_instances} instances in split {self.split!r}, fewer than one "
-                               f"global batch of {global_batch_size}")
-        perm = self.permutation(seed, epoch)
-        b = global_batch_size // world_size
-        for k in range(start_step, steps):
-            idx = perm[k * global_batch_size + rank * b : k * global_batch_size + (rank + 1) * b]
-            yield self.collate(idx, seed=seed, epoch=epoch)
 
     def _special_ids(self) -> SpecialIds:
         if self._special is None:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from bertctl.checkpoints import training
 from bertctl.config import IGNORE_INDEX, PretrainConfig
-from bertctl.data.batching import Prefetcher, bucketed_batches, pretraining_step, trim
+from bertctl.data.batching import Prefetcher, bucketed_batches, pretraining_batches, pretraining_step, trim
 from bertctl.errors import BertctlError
 from bertctl.model import masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
@@ -375,7 +375,7 @@ class Trainer:
             if self.cfg.bucket_lengths:
                 yield from bucketed_batches(self.data, self.cfg.train.batch_size, **kw)
             else:
-                yield from self.data.batches(self.cfg.train.batch_size, **kw)
+                yield from pretraining_batches(self.data, self.cfg.train.batch_size, **kw)
             epoch, k = epoch + 1, 0
 
     # ----------------------------------------------------------------- eval
@@ -396,8 +396,8 @@ class Trainer:
         self.model.eval()
         sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         label_hist = None
-        it = self.eval_data.batches(G, seed=self.cfg.train.seed, epoch=0, start_step=0, rank=self.dist.rank,
-                                    world_size=W)
+        it = pretraining_batches(self.eval_data, G, seed=self.cfg.train.seed, epoch=0, start_step=0,
+                                 rank=self.dist.rank, world_size=W)
         for _, batch in zip(range(n), it):
             mb = to_device(trim(batch), self.device)
             with autocast(self.precision, self.device):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from bertctl.data.batching import pretraining_batches
 from bertctl.data.build import build_data
 from bertctl.data.config import DataConfig
 from bertctl.data.dataset import PretrainingData
@@ -41,7 +42,7 @@ def test_open_and_contract(built, minilm_vocab, tokenizer):
     PretrainingData(built / "static", vocab=tokenizer)  # a tokenizer works as well as a path
     G = 24
     assert ds.steps_per_epoch(G) == ds.num_instances // G
-    batch = next(ds.batches(G, seed=0))
+    batch = next(pretraining_batches(ds, G, seed=0))
     assert set(batch) == {"input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels",
                           "next_sentence_label"}
     assert all(t.dtype == torch.int64 for t in batch.values())
@@ -86,7 +87,7 @@ def test_corrupted_shard_is_detected(built, tmp_path):
         PretrainingData(bad)
     lazy = PretrainingData(bad, verify="lazy")  # big data sets: checked on first touch, before use
     with pytest.raises(BertctlError, match=f"{shard.name}.*corrupted"):
-        for _ in lazy.batches(64, seed=0):
+        for _ in pretraining_batches(lazy, 64, seed=0):
             pass
     shard.write_bytes(bytes(data[:-10]))
     with pytest.raises(BertctlError, match=f"{shard.name}.*size"):
@@ -96,34 +97,35 @@ def test_corrupted_shard_is_detected(built, tmp_path):
 def test_ranks_together_see_one_process(built):
     ds = PretrainingData(built / "static")
     G, W = 32, 4
-    single = list(ds.batches(G, seed=3, epoch=1))
-    per_rank = [list(ds.batches(G, seed=3, epoch=1, rank=r, world_size=W)) for r in range(W)]
+    single = list(pretraining_batches(ds, G, seed=3, epoch=1))
+    per_rank = [list(pretraining_batches(ds, G, seed=3, epoch=1, rank=r, world_size=W)) for r in range(W)]
     assert all(len(p) == len(single) == ds.steps_per_epoch(G) for p in per_rank)
     for k, batch in enumerate(single):
         for key, value in batch.items():
             assert torch.equal(torch.cat([per_rank[r][k][key] for r in range(W)]), value), (k, key)
     with pytest.raises(BertctlError, match="multiple"):
-        next(ds.batches(30, seed=0, world_size=4))
+        next(pretraining_batches(ds, 30, seed=0, world_size=4))
 
 
 def test_epoch_order_and_seek(built):
     ds = PretrainingData(built / "static")
     G = 64
-    first = [b["input_ids"] for b in ds.batches(G, seed=5)]
-    again = [b["input_ids"] for b in ds.batches(G, seed=5)]
-    other = [b["input_ids"] for b in ds.batches(G, seed=5, epoch=1)]
+    first = [b["input_ids"] for b in pretraining_batches(ds, G, seed=5)]
+    again = [b["input_ids"] for b in pretraining_batches(ds, G, seed=5)]
+    other = [b["input_ids"] for b in pretraining_batches(ds, G, seed=5, epoch=1)]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(first[0], other[0])
     # one epoch is a permutation: every instance once (rows compared as bytes)
     rows = {r.numpy().tobytes() for b in first for r in b}
-    everything = {r.numpy().tobytes() for b in ds.batches(ds.num_instances, seed=0) for r in b["input_ids"]}
+    everything = {r.numpy().tobytes() for b in pretraining_batches(ds, ds.num_instances, seed=0)
+                  for r in b["input_ids"]}
     assert len(rows) == ds.steps_per_epoch(G) * G and rows <= everything and len(everything) == ds.num_instances
 
     reads = []
     original = ds.records
     ds.records = lambda idx: reads.append(len(idx)) or original(idx)
     k = ds.steps_per_epoch(G) - 2
-    sought = list(ds.batches(G, seed=5, start_step=k))
+    sought = list(pretraining_batches(ds, G, seed=5, start_step=k))
     assert len(sought) == 2 and reads == [G, G]  # no replay of the k batches before
     assert torch.equal(sought[0]["input_ids"], first[k])
 

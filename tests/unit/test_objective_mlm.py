@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from bertctl.data import PretrainingData
+from bertctl.data.batching import pretraining_batches
 from bertctl.data.build import build_data, make_chunks
 from bertctl.data.config import DataConfig
 from bertctl.data.documents import ReadStats, list_inputs, read_documents
@@ -201,7 +202,7 @@ def test_summary_and_manifest(mlm_build, lines_corpus, tokenizer):
     assert "documents_with_fewer_than_2_sentences" not in summary["skipped"]
     data = PretrainingData(out)
     assert data.objective == "mlm" and not data.nsp
-    batch = next(data.batches(32, seed=0))
+    batch = next(pretraining_batches(data, 32, seed=0))
     assert "next_sentence_label" not in batch and not batch["token_type_ids"].any()
     n = batch["attention_mask"].sum(1)
     pos = batch["masked_positions"]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from bertctl.checkpoints import training
+from bertctl.data.batching import pretraining_batches
 from conftest import kill_at_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +93,7 @@ def test_loss_is_mlm_plus_nsp_cross_entropy(trained, data_dir):
     out, _ = trained
     model = load_pretrained(BertForPreTraining, out / "model").eval()
     ds = PretrainingData(data_dir, split="eval")
-    batch = next(ds.batches(16, seed=0, epoch=0))
+    batch = next(pretraining_batches(ds, 16, seed=0, epoch=0))
     t = Trainer(PretrainConfig.of(output=str(out / "x"), data=str(data_dir), eval_batches=1, eval_batch_size=16,
                             device="cpu", seed=0), distributed.Dist(), resolve("cpu"))
     t.data, t.eval_data, t.model, t.model_config, t.precision = ds, ds, model, model.config, "fp32"
@@ -445,12 +446,12 @@ def test_length_bucketed_order_sees_every_instance_with_less_padding(data_dir):
     def key(batch):  # an instance's identity: its real tokens
         return [tuple(r[m.bool()].tolist()) for r, m in zip(batch["input_ids"], batch["attention_mask"])]
 
-    plain = [x for b in ds.batches(G, seed=5, epoch=1) for x in key(b)]
+    plain = [x for b in pretraining_batches(ds, G, seed=5, epoch=1) for x in key(b)]
     bucketed = list(bucketed_batches(ds, G, seed=5, epoch=1, window=64))
     assert len(bucketed) == steps
     assert sorted(x for b in bucketed for x in key(b)) == sorted(plain)
     pad = lambda bs: sum(trim(b)["attention_mask"].numel() - int(b["attention_mask"].sum()) for b in bs)  # noqa: E731
-    assert pad(bucketed) < 0.75 * pad(list(ds.batches(G, seed=5, epoch=1)))  # ~0.45-0.55 seen
+    assert pad(bucketed) < 0.75 * pad(list(pretraining_batches(ds, G, seed=5, epoch=1)))  # ~0.45-0.55 seen
     # Seeking to step 70 (second window) gives steps 70.. exactly; two ranks' slices make up each global batch.
     again = list(bucketed_batches(ds, G, seed=5, epoch=1, start_step=70, window=64))
     assert [key(b) for b in again] == [key(b) for b in bucketed[70:]]
