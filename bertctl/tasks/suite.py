@@ -588,14 +588,17 @@ def one_setting(lr: str, batch_size: str, epochs: str) -> tuple[float, int, floa
             parse_list("--epochs", epochs, float)[0])
 
 
+def _source(ctx, name: str) -> str | None:
+    """Where a parameter's value came from, by name (Typer may carry its own copy of click's enum)."""
+    source = ctx.get_parameter_source(name)
+    return None if source is None else source.name
+
+
 def passthrough(ctx, skip: Sequence[str]) -> tuple[str, ...]:
     """The flags given on the command line (not defaults), except ``skip``, written back as flags."""
-    from click.core import ParameterSource
-
     args: list[str] = []
     for param in ctx.command.params:
-        if param.name in skip or ctx.get_parameter_source(param.name) not in (ParameterSource.COMMANDLINE,
-                                                                               ParameterSource.ENVIRONMENT):
+        if param.name in skip or _source(ctx, param.name) not in ("COMMANDLINE", "ENVIRONMENT"):
             continue
         value = ctx.params[param.name]
         if getattr(param, "is_flag", False):
@@ -610,12 +613,10 @@ def passthrough(ctx, skip: Sequence[str]) -> tuple[str, ...]:
 
 def from_cli(ctx) -> dict:
     """Run the suite from finetune glue's parsed flags (``ctx``: its click context)."""
-    from click.core import ParameterSource
-
     p = ctx.params
 
     def given(name: str) -> bool:
-        return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+        return _source(ctx, name) == "COMMANDLINE"
 
     own = [f"--{n.replace('_', '-')}" for n in OWN_DATA_PARAMS if given(n)]
     if own:

@@ -9,9 +9,12 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
+import typer
+from typer.testing import CliRunner
 
 from bertctl.errors import BertctlError
 from bertctl.tasks import glue, leaderboard, suite
@@ -245,3 +248,27 @@ def test_runs_side_by_side_one_at_a_time_on_the_cpu_and_again_after_running_out_
     suite.run_jobs(jobs, [slot], poll=0.02)
     assert [j.returncode for j in jobs] == [0, 0] and jobs[1].tries == 2 and slot.capacity == 1
     assert "CUDA out of memory" in (tmp_path / "c1.log").read_text()
+
+
+def test_given_flags_go_to_every_run_as_they_came():
+    """Only the flags given on the command line pass through, written back as flags (both spellings of a
+    --x/--no-x switch, a plain switch, numbers, paths); defaults and the suite's own parameters do not."""
+    seen = {}
+    app = typer.Typer()
+
+    @app.command()
+    def glue(ctx: typer.Context, lr: str = typer.Option("5e-5", "--lr"),
+             max_steps: Optional[int] = typer.Option(None, "--max-steps"),
+             epoch_evals: bool = typer.Option(True, "--epoch-evals/--no-epoch-evals"),
+             compile_: bool = typer.Option(False, "--compile"), dropout: Optional[float] = typer.Option(None, "--dropout"),
+             cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs"),
+             tokenizer: Optional[Path] = typer.Option(None, "--tokenizer"), seed: int = typer.Option(42, "--seed")):
+        seen["args"] = suite.passthrough(ctx, ("lr", "seed"))
+
+    r = CliRunner().invoke(app, ["--lr", "1e-3,2e-3", "--no-epoch-evals", "--max-steps", "7", "--compile",
+                                 "--tokenizer", "/x/y", "--seed", "3", "--no-cuda-graphs"])
+    assert r.exit_code == 0, r.output
+    assert seen["args"] == ("--max-steps", "7", "--no-epoch-evals", "--compile", "--no-cuda-graphs",
+                            "--tokenizer", "/x/y")
+    CliRunner().invoke(app, ["--epoch-evals"])
+    assert seen["args"] == ("--epoch-evals",)
