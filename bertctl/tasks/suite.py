@@ -375,6 +375,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
     predict the test files, and write the summary and the submission. Returns the summary."""
     from bertctl.tasks import leaderboard
 
+    started = time.monotonic()
     check_finetune_args(cfg.finetune_args)
     specs = find_tasks(cfg.data_dir, cfg.tasks)
     points = grid_points(cfg.lrs, cfg.batch_sizes, cfg.epochs, cfg.restarts, cfg.seed)
@@ -426,6 +427,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
         run_jobs(predict_jobs, slots, on_done=predicted)
         submission = leaderboard.write_submission(cfg.output, [(p.spec, p.folder) for p in plans])
         summary = summarise(cfg, results, submission)
+        summary["seconds"] = round(time.monotonic() - started, 1)  # this invocation's wall time, runs skipped too
         write_json(cfg.output / "summary.json", summary)
         with atomic_open(cfg.output / "summary.md", "w", encoding="utf-8") as f:
             f.write(summary_markdown(summary))
@@ -453,7 +455,8 @@ def collect_task(plan: TaskPlan) -> dict:
             continue
         runs.append({"run": point.name, "folder": f"runs/{point.name}", "lr": point.lr,
                      "batch_size": point.batch_size, "epochs": point.epochs, "seed": point.seed,
-                     "score": metrics[metric], "metrics": {k: v for k, v in metrics.items()
+                     "score": metrics[metric], "seconds": (metrics.get("seconds") or {}).get("since_process_start"),
+                     "metrics": {k: v for k, v in metrics.items()
                                                            if isinstance(v, (int, float)) and k not in (
                                                                "lr", "batch_size", "seed", "epochs")}})
     grid = []
