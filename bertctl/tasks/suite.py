@@ -96,7 +96,7 @@ def parse_list(flag: str, text: str | float | int | Sequence, kind: type) -> tup
         except ValueError:
             raise BertctlError(f"{flag}: {item!r} is not a{'n integer' if kind is int else ' number'}") from None
         if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
-            raise BertctlError(f"{flag} values must be greater than 0, not {item}")
+            raise BertctlError(f"{flag} must be greater than 0, not {item}")
         if v in values:
             raise BertctlError(f"{flag}: {item} is given twice")
         values.append(v)
@@ -648,6 +648,8 @@ def from_cli(ctx) -> dict:
         devices = tuple(d.strip() for d in p["devices"].split(",") if d.strip())
         if not devices or not all(d.isdigit() for d in devices):
             raise BertctlError(f"--devices: CUDA device numbers such as 0,1, not {p['devices']!r}")
+    if p["restarts"] < 1:
+        raise BertctlError(f"--restarts must be 1 or more, not {p['restarts']}")
     if p["parallel"] is not None and p["parallel"] < 1:
         raise BertctlError(f"--parallel must be 1 or more, not {p['parallel']}")
     cfg = SuiteConfig(data_dir=Path(p["data_dir"]), model=Path(p["model"]), output=Path(p["output"]),
