@@ -7,6 +7,7 @@ loading torch.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -151,8 +152,10 @@ def resolve_precision(precision: str, device_type: str) -> str:
 # --------------------------------------------------------------------------- kernels and attention
 
 
+@functools.lru_cache(maxsize=1)
 def kernels_built() -> bool:
-    """Whether bertctl's compiled ops loaded, all of them (what ``kernels="auto"`` runs)."""
+    """Whether bertctl's compiled ops loaded, all of them (what ``kernels="auto"`` runs); known once the
+    ops module has loaded, so asked once (the model asks at every sub-layer)."""
     from bertctl import ops
 
     return ops.fused_available()

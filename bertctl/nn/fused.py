@@ -14,15 +14,13 @@ from torch import nn
 from bertctl import ops
 from bertctl.config import GELU_APPROXIMATION, BertConfig
 from bertctl.nn.projections import linear
+from bertctl.runtime import fused_kernels
 
 
 def use_fused(config: BertConfig) -> bool:
-    """Whether the model runs bertctl's fused ops: ``kernels="fused"``, or ``"auto"`` with the compiled
-    module loaded."""
-    if config.kernels == "torch":
-        return False
-    available = ops.fused_available() if hasattr(ops, "fused_available") else False
-    return available or config.kernels == "fused"
+    """Whether the model runs bertctl's fused ops, as ``bertctl.runtime.fused_kernels`` decides for the
+    config's ``kernels``."""
+    return fused_kernels(config.kernels)
 
 
 def own_masks(config: BertConfig) -> bool:
