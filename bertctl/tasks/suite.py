@@ -376,6 +376,9 @@ def run_suite(cfg: SuiteConfig) -> dict:
     from bertctl.tasks import leaderboard
 
     started = time.monotonic()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise BertctlError("the suite starts its own processes: run it without torchrun (--devices 0,1 spreads its "
+                           "runs over GPUs)")
     check_finetune_args(cfg.finetune_args)
     specs = find_tasks(cfg.data_dir, cfg.tasks)
     points = grid_points(cfg.lrs, cfg.batch_sizes, cfg.epochs, cfg.restarts, cfg.seed)
