@@ -74,7 +74,7 @@ def minilm_vocab(minilm_dir) -> Path:
     return minilm_dir / "vocab.txt"
 
 
-# Pretraining shards (tests/unit/test_pretrain.py, tests/gpu/test_pretrain_cuda.py): a tiny BERT's worth
+# Pretraining shards (tests/parity/test_pretrain.py, tests/gpu/test_pretrain_cuda.py): a tiny BERT's worth
 # of real text, a few inaugural addresses, with a small WordPiece vocabulary made here from the same text.
 PRETRAIN_FILES = ("1789-Washington", "1861-Lincoln", "1933-Roosevelt", "1961-Kennedy", "1801-Jefferson",
                   "1913-Wilson", "1981-Reagan", "1865-Lincoln")

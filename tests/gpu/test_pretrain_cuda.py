@@ -1,7 +1,7 @@
 """Pretraining on a GPU (marked cuda): a run killed and resumed continues its loss curve within
 the run-to-run noise of bf16 GPU training, and fp16 with loss scaling trains.
 
-Same shards as tests/unit/test_pretrain.py (conftest's data_dir: a few inaugural addresses, a small
+Same shards as tests/parity/test_pretrain.py (conftest's data_dir: a few inaugural addresses, a small
 WordPiece vocabulary); a mini BERT (4 layers, hidden 256), so each run takes seconds.
 """
 from __future__ import annotations
