@@ -3,7 +3,9 @@ selection on dev, the Table 1 summary and the GLUE server's submission files.
 
 Each fine-tuning run is its own ``bertctl finetune glue`` process writing its own folder, so one engine
 trains every run, runs go side by side (several on a GPU, one per slot) and an interrupted suite resumes
-run by run: a finished run is skipped, an unfinished one continues from its checkpoint.
+run by run: a finished run is skipped, an unfinished one continues from its checkpoint. The output folder
+follows ``bertctl.rundir``'s rule with one difference: a suite is never marked finished as a whole (its runs
+are), so ``--resume`` on a complete suite rewrites the summary and runs only what a larger grid adds.
 
 Layout of the output folder::
 
@@ -382,9 +384,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
     check_finetune_args(cfg.finetune_args)
     specs = find_tasks(cfg.data_dir, cfg.tasks)
     points = grid_points(cfg.lrs, cfg.batch_sizes, cfg.epochs, cfg.restarts, cfg.seed)
-    claim = rundir.claim(cfg.output, command=COMMAND, resume=cfg.resume, started=_started,
-                         outputs=("summary.*", "submission*", *(s.folder for s in specs)))
-    with claim:
+    with rundir.claim(cfg.output, command=COMMAND, resume=cfg.resume, started=_started):
         plans = [TaskPlan(s, cfg.output / s.folder, list(points)) for s in specs]
         slots = plan_slots(cfg.device, cfg.devices, cfg.parallel, cfg.model, max(cfg.batch_sizes),
                            cfg.max_seq_length, len(plans) * len(points))
@@ -434,8 +434,6 @@ def run_suite(cfg: SuiteConfig) -> dict:
         write_json(cfg.output / "summary.json", summary)
         with atomic_open(cfg.output / "summary.md", "w", encoding="utf-8") as f:
             f.write(summary_markdown(summary))
-        if all(r["status"] == "ok" and not r["failed_runs"] for r in results):
-            claim.finish(tasks=[r["task"] for r in results])
     sys.stdout.write(json.dumps({"summary": str(cfg.output / "summary.json"), "table1": summary["table1"],
                                  "average": summary["average"]}, indent=2) + "\n")
     sys.stdout.flush()
