@@ -130,11 +130,13 @@ def run_finished(folder: Path) -> bool:
 
 @dataclass
 class Job:
-    """One process of the suite: ``argv`` run with ``log`` as its stdout and stderr."""
+    """One process of the suite: ``argv`` run with ``log`` as its stdout and stderr; ``--resume`` is added when
+    ``resume_dir`` exists at the start (an earlier try's folder, with its checkpoint if it got that far)."""
 
     name: str
     argv: list[str]
     log: Path
+    resume_dir: Path | None = None
     cwd: Path | None = None
     returncode: int | None = None
     seconds: float = 0.0
@@ -184,11 +186,12 @@ def run_jobs(jobs: Sequence[Job], slots: Sequence[Slot], *, on_done: Callable[[J
                         env["CUDA_VISIBLE_DEVICES"] = ids[int(slot.device)] if ids else slot.device
                         threads = max(1, (os.cpu_count() or 1) // max(1, sum(s.capacity for s in slots)))
                         env.setdefault("OMP_NUM_THREADS", str(threads))
+                    argv = job.argv + (["--resume"] if job.resume_dir is not None and job.resume_dir.exists() else [])
                     job.log.parent.mkdir(parents=True, exist_ok=True)
                     with open(job.log, "ab") as log:
-                        log.write(f"$ {' '.join(job.argv)}\n".encode())
+                        log.write(f"$ {' '.join(argv)}\n".encode())
                         log.flush()
-                        p = subprocess.Popen(job.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=job.cwd,
+                        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=job.cwd,
                                              preexec_fn=_die_with_parent)
                     job.tries += 1
                     slot.running += 1
@@ -346,13 +349,10 @@ def check_finetune_args(args: Sequence[str]) -> None:
 
 
 def finetune_argv(cfg: SuiteConfig, spec: GlueTask, point: Point, run_dir: Path, device: str) -> list[str]:
-    argv = [sys.executable, "-m", "bertctl", "finetune", "glue", "--task", spec.name, "--data-dir",
+    return [sys.executable, "-m", "bertctl", "finetune", "glue", "--task", spec.name, "--data-dir",
             str(cfg.data_dir), "--model", str(cfg.model), "--output", str(run_dir), "--lr", f"{point.lr:g}",
             "--batch-size", str(point.batch_size), "--epochs", f"{point.epochs:g}", "--seed", str(point.seed),
             "--max-seq-length", str(cfg.max_seq_length), "--device", device, "--no-progress", *cfg.finetune_args]
-    if run_dir.exists():  # unfinished: continue from its checkpoint (none yet: it starts again)
-        argv.append("--resume")
-    return argv
 
 
 def _started(folder: Path) -> str | None:
@@ -398,8 +398,8 @@ def run_suite(cfg: SuiteConfig) -> dict:
                 if run_finished(run_dir):
                     stderr.print(f"{plan.spec.folder} {point.name}: already finished")
                     continue
-                job = Job(f"{plan.spec.folder} {point.name}",
-                          finetune_argv(cfg, plan.spec, point, run_dir, child_device), plan.log(point))
+                job = Job(f"{plan.spec.folder} {point.name}",  # unfinished: it continues from its checkpoint
+                          finetune_argv(cfg, plan.spec, point, run_dir, child_device), plan.log(point), run_dir)
                 jobs.append(job)
                 owner[id(job)] = (plan, point)
         stderr.print(f"suite: {len(plans)} task(s) x {len(points)} run(s); {len(jobs)} to run on {where}")
