@@ -265,18 +265,21 @@ def plan_slots(device: str, devices: Sequence[str] | None, parallel: int | None,
     (by ``_model_bytes``), at most one a CPU core and no more than there are runs."""
     if device == "cpu":
         return [Slot("cpu", 1)]
+    import torch
+
+    n = torch.cuda.device_count()
     if devices is None:
         if device.startswith("cuda:"):
             devices = [device.split(":", 1)[1]]
+        elif n == 0:
+            if device == "cuda":
+                raise BertctlError("--device cuda: no CUDA GPU is visible")
+            return [Slot("cpu", 1)]
         else:
-            import torch
-
-            n = torch.cuda.device_count()
-            if n == 0:
-                if device == "cuda":
-                    raise BertctlError("--device cuda: no CUDA GPU is visible")
-                return [Slot("cpu", 1)]
             devices = [str(i) for i in range(n)]
+    unseen = [d for d in devices if int(d) >= n]
+    if unseen:
+        raise BertctlError(f"--devices {','.join(devices)}: {n} GPU(s) visible here, so no GPU {', '.join(unseen)}")
     per_gpu = math.ceil(runs / len(devices))
     slots = []
     for d in devices:
