@@ -224,10 +224,11 @@ def test_runs_side_by_side_one_at_a_time_on_the_cpu_and_again_after_running_out_
     def job(name, seconds, oom_once=False):
         script = (f"import time, pathlib, sys; p = pathlib.Path({str(tmp_path / name)!r}); "
                   f"t = time.time(); time.sleep({seconds}); "
-                  + ("m = p.with_suffix('.tried')\nif not m.exists():\n    m.write_text('')\n    "
+                  + ("m = p.with_suffix('.tried')\nif not m.exists():\n    m.mkdir()\n    "
                      "print('torch.OutOfMemoryError: CUDA out of memory.'); sys.exit(1)\n" if oom_once else "")
                   + "p.write_text(f'{t} {time.time()}')")
-        return suite.Job(name, [sys.executable, "-c", script], tmp_path / f"{name}.log")
+        return suite.Job(name, [sys.executable, "-c", script], tmp_path / f"{name}.log",
+                         resume_dir=tmp_path / f"{name}.tried")
 
     def spans(names):
         return [tuple(map(float, (tmp_path / n).read_text().split())) for n in names]
@@ -247,7 +248,10 @@ def test_runs_side_by_side_one_at_a_time_on_the_cpu_and_again_after_running_out_
     jobs = [job("c0", 1.0), job("c1", 0.1, oom_once=True)]
     suite.run_jobs(jobs, [slot], poll=0.02)
     assert [j.returncode for j in jobs] == [0, 0] and jobs[1].tries == 2 and slot.capacity == 1
-    assert "CUDA out of memory" in (tmp_path / "c1.log").read_text()
+    log = (tmp_path / "c1.log").read_text()
+    assert "CUDA out of memory" in log
+    tries = log.split("$ ")[1:]  # each try's command line and output; the second continues the first's folder
+    assert len(tries) == 2 and "--resume" not in tries[0] and "--resume" in tries[1]
 
 
 def test_given_flags_go_to_every_run_as_they_came():
@@ -272,3 +276,43 @@ def test_given_flags_go_to_every_run_as_they_came():
                             "--tokenizer", "/x/y")
     CliRunner().invoke(app, ["--epoch-evals"])
     assert seen["args"] == ("--epoch-evals",)
+
+
+def test_the_suite_refuses_torchrun(monkeypatch, tmp_path):
+    """Under torchrun every process would start the whole suite; it starts its own processes instead."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(BertctlError, match="without torchrun"):
+        suite.run_suite(suite.SuiteConfig(data_dir=tmp_path, model=tmp_path, output=tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_slots_one_at_a_time_on_the_cpu_and_only_gpus_that_are_there(tmp_path):
+    import torch
+
+    assert suite.plan_slots("cpu", None, None, tmp_path, 32, 128, runs=5) == [suite.Slot("cpu", 1)]
+    if torch.cuda.device_count() == 0:  # this machine: auto is the CPU; a GPU asked for is an error
+        assert suite.plan_slots("auto", None, None, tmp_path, 32, 128, runs=5) == [suite.Slot("cpu", 1)]
+        with pytest.raises(BertctlError, match="no CUDA GPU is visible"):
+            suite.plan_slots("cuda", None, None, tmp_path, 32, 128, runs=5)
+    n = torch.cuda.device_count()
+    with pytest.raises(BertctlError, match=f"{n} GPU\\(s\\) visible here, so no GPU {n}"):
+        suite.plan_slots("cuda", (str(n),), None, tmp_path, 32, 128, runs=5)
+
+
+def test_a_gpu_holds_the_runs_that_fit_its_memory(tmp_path, monkeypatch):
+    """BERT-Base at batch 32 and 128 tokens needs about 5 GB a run (weights, gradients, AdamW's moments,
+    activations, CUDA context): an H200's 141 GB holds all 5 restarts, a 12 GB GPU two."""
+    import torch
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 768, "num_hidden_layers": 12,
+                                                      "intermediate_size": 3072, "num_attention_heads": 12,
+                                                      "vocab_size": 30522, "max_position_embeddings": 512}))
+    need = suite._model_bytes(tmp_path, 32, 128)
+    params = 109_482_240 + 768 * 2  # BERT-Base's encoder and pooler (transformers' count) and the 2-label head
+    assert 16 * params < need < 16 * params + 4e9
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(suite.os, "cpu_count", lambda: 16)
+    for free, runs, expect in ((141e9, 5, 5), (12e9, 5, 2), (3e9, 5, 1), (141e9, 40, 16)):
+        monkeypatch.setattr(suite, "_free_gpu_bytes", lambda d, free=free: free)
+        assert suite.plan_slots("cuda", None, None, tmp_path, 32, 128, runs=runs) == [suite.Slot("0", expect)]
+    assert suite.plan_slots("cuda", None, 3, tmp_path, 32, 128, runs=5) == [suite.Slot("0", 3)]  # --parallel
