@@ -14,54 +14,78 @@ import functools
 import importlib
 import os
 import sys
+from pathlib import PurePath
+from typing import get_args
 
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from bertctl.errors import BertctlError
 
 _state = {"debug": False}
 
 
-def _plain_help_types() -> None:
-    """Help without ``<bool>`` on flags and ``<list[Path]>`` on lists.
+def _plain_help(param):
+    """``param`` with help that names what it takes: nothing for a flag (it takes no value), the element
+    type for a list (``inputs... <path>``, ``--dtype <str>`` repeated).
 
-    Typer 0.2x (with its own copy of Click) prints each parameter's Python type in angle
-    brackets: a flag takes no value, so it gets none, and a list is many values of its element
-    type (``inputs... <path>``, ``--dtype <str>`` repeated).  Typer versions without
-    ``type_descriptor`` print no such types, and are left alone."""
-    from pathlib import PurePath
-    from typing import get_args
-
-    from typer import core
-
-    param, option = getattr(core, "_TyperParameter", None), getattr(core, "TyperOption", None)
-    if param is None or option is None or not hasattr(param, "display_type") or getattr(param, "_bertctl", False):
-        return
-    display_type, option_display = param.display_type, option.display_type_rich
-
-    def element_type(self, ctx):
-        desc = getattr(self, "type_descriptor", None)
-        if desc is None or not desc.is_list:
-            return display_type(self, ctx)
-        label = display_type(self, ctx)
-        if label.startswith("<list[") and label.endswith("]>"):  # choices: <list[a|b]> -> <a|b>
-            label = f"<{label[6:-2]}>"
-        (element,) = get_args(desc.annotation) or (str,)
-        if isinstance(element, type) and issubclass(element, PurePath):
-            label = "<path>"
-        return label
-
-    def no_type_on_flags(self, ctx):
-        if self.is_flag and not self.count and self.metavar is None:
-            return None
-        return option_display(self, ctx)
-
-    param.display_type = element_type
-    option.display_type_rich = no_type_on_flags
-    param._bertctl = True
+    Typer 0.2x prints the Python annotation instead (``<bool>``, ``<list[Path]>``); versions without
+    ``type_descriptor`` print no such types and are left alone."""
+    desc = getattr(param, "type_descriptor", None)
+    if desc is None or param.metavar is not None:
+        return param
+    if isinstance(param, TyperOption) and param.is_flag and not param.count:
+        param.metavar = ""
+    elif isinstance(param, TyperOption) and desc.is_list:
+        param.metavar = _element_type(param, desc)
+    elif isinstance(param, TyperArgument) and desc.is_list and not isinstance(param, _ListArgument):
+        return _ListArgument.like(param)
+    return param
 
 
-_plain_help_types()
+def _element_type(param, desc) -> str:
+    if desc.is_choice:  # a list of choices: <a|b>
+        return param.display_type(None).replace("list[", "").replace("]>", ">")
+    (element,) = get_args(desc.annotation) or (str,)
+    if isinstance(element, type) and issubclass(element, PurePath):
+        return "<path>"
+    return f"<{getattr(element, '__name__', element)}>"
+
+
+class _ListArgument(TyperArgument):
+    """A positional list whose help gives its element type: Typer takes an argument's type column from
+    ``display_type`` alone (a metavar would rename the argument instead)."""
+
+    def display_type(self, ctx) -> str:
+        return _element_type(self, self.type_descriptor)
+
+    @classmethod
+    def like(cls, arg: TyperArgument) -> "_ListArgument":
+        return cls(param_decls=[arg.name], type_descriptor=arg.type_descriptor, required=arg.required,
+                   default=arg.default, callback=arg.callback, nargs=arg.nargs, metavar=arg.metavar,
+                   expose_value=arg.expose_value, is_eager=arg.is_eager, envvar=arg.envvar,
+                   show_default=arg.show_default, show_choices=arg.show_choices, show_envvar=arg.show_envvar,
+                   help=arg.help, hidden=arg.hidden, min=arg.min, max=arg.max, rich_help_panel=arg.rich_help_panel)
+
+
+class _PlainHelp:
+    """Help that shows what each value is (``_plain_help``), for bertctl's commands and groups alike."""
+
+    def __init__(self, *args, params=None, **kwargs):
+        super().__init__(*args, params=[_plain_help(p) for p in params or ()], **kwargs)
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        return option and _plain_help(option)
+
+
+class Command(_PlainHelp, TyperCommand):
+    """Every bertctl command (``build_app`` gives it to those declared with Typer's default class)."""
+
+
+class Group(_PlainHelp, TyperGroup):
+    """Every bertctl command group: the root, ``bench``, ``finetune``, ..."""
+
 
 # Command name -> its module in bertctl/cli/; each module defines ``register(app)``.
 COMMANDS = {"env": "env", "tokenize": "tokenize", "embed": "embed", "build-data": "build_data",
@@ -80,6 +104,7 @@ def build_app(commands=None) -> typer.Typer:
         no_args_is_help=True,
         add_completion=False,
         pretty_exceptions_enable=False,
+        cls=Group,
     )
     app.callback()(_root)
     for name in commands or COMMANDS:
@@ -153,9 +178,14 @@ def _guarded(callback):
 
 
 def _guard(typer_app: typer.Typer) -> None:
+    """Every command's errors as one line (``_guarded``), and its help as ``Command`` and ``Group`` show it."""
     for command in typer_app.registered_commands:
         command.callback = _guarded(command.callback)
+        if command.cls in (None, TyperCommand):
+            command.cls = Command
     for group in typer_app.registered_groups:
+        if not isinstance(group.cls, type) or group.cls is TyperGroup:  # Typer's default, not set by the group
+            group.cls = Group
         _guard(group.typer_instance)
 
 
