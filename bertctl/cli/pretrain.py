@@ -78,60 +78,62 @@ def pretrain_command(
     tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Pretrain BERT with masked LM + next-sentence prediction; prints a JSON summary on stdout."""
-    from bertctl.config import PretrainConfig
-    from bertctl.train.pretrain import PRESET_LR, pretrain
-
-    if sum(x is not None for x in (config, init_from)) > 1:
-        raise BertctlError("give at most one of --config and --init-from")
-    opt.check_training(batch_size=batch_size, micro_batch_size=micro_batch_size, lr=lr, max_steps=max_steps,
-                       warmup_fraction=warmup_fraction, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                       save_every=save_every, log_every=log_every, precision=precision, attn=attn, kernels=kernels,
-                       dropout=dropout)
-    opt.positive("--minutes", minutes)
-    opt.positive("--save-minutes", save_minutes)
-    opt.positive("--keep", keep)
-    opt.positive("--eval-every", eval_every)
-    opt.positive("--eval-batches", eval_batches)
-    opt.non_negative("--warmup-steps", warmup_steps)
-    opt.choice("--optimizer", optimizer, ("adamw", "lamb"))
-    opt.choice("--schedule", schedule, ("linear", "cosine", "constant"))
-    if model_size is not None:
-        opt.choice("--model-size", model_size, tuple(PRESET_LR))
-    overrides = {}
-    if dropout is not None:
-        overrides = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
-    common = dict(
-        eval_data=str(eval_data) if eval_data else None, model_size=model_size,
-        model_config=str(config) if config else None, init_from=str(init_from) if init_from else None,
-        keep_optimizer=keep_optimizer, model_overrides=overrides, max_steps=max_steps, minutes=minutes,
-        micro_batch_size=micro_batch_size, optimizer=optimizer, weight_decay=weight_decay,
-        schedule=schedule, warmup_steps=warmup_steps, warmup_fraction=warmup_fraction,
-        max_grad_norm=max_grad_norm, seed=seed, precision=precision, kernels=kernels, attn=attn, compile=compile,
-        cuda_graphs=cuda_graphs,
-        bucket_lengths=bucket_lengths, device=None if device == "auto" else device, resume=resume,
-        save_every=save_every, save_minutes=save_minutes, keep=keep, log_every=log_every, eval_every=eval_every,
-        eval_batches=eval_batches, show_progress=not no_progress, tensorboard=tensorboard,
-    )
+    options = _config_options(**locals())  # every flag above, by name
     if data is None:
         from bertctl.default_job import run_default_job
 
-        summary = run_default_job(Path(output) if output else Path("bertctl-default-run"),
-                                  batch_size=batch_size, lr=lr, **common)
+        summary = run_default_job(output or Path("bertctl-default-run"), **options)
     else:
-        if output is None:
-            raise BertctlError("--output is required with --data")
-        from bertctl.data.dataset import find_manifest
-
-        find_manifest(data)  # a wrong --data fails before any note about the defaults
-        size, batch = _size_and_batch(model_size, batch_size, config or init_from, device)
-        common["model_size"] = size
-        common["eval_every"] = eval_every or 1000
-        cfg = PretrainConfig.of(output=str(output), data=str(data), batch_size=batch, lr=lr or PRESET_LR[size],
-                                fit_to_minutes=minutes is not None and max_steps is None, **common)
-        with opt.run_output(output):
-            summary = pretrain(cfg)
+        summary = _pretrain_on(data, output, options)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 prints
         print(json.dumps(summary, indent=2, default=str))
+
+
+def _config_options(*, data, output, config, init_from, eval_data, dropout, no_progress, device, **flags) -> dict:
+    """The flags as ``PretrainConfig`` options, checked before torch loads (a wrong flag fails at once).
+
+    The flags that are named and valued as the config's fields pass as they are; the others are
+    translated here; ``data`` and ``output`` are checked, and left to the caller."""
+    from bertctl.config import PRESETS
+
+    if config is not None and init_from is not None:
+        raise BertctlError("give at most one of --config and --init-from")
+    opt.check_training(dropout=dropout, **{name: flags[name] for name in (
+        "batch_size", "micro_batch_size", "lr", "max_steps", "warmup_fraction", "weight_decay", "max_grad_norm",
+        "save_every", "log_every", "precision", "attn", "kernels")})
+    for flag in ("minutes", "save_minutes", "keep", "eval_every", "eval_batches"):
+        opt.positive(f"--{flag.replace('_', '-')}", flags[flag])
+    opt.non_negative("--warmup-steps", flags["warmup_steps"])
+    opt.choice("--optimizer", flags["optimizer"], ("adamw", "lamb"))
+    opt.choice("--schedule", flags["schedule"], ("linear", "cosine", "constant"))
+    if flags["model_size"] is not None:
+        opt.choice("--model-size", flags["model_size"], tuple(PRESETS))
+    if data is not None and output is None:
+        raise BertctlError("--output is required with --data")
+    dropouts = {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    return dict(flags, eval_data=_str(eval_data), model_config=_str(config), init_from=_str(init_from),
+                model_overrides=dropouts, device=None if device == "auto" else device, show_progress=not no_progress)
+
+
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _pretrain_on(data: Path, output: Path, options: dict) -> dict:
+    """Pretraining on ``data``'s shards, with this machine's defaults for what was not given."""
+    from bertctl.config import PretrainConfig
+    from bertctl.data.dataset import find_manifest
+    from bertctl.train.pretrain import PRESET_LR, pretrain
+
+    find_manifest(data)  # a wrong --data fails before any note about the defaults
+    size, batch = _size_and_batch(options["model_size"], options["batch_size"],
+                                  options["model_config"] or options["init_from"], options["device"] or "auto")
+    chosen = {"model_size": size, "batch_size": batch, "lr": options["lr"] or PRESET_LR[size],
+              "eval_every": options["eval_every"] or 1000}
+    cfg = PretrainConfig.of(**{**options, **chosen}, output=str(output), data=str(data),
+                            fit_to_minutes=options["minutes"] is not None and options["max_steps"] is None)
+    with opt.run_output(output):
+        return pretrain(cfg)
 
 
 def _size_and_batch(model_size: str | None, batch_size: int | None, model_given, device: str) -> tuple[str, int]:
