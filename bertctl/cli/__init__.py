@@ -4,11 +4,9 @@ Two process settings are made here, before any subcommand imports torch:
 
 - the host allocator (see bertctl.allocator);
 - ``GOMP_SPINCOUNT=1000`` unless the caller set it or ``OMP_WAIT_POLICY``: OpenMP threads that spin
-  long while they wait for each other take the CPU from the threads they wait for when the machine
-  has other work. A tiny BERT's training step on the 2-core development machine, two threads:
-  quiet, 31 ms with libgomp's default spinning and 32 ms with 1000 spins; beside two busy
-  processes, 4.3 s with the default against 77-80 ms with 1000 spins (``OMP_WAIT_POLICY=PASSIVE``:
-  53-94 ms there, but 43 ms on the quiet machine). libgomp reads the variable once, when torch loads it.
+  long while they wait for each other take the CPU from the threads they wait for when the machine has
+  other work, and short spins cost next to nothing on a quiet one (the setting of
+  benchmarks/results/pretrain-default-job-cpu-loaded.json). libgomp reads it once, when torch loads.
 """
 import os
 

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         native = sys.modules.get("bertctl.inference.backends.native")
         if e.code in (0, None) and native is not None and native.context_started:
             # The work is done and written; CUDA's teardown of the native encoder's context at exit (its
-            # memory freed, the context destroyed) took a quarter of a second on an H200: leave without it.
+            # memory freed, the context destroyed) is slow and nothing needs it: leave without it.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
