@@ -43,7 +43,7 @@ from bertctl.model import BertForQuestionAnswering, BertForSequenceClassificatio
 from bertctl.nn.attention import varied_shapes  # noqa: E402
 from bertctl.tasks import squad  # noqa: E402
 from bertctl.tasks.glue import featurize, read_glue_tsv, task_spec  # noqa: E402
-from bertctl.tasks.trainer import TaskObjective  # noqa: E402
+from bertctl.tasks.trainer import TaskObjective, label_loss, span_loss  # noqa: E402
 from bertctl.text.wordpiece import BertTokenizer  # noqa: E402
 from bertctl.runtime import resolve  # noqa: E402
 from bertctl.train import distributed  # noqa: E402
@@ -103,7 +103,7 @@ def main() -> distributed.Dist:
     cfg = TrainConfig(batch_size=a.batch_size, lr=5e-5, warmup_steps=10, seed=0, show_progress=False)
     runtime = resolve(str(device), "bf16" if cuda else "fp32", attn=a.attn, compile=a.compile,
                       cuda_graphs=bool(a.cuda_graphs))
-    engine = Engine(cfg, runtime, model, TaskObjective(), dist=dist, max_steps=total, compile_dynamic=True)
+    engine = Engine(cfg, runtime, model, TaskObjective(span_loss if a.squad else label_loss), dist=dist, max_steps=total, compile_dynamic=True)
     if a.compile_mode:  # the engine's compile with another mode (what the engine would need to offer)
         engine.step_model = torch.compile(engine.model, dynamic=True, mode=a.compile_mode)
         step = engine.train_step

@@ -72,6 +72,7 @@ def squad(
 ) -> None:
     """Exact match and F1 (and HasAns/NoAns for v2.0) of predictions or of a fine-tuned model."""
     from bertctl.tasks import squad as s
+    from bertctl.tasks.base import evaluate
     from bertctl.tasks.common import emit_metrics
 
     if predictions is not None:
@@ -85,7 +86,8 @@ def squad(
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     dev = s.read_squad(data, articles=articles, version_2=version_2)
     cfg = _cfg(batch_size, batch_tokens, device, no_progress)
-    s.run_eval(dev, _need_model(model, output), cfg, scfg, threshold=null_threshold, output=output)
+    evaluate(s.Squad(None, dev, scfg, threshold=null_threshold, write_nbest=False), _need_model(model, output), cfg,
+             output=output)
 
 
 @eval_app.command("glue")
@@ -107,6 +109,7 @@ def glue(
 ) -> None:
     """Accuracy / F1 / MCC / correlations of a fine-tuned classifier on a GLUE dev file or your data."""
     from bertctl.tasks import glue as g
+    from bertctl.tasks.base import evaluate
 
     if data is None and data_dir is None:
         raise BertctlError("give --data FILE or --data-dir GLUE_TASK_DIR")
@@ -121,7 +124,7 @@ def glue(
                                 text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                                 skip_bad_rows=skip_bad_rows, need_train=False)
     cfg = _cfg(batch_size, batch_tokens, device, no_progress)
-    g.run_eval(glue_data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
+    evaluate(g.Glue(glue_data, max_seq_length, training=False), _need_model(model, output), cfg, output=output)
 
 
 @eval_app.command("ner")
@@ -134,9 +137,10 @@ def ner(
 ) -> None:
     """Entity-level precision/recall/F1 (conlleval rules, per type too) of a fine-tuned tagger."""
     from bertctl.tasks import ner as n
+    from bertctl.tasks.base import evaluate
 
     cfg = _cfg(batch_size, batch_tokens, device, no_progress)
-    n.run_eval(data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
+    evaluate(n.Ner(data_path=data, max_seq_length=max_seq_length), _need_model(model, output), cfg, output=output)
 
 
 @eval_app.command("swag")
@@ -149,9 +153,10 @@ def swag(
 ) -> None:
     """Accuracy of a fine-tuned multiple-choice model."""
     from bertctl.tasks import swag as w
+    from bertctl.tasks.base import evaluate
 
     cfg = _cfg(batch_size, batch_tokens, device, no_progress)
-    w.run_eval(data, _need_model(model, output), cfg, max_seq_length=max_seq_length, output=output)
+    evaluate(w.Swag(None, data, max_seq_length), _need_model(model, output), cfg, output=output)
 
 
 def register(app: typer.Typer) -> None:

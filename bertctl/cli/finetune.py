@@ -148,6 +148,7 @@ def glue_command(
 ) -> None:
     """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data."""
     from bertctl.tasks import glue as g
+    from bertctl.tasks.base import finetune
 
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
@@ -162,8 +163,8 @@ def glue_command(
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)
     with _processes(run.output):
-        g.run_finetune(data, run.model, run.output, run.cfg, max_seq_length=max_seq_length, lr_sweep=run.lr_sweep,
-                       resume=run.resume, dropout=run.dropout)
+        finetune(g.Glue(data, max_seq_length), run.model, run.output, run.cfg, lr_sweep=run.lr_sweep,
+                 resume=run.resume, dropout=run.dropout)
 
 
 def squad_command(
@@ -195,6 +196,7 @@ def squad_command(
 ) -> None:
     """Fine-tune span question answering on SQuAD v1.1 or v2.0 (windows of 384 tokens, stride 128)."""
     from bertctl.tasks import squad as s
+    from bertctl.tasks.base import finetune
 
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
@@ -209,8 +211,8 @@ def squad_command(
     train_data = s.read_squad(train, articles=train_articles, version_2=version_2, training=True)
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
     with _processes(run.output):
-        s.run_finetune(train_data, dev_data, run.model, run.output, run.cfg, scfg, lr_sweep=run.lr_sweep,
-                       resume=run.resume, dropout=run.dropout, write_nbest=write_nbest)
+        finetune(s.Squad(train_data, dev_data, scfg, write_nbest=write_nbest), run.model, run.output, run.cfg,
+                 lr_sweep=run.lr_sweep, resume=run.resume, dropout=run.dropout)
 
 
 def ner_command(
@@ -231,6 +233,7 @@ def ner_command(
 ) -> None:
     """Fine-tune NER on CoNLL-format data; the epoch is chosen on valid, scores reported on test."""
     from bertctl.tasks import ner as n
+    from bertctl.tasks.base import finetune
 
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
@@ -242,8 +245,8 @@ def ner_command(
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
     with _processes(run.output):
-        n.run_finetune(data_dir, run.model, run.output, run.cfg, max_seq_length=max_seq_length, lr_sweep=run.lr_sweep,
-                       resume=run.resume, dropout=run.dropout)
+        finetune(n.Ner(data_dir=data_dir, max_seq_length=max_seq_length), run.model, run.output, run.cfg,
+                 lr_sweep=run.lr_sweep, resume=run.resume, dropout=run.dropout)
 
 
 def swag_command(
@@ -265,6 +268,7 @@ def swag_command(
 ) -> None:
     """Fine-tune multiple choice (four endings, softmax over [CLS] scores) on SWAG."""
     from bertctl.tasks import swag as w
+    from bertctl.tasks.base import finetune
 
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
@@ -276,8 +280,8 @@ def swag_command(
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
     with _processes(run.output):
-        w.run_finetune(train, dev, run.model, run.output, run.cfg, max_seq_length=max_seq_length,
-                       lr_sweep=run.lr_sweep, resume=run.resume, dropout=run.dropout)
+        finetune(w.Swag(train, dev, max_seq_length), run.model, run.output, run.cfg, lr_sweep=run.lr_sweep,
+                 resume=run.resume, dropout=run.dropout)
 
 
 finetune_app.command("glue")(glue_command)

@@ -14,7 +14,8 @@ from bertctl.errors import BertctlError
 from bertctl.io import write_json
 from bertctl.progress import MetricsLog, stderr
 from bertctl.runtime import Runtime
-from bertctl.tasks.trainer import FinetuneConfig, TrainResult, fine_tune, lr_sweep_values, runtime_of, with_lr
+from bertctl.tasks.trainer import (FinetuneConfig, TrainResult, fine_tune, label_loss, lr_sweep_values, runtime_of,
+                                   with_lr)
 
 MODEL_SUBDIR = "model"
 
@@ -56,13 +57,13 @@ def load_for_finetuning(model_cls, model_dir: str | Path, *, dropout: float | No
     from bertctl.checkpoints.hf import load_config, load_pretrained
 
     overrides = dict(head)
-    if cfg is not None:  # runtime choices over the same weights
-        overrides.update((runtime or runtime_of(cfg)).model_overrides())
+    if cfg is not None:
+        runtime = runtime or runtime_of(cfg)
     if dropout is not None:
         overrides.update(hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     if cfg is not None and cfg.from_scratch:
-        return model_cls(load_config(model_dir_of(model_dir), **overrides))
-    return load_pretrained(model_cls, model_dir_of(model_dir), fresh_heads=True, **overrides)
+        return model_cls(load_config(model_dir_of(model_dir), **overrides), runtime)
+    return load_pretrained(model_cls, model_dir_of(model_dir), fresh_heads=True, runtime=runtime, **overrides)
 
 
 def load_finetuned(model_cls, model_dir: str | Path, *, labels: Sequence[str] | None = None,
@@ -114,7 +115,7 @@ def is_main_process() -> bool:
 def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: FinetuneConfig, *,
                      evaluate: Callable[[torch.nn.Module, Any], dict], main_metric: str, output: Path,
                      lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None,
-                     runtime: Runtime | None = None) -> SweepOutcome:
+                     runtime: Runtime | None = None, loss: Callable = label_loss) -> SweepOutcome:
     """Fine-tune once, or once per lr of the paper's grid, keeping the best on dev (``main_metric``).
 
     With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
@@ -129,7 +130,8 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
         return user_build()
     if len(lrs) == 1:
         result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
-                           output_dir=output, resume=resume and _has_checkpoint(output), log=log, runtime=runtime)
+                           output_dir=output, resume=resume and _has_checkpoint(output), log=log, runtime=runtime,
+                           loss=loss)
         return SweepOutcome(result, cfg.train.lr, [{"lr": cfg.train.lr, "dev": result.best}])
     from bertctl.checkpoints.hf import load_state, save_pretrained
 
@@ -147,7 +149,7 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
             stderr.print(f"lr sweep: lr {lr:g}")
             result = fine_tune(build_model(), train_features, with_lr(cfg, lr), evaluate=evaluate,
                                main_metric=main_metric, output_dir=run_dir,
-                               resume=resume and _has_checkpoint(run_dir), log=log, runtime=runtime)
+                               resume=resume and _has_checkpoint(run_dir), log=log, runtime=runtime, loss=loss)
             record = {"lr": lr, "dev": result.best, "examples_per_second": result.examples_per_second}
             if is_main_process():
                 save_pretrained(result.model, run_dir / MODEL_SUBDIR)

@@ -30,10 +30,11 @@ import numpy as np
 
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, iter_jsonl
-from bertctl.progress import MetricsLog, stderr, track
+from bertctl.progress import stderr, track
 from bertctl.tasks import common
+from bertctl.tasks.base import Task
 from bertctl.tasks.metrics import GLUE_METRICS, glue_metrics
-from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, predict
 
 
 @dataclass(frozen=True)
@@ -422,62 +423,79 @@ def main_metric_name(data: GlueData) -> str:
     return f"{data.devs[0][0]}_{first}" if len(data.devs) > 1 else first
 
 
-def run_finetune(data: GlueData, model_dir: str | Path, output: str | Path, cfg: FinetuneConfig, *,
-                 max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
-                 dropout: float | None = None) -> dict:
-    """Fine-tune on ``data.train``, evaluate on the dev file(s), write model, predictions, metrics."""
-    from bertctl.checkpoints.hf import save_pretrained
-    from bertctl.model import BertForSequenceClassification
+class Glue(Task):
+    """A GLUE task or the user's own classification/regression data as a ``Task``: ``training`` with
+    ``data.train`` and the dev file(s), else evaluating the dev/test file(s) of ``data``."""
 
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    skipped = _report_skips(data.reports)
-    tokenizer = common.load_tokenizer(model_dir)
-    regression = data.task.labels is None
-    label_names = list(data.task.labels) if not regression else None
-    train_features = featurize(data.train, tokenizer, data.task, max_seq_length, progress=cfg.train.show_progress)
-    head = dict(id2label={0: "score"}, label2id={"score": 0}, problem_type="regression") if regression else dict(
-        id2label=dict(enumerate(label_names)), label2id={l: i for i, l in enumerate(label_names)},
-        problem_type="single_label_classification")
-    main = main_metric_name(data)
+    @property
+    def model_class(self):
+        from bertctl.model import BertForSequenceClassification
 
-    runtime = runtime_of(cfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
-    def build():
-        return common.load_for_finetuning(BertForSequenceClassification, model_dir,
-                                          dropout=dropout, cfg=cfg, runtime=runtime, **head)
+        return BertForSequenceClassification
 
-    last = common.LastEvaluation()
+    def __init__(self, data: GlueData, max_seq_length: int = 128, *, training: bool = True):
+        self.data, self.max_seq_length, self.training = data, max_seq_length, training
+        self.name = data.task.name
+        self.skipped = _report_skips(data.reports)
+        self.regression = data.task.labels is None
+        self.label_names = list(data.task.labels) if not self.regression else None
+        self.main_metric = main_metric_name(data) if training else ""
+        self.train_features: list[dict] = []
+        self.dev_features: dict[str, list[dict]] = {}
 
-    dev_features = {name: featurize(examples, tokenizer, data.task, max_seq_length, label_names=label_names)
-                    for name, _, examples in data.devs}
+    def head(self) -> dict:
+        if self.regression:
+            return dict(id2label={0: "score"}, label2id={"score": 0}, problem_type="regression")
+        return dict(id2label=dict(enumerate(self.label_names)), label2id={l: i for i, l in enumerate(self.label_names)},
+                    problem_type="single_label_classification")
 
-    def evaluate(model, shards):
-        return last.keep(model, evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, False,
-                                              dev_features, shards))[0]
+    def head_check(self) -> dict:
+        task = self.data.task
+        return dict(labels=task.labels if not self.regression and task.name != "custom" else None,
+                    regression=self.regression, task=task.name)
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.train.tensorboard) as log:
-        outcome = common.train_with_sweep(build, train_features, cfg, evaluate=evaluate, main_metric=main,
-                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log,
-                                          runtime=runtime)
-        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
-            return {}
-        model = outcome.result.model
-        metrics, preds = last.reuse(outcome) or evaluate_devs(model, data, tokenizer, cfg, label_names,
-                                                              max_seq_length, cfg.train.show_progress, dev_features)
-        save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
-        for name, path, examples in data.devs:
-            write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
-        result = {"task": data.task.name, **metrics, "lr": outcome.lr, "epochs": outcome.result.epochs,
-                  "batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "train_examples": len(train_features),
-                  "train_examples_per_second": outcome.result.examples_per_second,
-                  "seconds": common.run_seconds(outcome), "device": device_info()}
-        if len(outcome.sweep) > 1:
-            result["lr_sweep"] = outcome.sweep
-        if skipped:
-            result["skipped_rows"] = skipped
-        log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})
-    common.emit_metrics(output, result)
-    return result
+    def adopt(self, model, model_dir) -> None:
+        data = self.data
+        if not self.regression:
+            label_names = common.head_labels(model)
+            generic = [str(i) for i in range(len(label_names))], [f"LABEL_{i}" for i in range(len(label_names))]
+            if data.task.name == "custom":  # own data: the labels are the model's
+                data.task = GlueTask("custom", "", tuple(label_names), "", None, "", dev_files=())
+            elif label_names in generic:  # unnamed labels: the task's, in the task's order
+                label_names = list(data.task.labels)
+            elif set(label_names) != set(data.task.labels):
+                raise BertctlError(f"{model_dir}: the head's labels ({', '.join(label_names)}) are not "
+                                   f"{data.task.name}'s ({', '.join(data.task.labels)})")
+            self.label_names = label_names
+        for _, path, ex in data.devs:
+            normalise_labels(ex, data.task, str(path))
+
+    def featurize(self, tokenizer, progress: bool) -> None:
+        data = self.data
+        if self.training:
+            self.train_features = featurize(data.train, tokenizer, data.task, self.max_seq_length, progress=progress)
+        self.dev_features = {name: featurize(examples, tokenizer, data.task, self.max_seq_length,
+                                             label_names=self.label_names) for name, _, examples in data.devs}
+        self.tokenizer = tokenizer
+
+    def predict(self, model, cfg: FinetuneConfig, *, progress=False, shards=None, final=False):
+        return evaluate_devs(model, self.data, self.tokenizer, cfg, self.label_names, self.max_seq_length, progress,
+                             self.dev_features, shards)
+
+    def score(self, outputs, *, final=False) -> dict:
+        return outputs[0]
+
+    def write_predictions(self, output: Path, outputs) -> None:
+        for name, _, examples in self.data.devs:
+            write_predictions(output / f"predictions_{name}.tsv", examples, outputs[1][name], self.label_names)
+
+    def facts(self) -> dict:
+        if self.training:
+            return {"train_examples": len(self.train_features)}
+        return {"examples": sum(len(e) for _, _, e in self.data.devs)}
+
+    def notes(self) -> dict:
+        return {"skipped_rows": self.skipped} if self.skipped else {}
 
 
 def regression_head(model_dir: str | Path) -> bool:
@@ -485,40 +503,3 @@ def regression_head(model_dir: str | Path) -> bool:
     from bertctl.checkpoints.hf import load_config
 
     return load_config(common.model_dir_of(model_dir)).num_labels == 1
-
-
-def run_eval(data: GlueData, model_dir: str | Path, cfg: FinetuneConfig, *, max_seq_length: int = 128,
-             output: str | Path | None = None) -> dict:
-    """Evaluate a fine-tuned classifier on the dev file(s); its head must fit the task."""
-    from bertctl.model import BertForSequenceClassification
-
-    skipped = _report_skips(data.reports)
-    regression = data.task.labels is None
-    model = common.load_finetuned(BertForSequenceClassification, model_dir,
-                                  labels=data.task.labels if not regression and data.task.name != "custom" else None,
-                                  regression=regression, task=data.task.name)
-    label_names = None
-    if not regression:
-        label_names = common.head_labels(model)
-        generic = [str(i) for i in range(len(label_names))], [f"LABEL_{i}" for i in range(len(label_names))]
-        if data.task.name == "custom":  # own data: the labels are the model's
-            data.task = GlueTask("custom", "", tuple(label_names), "", None, "", dev_files=())
-        elif label_names in generic:  # unnamed labels: the task's, in the task's order
-            label_names = list(data.task.labels)
-        elif set(label_names) != set(data.task.labels):
-            raise BertctlError(f"{model_dir}: the head's labels ({', '.join(label_names)}) are not "
-                               f"{data.task.name}'s ({', '.join(data.task.labels)})")
-    for _, path, ex in data.devs:
-        normalise_labels(ex, data.task, str(path))
-    tokenizer = common.load_tokenizer(model_dir)
-    model.to(runtime_of(cfg).torch_device)
-    metrics, preds = evaluate_devs(model, data, tokenizer, cfg, label_names, max_seq_length, cfg.train.show_progress)
-    result = {"task": data.task.name, **metrics, "examples": sum(len(e) for _, _, e in data.devs)}
-    if skipped:
-        result["skipped_rows"] = skipped
-    if output is not None:
-        output = Path(output)
-        for name, _, examples in data.devs:
-            write_predictions(output / f"predictions_{name}.tsv", examples, preds[name], label_names)
-    common.emit_metrics(Path(output) if output else None, result)
-    return result

@@ -20,10 +20,11 @@ import numpy as np
 from bertctl.config import IGNORE_INDEX
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open
-from bertctl.progress import MetricsLog, track
+from bertctl.progress import track
 from bertctl.tasks import common
+from bertctl.tasks.base import Task
 from bertctl.tasks.metrics import conlleval
-from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, predict
 
 
 @dataclass
@@ -175,66 +176,102 @@ def find_files(data_dir: str | Path) -> tuple[Path, Path, Path | None]:
     return train, valid, test if test.exists() else None
 
 
-def run_finetune(data_dir: str | Path, model_dir: str | Path, output: str | Path, tcfg: FinetuneConfig, *,
-                 max_seq_length: int = 128, lr_sweep: bool = False, resume: bool = False,
-                 dropout: float | None = None) -> dict:
-    """Fine-tune on train.txt, choose the epoch (and lr) on valid.txt, report valid and test."""
-    from bertctl.checkpoints.hf import save_pretrained
-    from bertctl.model import BertForTokenClassification
+class Ner(Task):
+    """CoNLL NER as a ``Task``: fine-tuning on ``data_dir``'s train.txt, the epoch (and lr) chosen on
+    valid.txt, valid and test reported; or (``data_path``) evaluating on one CoNLL file."""
 
-    tcfg = _select_best(tcfg)  # before any work: it refuses --no-epoch-evals
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    train_path, valid_path, test_path = find_files(data_dir)
-    train, valid = read_conll(train_path), read_conll(valid_path)
-    test = read_conll(test_path) if test_path else None
-    labels = label_list(train, valid, *([test] if test else []))
-    label_to_id = {l: i for i, l in enumerate(labels)}
-    tokenizer = common.load_tokenizer(model_dir)
-    train_feats = featurize(train, tokenizer, label_to_id, max_seq_length, progress=tcfg.train.show_progress)
-    valid_feats = featurize(valid, tokenizer, None, max_seq_length)
-    head = dict(id2label=dict(enumerate(labels)), label2id=label_to_id)
+    main_metric = "valid_f1"
+    select_best = True
+    reuse_last = False  # the final report predicts test too
 
-    runtime = runtime_of(tcfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
-    def build():
-        return common.load_for_finetuning(BertForTokenClassification, model_dir,
-                                          dropout=dropout, cfg=tcfg, runtime=runtime, **head)
+    def __init__(self, *, data_dir: str | Path | None = None, data_path: str | Path | None = None,
+                 max_seq_length: int = 128):
+        self.name, self.max_seq_length = "ner", max_seq_length
+        self.train_features: list[dict] = []
+        self.train = self.valid = self.test = self.train_feats = self.valid_feats = None
+        if data_dir is not None:
+            train_path, valid_path, test_path = find_files(data_dir)
+            self.train, self.valid = read_conll(train_path), read_conll(valid_path)
+            self.test = read_conll(test_path) if test_path else None
+            self.labels = label_list(self.train, self.valid, *([self.test] if self.test else []))
+            self.sets = [("valid", self.valid), ("test", self.test)]
+        else:
+            self.sets = [(None, read_conll(data_path))]
 
-    def evaluate(model, shards):
-        tags, _ = _predict_tags(model, valid, tokenizer, labels, tcfg, max_seq_length, False, valid_feats, shards)
-        m = score(valid, tags)
-        return {"valid_f1": m["f1"], "valid_precision": m["precision"], "valid_recall": m["recall"]}
+    @property
+    def model_class(self):
+        from bertctl.model import BertForTokenClassification
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
-        outcome = common.train_with_sweep(build, train_feats.features, tcfg, evaluate=evaluate,
-                                          main_metric="valid_f1", output=output, lr_sweep=lr_sweep,
-                                          resume=resume, log=log,
-                                          runtime=runtime)
-        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
-            return {}
-        model = outcome.result.model
-        result = {"task": "ner", "labels": labels}
-        for name, d, feats in (("valid", valid, valid_feats), ("test", test, None)):
+        return BertForTokenClassification
+
+    def configure(self, cfg: FinetuneConfig) -> FinetuneConfig:
+        return _select_best(cfg)
+
+    def head(self) -> dict:
+        return dict(id2label=dict(enumerate(self.labels)), label2id={l: i for i, l in enumerate(self.labels)})
+
+    def adopt(self, model, model_dir) -> None:
+        self.labels = common.head_labels(model)
+        data = self.sets[0][1]
+        unknown = sorted({t for s in data.sentences for t in s.tags} - set(self.labels))
+        if unknown:
+            raise BertctlError(f"{data.path}: tags {', '.join(unknown)} are not among the model's labels "
+                               f"({', '.join(self.labels)})")
+
+    def featurize(self, tokenizer, progress: bool) -> None:
+        self.tokenizer = tokenizer
+        if self.train is not None:
+            label_to_id = {l: i for i, l in enumerate(self.labels)}
+            self.train_feats = featurize(self.train, tokenizer, label_to_id, self.max_seq_length, progress=progress)
+            self.train_features = self.train_feats.features
+            self.valid_feats = featurize(self.valid, tokenizer, None, self.max_seq_length)
+
+    def predict(self, model, cfg: FinetuneConfig, *, progress=False, shards=None, final=False):
+        if not final:  # an epoch end: valid only
+            return _predict_tags(model, self.valid, self.tokenizer, self.labels, cfg, self.max_seq_length, False,
+                                 self.valid_feats, shards)[0]
+        feats = {"valid": self.valid_feats}
+        return {name: _predict_tags(model, d, self.tokenizer, self.labels, cfg, self.max_seq_length, progress,
+                                    feats.get(name)) for name, d in self.sets if d is not None}
+
+    def score(self, outputs, *, final=False) -> dict:
+        if not final:
+            m = score(self.valid, outputs)
+            return {"valid_f1": m["f1"], "valid_precision": m["precision"], "valid_recall": m["recall"]}
+        if self.train is None:  # evaluating one file
+            (tags, feats), = outputs.values()
+            m = score(self.sets[0][1], tags)
+            result = {**{k: m[k] for k in ("precision", "recall", "f1", "accuracy")},
+                      "per_type": {t: {k: v[k] for k in ("precision", "recall", "f1", "gold")}
+                                   for t, v in m["per_type"].items()}}
+            if feats.truncated_words:
+                result["truncated_words"] = feats.truncated_words
+            return result
+        result = {"labels": self.labels}
+        for name, d in self.sets:
             if d is None:
                 continue
-            tags, feats = _predict_tags(model, d, tokenizer, labels, tcfg, max_seq_length, tcfg.train.show_progress,
-                                        feats)
+            tags, feats = outputs[name]
             result.update(_flat(score(d, tags), name))
-            write_predictions(output / f"predictions_{name}.txt", d, tags)
             if feats.truncated_words:
                 result[f"{name}_truncated_words"] = feats.truncated_words
-        save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
-        result.update(lr=outcome.lr, epochs=outcome.result.epochs, best_epoch=(outcome.result.best or {}).get("epoch"),
-                      batch_size=tcfg.train.batch_size, seed=tcfg.train.seed, train_sentences=len(train.sentences),
-                      train_examples_per_second=outcome.result.examples_per_second,
-                      seconds=common.run_seconds(outcome), device=device_info())
-        if train_feats.truncated_words:
-            result["train_truncated_words"] = train_feats.truncated_words
-        if len(outcome.sweep) > 1:
-            result["lr_sweep"] = outcome.sweep
-        log.log(event="final", **{k: v for k, v in result.items() if not k.endswith("per_type") and k != "lr_sweep"})
-    common.emit_metrics(output, result)
-    return result
+        return result
+
+    def write_predictions(self, output: Path, outputs) -> None:
+        for name, d in self.sets:
+            if d is not None:
+                write_predictions(output / (f"predictions_{name}.txt" if name else "predictions.txt"), d,
+                                  outputs[name][0])
+
+    def facts(self) -> dict:
+        if self.train is None:
+            return {"sentences": len(self.sets[0][1].sentences)}
+        return {"train_sentences": len(self.train.sentences)}
+
+    def notes(self) -> dict:
+        if self.train is None:
+            return {}
+        return {"train_truncated_words": self.train_feats.truncated_words} if self.train_feats.truncated_words else {}
 
 
 def _select_best(tcfg: FinetuneConfig) -> FinetuneConfig:
@@ -245,30 +282,3 @@ def _select_best(tcfg: FinetuneConfig) -> FinetuneConfig:
         raise BertctlError("--no-epoch-evals: NER keeps the epoch with the best validation F1, which needs an "
                            "evaluation after every epoch")
     return dataclasses.replace(tcfg, select_best=True)
-
-
-def run_eval(data_path: str | Path, model_dir: str | Path, tcfg: FinetuneConfig, *, max_seq_length: int = 128,
-             output: str | Path | None = None) -> dict:
-    """Score a fine-tuned token classifier on one CoNLL file; gold tags unknown to the head are an error."""
-    from bertctl.model import BertForTokenClassification
-
-    model = common.load_finetuned(BertForTokenClassification, model_dir, task="ner")
-    labels = common.head_labels(model)
-    data = read_conll(data_path)
-    unknown = sorted({t for s in data.sentences for t in s.tags} - set(labels))
-    if unknown:
-        raise BertctlError(f"{data_path}: tags {', '.join(unknown)} are not among the model's labels "
-                           f"({', '.join(labels)})")
-    tokenizer = common.load_tokenizer(model_dir)
-    model.to(runtime_of(tcfg).torch_device)
-    tags, feats = _predict_tags(model, data, tokenizer, labels, tcfg, max_seq_length, tcfg.train.show_progress)
-    m = score(data, tags)
-    result = {"task": "ner", **{k: m[k] for k in ("precision", "recall", "f1", "accuracy")},
-              "per_type": {t: {k: v[k] for k in ("precision", "recall", "f1", "gold")} for t, v in m["per_type"].items()},
-              "sentences": len(data.sentences)}
-    if feats.truncated_words:
-        result["truncated_words"] = feats.truncated_words
-    if output is not None:
-        write_predictions(Path(output) / "predictions.txt", data, tags)
-    common.emit_metrics(Path(output) if output else None, result)
-    return result

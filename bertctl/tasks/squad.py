@@ -25,10 +25,10 @@ import numpy as np
 
 from bertctl.errors import BertctlError
 from bertctl.io import read_json_object, write_json
-from bertctl.progress import MetricsLog, stderr, track
-from bertctl.tasks import common
+from bertctl.progress import stderr, track
+from bertctl.tasks.base import Task
 from bertctl.tasks.metrics import squad_v1_evaluate, squad_v2_evaluate
-from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, predict, span_loss
 from bertctl.workers import map_in_order, usable_cpus
 
 NULL_THRESHOLD_KEY = "squad_null_score_diff_threshold"
@@ -396,90 +396,72 @@ def _report(data: SquadData) -> dict:
     return info
 
 
-def run_finetune(train: SquadData, dev: SquadData, model_dir: str | Path, output: str | Path, tcfg: FinetuneConfig,
-                 scfg: SquadConfig, *, lr_sweep: bool = False, resume: bool = False, dropout: float | None = None,
-                 write_nbest: bool = False) -> dict:
-    from bertctl.checkpoints.hf import save_pretrained
-    from bertctl.model import BertForQuestionAnswering
+class Squad(Task):
+    """SQuAD as a ``Task``: fine-tuning on ``train`` with ``dev`` scored, or (``train`` None) evaluating on
+    ``dev``. v2.0's τ: ``threshold`` when given, else (evaluating) the model's saved one, else chosen on dev."""
 
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    tokenizer = common.load_tokenizer(model_dir)
-    train_features = featurize(train, tokenizer, scfg, training=True, progress=tcfg.train.show_progress)
-    dev_contexts = tokenize_contexts(dev.contexts, tokenizer)
-    dev_features = featurize(dev, tokenizer, scfg, training=False, contexts=dev_contexts)
-    main = "f1"
+    loss = staticmethod(span_loss)
+    main_metric = "f1"
 
-    runtime = runtime_of(tcfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
-    def build():
-        return common.load_for_finetuning(BertForQuestionAnswering, model_dir,
-                                          dropout=dropout, cfg=tcfg, runtime=runtime)
+    def __init__(self, train: SquadData | None, dev: SquadData, cfg: SquadConfig, *, threshold: float | None = None,
+                 write_nbest: bool = False):
+        self.train, self.dev, self.cfg, self.write_nbest = train, dev, cfg, write_nbest
+        self.name = "squad-v2.0" if cfg.version_2 else "squad-v1.1"
+        self.threshold, self.source = threshold, None
+        self.train_features: list[dict] = []
 
-    last = common.LastEvaluation()
+    @property
+    def model_class(self):
+        from bertctl.model import BertForQuestionAnswering
 
-    def evaluate(model, shards):
-        preds = last.keep(model, decode(dev, dev_features, _logits(model, dev_features, tcfg, False, shards),
-                                        dev_contexts, scfg))
-        metrics, _ = score_predictions(dev, preds, scfg.version_2)
-        return {k: float(v) for k, v in metrics.items() if k in ("exact_match", "f1", "best_f1")}
+        return BertForQuestionAnswering
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
-        outcome = common.train_with_sweep(build, train_features, tcfg, evaluate=evaluate, main_metric=main,
-                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log,
-                                          runtime=runtime)
-        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
-            return {}
-        model = outcome.result.model
-        preds = last.reuse(outcome) or decode(dev, dev_features,
-                                              _logits(model, dev_features, tcfg, tcfg.train.show_progress),
-                                              dev_contexts, scfg)
-        metrics, threshold = score_predictions(dev, preds, scfg.version_2)
-        if scfg.version_2:
-            model.config.extra[NULL_THRESHOLD_KEY] = threshold
-        save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
-        write_predictions(output, preds, scfg.version_2, threshold or 0.0, write_nbest)
-        result = {"task": "squad-v2.0" if scfg.version_2 else "squad-v1.1", **metrics, "lr": outcome.lr,
-                  "epochs": outcome.result.epochs, "batch_size": tcfg.train.batch_size, "seed": tcfg.train.seed,
-                  "train_questions": len(train.examples), "train_features": len(train_features),
-                  "dev_questions": len(dev.examples), "train_examples_per_second": outcome.result.examples_per_second,
-                  **_report(train), "seconds": common.run_seconds(outcome), "device": device_info()}
-        if len(outcome.sweep) > 1:
-            result["lr_sweep"] = outcome.sweep
-        log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})
-    common.emit_metrics(output, result)
-    return result
+    def head_check(self) -> dict:
+        return {"task": "squad"}
 
+    def adopt(self, model, model_dir) -> None:
+        if self.cfg.version_2:
+            if self.threshold is None and NULL_THRESHOLD_KEY in model.config.extra:
+                self.threshold, self.source = float(model.config.extra[NULL_THRESHOLD_KEY]), "model"
+            elif self.threshold is not None:
+                self.source = "given"
+            else:
+                self.source = "chosen on this data"
 
-def run_eval(dev: SquadData, model_dir: str | Path, tcfg: FinetuneConfig, scfg: SquadConfig, *,
-             threshold: float | None = None, output: str | Path | None = None, write_nbest: bool = False) -> dict:
-    """Evaluate a fine-tuned QA model. v2.0: τ from ``threshold``, else the model's saved τ, else
-    chosen on this data (and said so in the output)."""
-    from bertctl.model import BertForQuestionAnswering
+    def featurize(self, tokenizer, progress: bool) -> None:
+        if self.train is not None:
+            self.train_features = featurize(self.train, tokenizer, self.cfg, training=True, progress=progress)
+        self.dev_contexts = tokenize_contexts(self.dev.contexts, tokenizer)
+        self.dev_features = featurize(self.dev, tokenizer, self.cfg, training=False, contexts=self.dev_contexts)
 
-    model = common.load_finetuned(BertForQuestionAnswering, model_dir, task="squad")
-    tokenizer = common.load_tokenizer(model_dir)
-    model.to(runtime_of(tcfg).torch_device)
-    contexts = tokenize_contexts(dev.contexts, tokenizer)
-    features = featurize(dev, tokenizer, scfg, training=False, contexts=contexts)
-    preds = decode(dev, features, _logits(model, features, tcfg, tcfg.train.show_progress), contexts, scfg)
-    source = None
-    if scfg.version_2:
-        if threshold is None and NULL_THRESHOLD_KEY in model.config.extra:
-            threshold, source = float(model.config.extra[NULL_THRESHOLD_KEY]), "model"
-        elif threshold is not None:
-            source = "given"
-        else:
-            source = "chosen on this data"
-    metrics, threshold = score_predictions(dev, preds, scfg.version_2, threshold)
-    result = {"task": "squad-v2.0" if scfg.version_2 else "squad-v1.1", **metrics, "questions": len(dev.examples)}
-    if source:
-        result["null_score_diff_threshold_source"] = source
-    if output is not None:
-        output = Path(output)
-        output.mkdir(parents=True, exist_ok=True)
-        write_predictions(output, preds, scfg.version_2, threshold or 0.0, write_nbest)
-    common.emit_metrics(output, result)
-    return result
+    def predict(self, model, cfg: FinetuneConfig, *, progress=False, shards=None, final=False):
+        return decode(self.dev, self.dev_features, _logits(model, self.dev_features, cfg, progress, shards),
+                      self.dev_contexts, self.cfg)
+
+    def score(self, preds, *, final=False) -> dict:
+        if not final:  # an epoch end: the dev set's figures, τ chosen on it
+            metrics, _ = score_predictions(self.dev, preds, self.cfg.version_2)
+            return {k: float(v) for k, v in metrics.items() if k in ("exact_match", "f1", "best_f1")}
+        metrics, self.threshold = score_predictions(self.dev, preds, self.cfg.version_2, self.threshold)
+        return metrics
+
+    def annotate(self, model) -> None:
+        if self.cfg.version_2:
+            model.config.extra[NULL_THRESHOLD_KEY] = self.threshold
+
+    def write_predictions(self, output: Path, preds) -> None:
+        write_predictions(output, preds, self.cfg.version_2, self.threshold or 0.0, self.write_nbest)
+
+    def facts(self) -> dict:
+        if self.train is None:
+            return {"questions": len(self.dev.examples)}
+        return {"train_questions": len(self.train.examples), "train_features": len(self.train_features),
+                "dev_questions": len(self.dev.examples)}
+
+    def notes(self) -> dict:
+        if self.train is None:
+            return {"null_score_diff_threshold_source": self.source} if self.source else {}
+        return _report(self.train)
 
 
 def score_files(data_path: str | Path, predictions_path: str | Path, *, version_2: bool = False,

@@ -17,10 +17,10 @@ import numpy as np
 
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, iter_jsonl
-from bertctl.progress import MetricsLog, track
-from bertctl.tasks import common
+from bertctl.progress import track
+from bertctl.tasks.base import Task
 from bertctl.tasks.metrics import accuracy
-from bertctl.tasks.trainer import FinetuneConfig, device_info, predict, runtime_of
+from bertctl.tasks.trainer import FinetuneConfig, predict
 
 NUM_CHOICES = 4
 COLUMNS = ("sent1", "sent2", "ending0", "ending1", "ending2", "ending3")
@@ -121,68 +121,43 @@ def write_predictions(path: Path, examples: Sequence[SwagExample], logits: np.nd
             f.write(f"{i}\t{int(p.argmax())}\t{gold}\t" + "\t".join(f"{x:.4f}" for x in p) + f"\t{e.where}\n")
 
 
-def run_finetune(train_path, dev_path, model_dir, output, tcfg: FinetuneConfig, *, max_seq_length: int = 128,
-                 lr_sweep: bool = False, resume: bool = False, dropout: float | None = None) -> dict:
-    from bertctl.checkpoints.hf import save_pretrained
-    from bertctl.model import BertForMultipleChoice
+class Swag(Task):
+    """SWAG as a ``Task``: fine-tuning on ``train`` with ``dev`` scored, or (``train`` None) evaluating on
+    ``dev``, whose labels may be absent (the test CSV)."""
 
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    train, dev = read_swag(train_path), read_swag(dev_path)
-    tokenizer = common.load_tokenizer(model_dir)
-    train_feats = featurize(train, tokenizer, max_seq_length, progress=tcfg.train.show_progress)
-    dev_feats = featurize(dev, tokenizer, max_seq_length)
-    gold = [e.label for e in dev]
+    main_metric = "accuracy"
 
-    runtime = runtime_of(tcfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
-    def build():
-        return common.load_for_finetuning(BertForMultipleChoice, model_dir, dropout=dropout, cfg=tcfg, runtime=runtime)
+    def __init__(self, train: str | Path | None, dev: str | Path, max_seq_length: int = 128):
+        self.name, self.max_seq_length = "swag", max_seq_length
+        self.train = read_swag(train) if train is not None else None
+        self.dev = read_swag(dev, need_label=train is not None)
+        self.train_features: list[dict] = []
 
-    last = common.LastEvaluation()
+    @property
+    def model_class(self):
+        from bertctl.model import BertForMultipleChoice
 
-    def evaluate(model, shards):
-        return {"accuracy": accuracy(last.keep(model, _choices(model, dev_feats, tcfg, False, shards)).argmax(-1),
-                                     gold)}
+        return BertForMultipleChoice
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=tcfg.train.tensorboard) as log:
-        outcome = common.train_with_sweep(build, train_feats, tcfg, evaluate=evaluate, main_metric="accuracy",
-                                          output=output, lr_sweep=lr_sweep, resume=resume, log=log,
-                                          runtime=runtime)
-        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
+    def featurize(self, tokenizer, progress: bool) -> None:
+        if self.train is not None:
+            self.train_features = featurize(self.train, tokenizer, self.max_seq_length, progress=progress)
+        self.dev_features = featurize(self.dev, tokenizer, self.max_seq_length)
+
+    def predict(self, model, cfg: FinetuneConfig, *, progress=False, shards=None, final=False):
+        return _choices(model, self.dev_features, cfg, progress, shards)
+
+    def score(self, logits, *, final=False) -> dict:
+        labelled = [i for i, e in enumerate(self.dev) if e.label is not None]
+        if not labelled:
             return {}
-        model = outcome.result.model
-        logits = last.reuse(outcome)
-        if logits is None:
-            logits = _choices(model, dev_feats, tcfg, tcfg.train.show_progress)
-        save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
-        write_predictions(output / "predictions_dev.tsv", dev, logits)
-        result = {"task": "swag", "accuracy": accuracy(logits.argmax(-1), gold), "lr": outcome.lr,
-                  "epochs": outcome.result.epochs, "batch_size": tcfg.train.batch_size, "seed": tcfg.train.seed,
-                  "train_examples": len(train), "dev_examples": len(dev),
-                  "train_examples_per_second": outcome.result.examples_per_second,
-                  "seconds": common.run_seconds(outcome), "device": device_info()}
-        if len(outcome.sweep) > 1:
-            result["lr_sweep"] = outcome.sweep
-        log.log(event="final", **{k: v for k, v in result.items() if k != "lr_sweep"})
-    common.emit_metrics(output, result)
-    return result
+        return {"accuracy": accuracy(logits[labelled].argmax(-1), [self.dev[i].label for i in labelled])}
 
+    def write_predictions(self, output: Path, logits) -> None:
+        write_predictions(output / ("predictions_dev.tsv" if self.train is not None else "predictions.tsv"), self.dev,
+                          logits)
 
-def run_eval(data_path, model_dir, tcfg: FinetuneConfig, *, max_seq_length: int = 128, output=None) -> dict:
-    from bertctl.model import BertForMultipleChoice
-
-    model = common.load_finetuned(BertForMultipleChoice, model_dir, task="swag")
-    tokenizer = common.load_tokenizer(model_dir)
-    model.to(runtime_of(tcfg).torch_device)
-    examples = read_swag(data_path, need_label=False)
-    feats = featurize(examples, tokenizer, max_seq_length)
-    logits = _choices(model, feats, tcfg, tcfg.train.show_progress)
-    result = {"task": "swag", "examples": len(examples)}
-    labelled = [i for i, e in enumerate(examples) if e.label is not None]
-    if labelled:
-        result["accuracy"] = accuracy(logits[labelled].argmax(-1), [examples[i].label for i in labelled])
-    if output is not None:
-        Path(output).mkdir(parents=True, exist_ok=True)
-        write_predictions(Path(output) / "predictions.tsv", examples, logits)
-    common.emit_metrics(Path(output) if output else None, result)
-    return result
+    def facts(self) -> dict:
+        if self.train is None:
+            return {"examples": len(self.dev)}
+        return {"train_examples": len(self.train), "dev_examples": len(self.dev)}

@@ -168,28 +168,41 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
 # ------------------------------------------------------------------------------------ training
 
 
+def label_loss(out, batch) -> torch.Tensor:
+    """Cross-entropy of the head's logits against ``labels`` (one per example, per token with -100 where none,
+    or one per choice set), or for float labels the squared error of a regression's one output; summed."""
+    logits, labels = out.logits.float(), batch["labels"]
+    if labels.dtype.is_floating_point:  # regression
+        return F.mse_loss(logits.squeeze(-1), labels.float(), reduction="sum")
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def span_loss(out, batch) -> torch.Tensor:
+    """Span QA: the mean of the start and end cross-entropies, summed over the examples; a position past the
+    window is ignored, as in Hugging Face's head."""
+    S = out.start_logits.shape[1]
+    start = F.cross_entropy(out.start_logits.float(), batch["start_positions"].clamp(0, S), ignore_index=S,
+                            reduction="sum")
+    end = F.cross_entropy(out.end_logits.float(), batch["end_positions"].clamp(0, S), ignore_index=S,
+                          reduction="sum")
+    return (start + end) / 2
+
+
 class TaskObjective:
-    """A task's one loss, on the head's logits: a sum over the micro-batch, normalised by the global
-    batch's examples (labelled tokens for per-token labels), so accumulation and N processes give the
-    one-batch loss. The labels stay out of the forward, so the head computes no second loss."""
+    """A task's one loss, on the head's logits, as the engine's objective: a sum over the micro-batch,
+    normalised by the global batch's examples (labelled tokens for per-token labels), so accumulation and N
+    processes give the one-batch loss. The labels stay out of the forward, so the head computes no second
+    loss."""
 
     loss_terms = ("loss",)
     stat_names = ()
 
+    def __init__(self, loss: Callable = label_loss):
+        self.loss = loss
+
     def sums(self, model, mb):
         out = model(**{k: v for k, v in mb.items() if k not in LABEL_KEYS})
-        if hasattr(out, "start_logits"):  # span QA: mean of the start and end cross-entropies
-            S = out.start_logits.shape[1]
-            start = F.cross_entropy(out.start_logits.float(), mb["start_positions"].clamp(0, S), ignore_index=S,
-                                    reduction="sum")
-            end = F.cross_entropy(out.end_logits.float(), mb["end_positions"].clamp(0, S), ignore_index=S,
-                                  reduction="sum")
-            return {"loss": (start + end) / 2}
-        logits, labels = out.logits.float(), mb["labels"]
-        if labels.dtype.is_floating_point:  # regression
-            return {"loss": F.mse_loss(logits.squeeze(-1), labels.float(), reduction="sum")}
-        return {"loss": F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                        reduction="sum")}
+        return {"loss": self.loss(out, mb)}
 
     def record(self, sums, counts):
         return {"loss": sums["loss"] / max(counts["loss"], 1.0)}
@@ -207,8 +220,10 @@ def total_steps(num_features: int, cfg: FinetuneConfig, world_size: int = 1) -> 
 def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: FinetuneConfig, *,
               evaluate: Callable[[torch.nn.Module, distributed.Dist], dict] | None = None,
               main_metric: str | None = None, output_dir: str | Path | None = None, resume: bool = False,
-              log: MetricsLog | None = None, runtime: Runtime | None = None) -> TrainResult:
-    """Fine-tune ``model`` on ``train_features``; evaluate after every epoch (shared by the processes).
+              log: MetricsLog | None = None, runtime: Runtime | None = None,
+              loss: Callable = label_loss) -> TrainResult:
+    """Fine-tune ``model`` on ``train_features`` with the task's ``loss`` (``label_loss``, ``span_loss``);
+    evaluate after every epoch (shared by the processes).
 
     ``evaluate(model, shards)`` returns a metrics dict, predicting with ``predict(..., shards=shards)``;
     ``main_metric`` names the key that picks the best epoch when ``cfg.select_best``; ``runtime``: the
@@ -229,10 +244,10 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Finet
     run_dir = Path(output_dir) if output_dir is not None else None
     log = log if (log is not None and dist.is_main) else MetricsLog(None)
     if runtime.cuda_graphs and not cfg.train.cuda_graphs \
-            and getattr(getattr(model, "config", None), "attn_implementation", None) == "unpadded":
+            and getattr(getattr(model, "runtime", None), "attn", None) == "unpadded":
         runtime = dataclasses.replace(runtime, cuda_graphs=False)  # a model built unpadded: graphs by default only
-    engine = Engine(cfg.train, runtime, model, TaskObjective(), dist=dist, max_steps=steps, run_dir=run_dir, log=log,
-                    compile_dynamic=True, description="finetune")
+    engine = Engine(cfg.train, runtime, model, TaskObjective(loss), dist=dist, max_steps=steps, run_dir=run_dir,
+                    log=log, compile_dynamic=True, description="finetune")
     model = engine.model
     note = eager_ddp_note(runtime, W, runtime.cuda_graphs)
     if note and dist.is_main:
