@@ -1,4 +1,5 @@
-"""What every task shares: loading model and tokenizer, the head check, the lr sweep, outputs."""
+"""What the fine-tuning driver (``bertctl.tasks.base``) shares: loading model and tokenizer, the head check, the lr
+sweep, the outputs."""
 from __future__ import annotations
 
 import json
@@ -116,7 +117,8 @@ def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features:
                      evaluate: Callable[[torch.nn.Module, Any], dict], main_metric: str, output: Path,
                      lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None,
                      runtime: Runtime | None = None, loss: Callable = label_loss) -> SweepOutcome:
-    """Fine-tune once, or once per lr of the paper's grid, keeping the best on dev (``main_metric``).
+    """Fine-tune once, or once per lr of the paper's grid, with the task's ``loss``, keeping the best on dev
+    (``main_metric``).
 
     With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
     and ``result.json`` there, so ``resume`` skips it. Under torchrun every process trains; only

@@ -4,8 +4,9 @@ Recipe: AdamW (no decay on biases and LayerNorm, ``bertctl.train.optim``), linea
 the first 10% of steps then linear decay to 0, batch 32, 3 epochs, lr 5e-5, dropout 0.1; the
 paper's lr sweep over {5e-5, 4e-5, 3e-5, 2e-5} picks the best on dev.
 
-A task is a model with a fresh head, featurised examples (dicts of numpy arrays, see
-``bertctl.data.batching.collate``) and an ``evaluate(model, shards)`` callback; ``fine_tune`` runs them on
+``fine_tune`` takes a model with a fresh head, featurised examples (dicts of numpy arrays, see
+``bertctl.data.batching.collate``), the task's loss on the head's logits (``label_loss``, ``span_loss``) and an
+``evaluate(model, shards)`` callback (``bertctl.tasks.base.finetune`` makes them from a ``Task``), and runs them on
 ``bertctl.train.engine.Engine``, which brings DDP under ``torchrun``, accumulation from
 ``micro_batch_size``, bf16/fp16/fp32, compile, exact resume and the metrics log. Batches are
 random (Hugging Face Trainer's order) and padded to their own longest row; ``group_by_length``

@@ -298,12 +298,12 @@ def test_kernels_and_attention_choices_reach_the_model(tiny, tmp_path):
 
     model = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=FinetuneConfig.of(kernels="torch",
                                                                                     attn="explicit"))
-    assert model.config.kernels == "torch" and model.config.attn_implementation == "explicit"
+    assert model.runtime.kernels == "torch" and model.runtime.attn == "explicit"
     auto = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=FinetuneConfig.of(device="cpu"))
-    assert auto.config.attn_implementation == "unpadded"  # auto on a CPU
-    assert auto.config.dropout_masks == "torch"
+    assert auto.runtime.attn == "unpadded"  # auto on a CPU
+    assert auto.runtime.dropout_masks == "torch"
     own = common.load_for_finetuning(BertForMultipleChoice, tiny, cfg=FinetuneConfig.of(device="cpu", dropout_masks="fused"))
-    assert own.config.dropout_masks == "fused"
+    assert own.runtime.dropout_masks == "fused"
     r = runner.invoke(app, ["finetune", "swag", "--train", str(data_path("swag", "sample.jsonl")), "--dev",
                             str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
                             str(tmp_path / "m"), "--max-steps", "1", "--dropout-masks", "philox", "--no-progress"])
@@ -312,3 +312,49 @@ def test_kernels_and_attention_choices_reach_the_model(tiny, tmp_path):
                             str(data_path("swag", "sample.jsonl")), "--model", str(tiny), "--output",
                             str(tmp_path / "o"), "--max-steps", "1", "--attn", "bogus", "--no-progress"])
     assert r.exit_code == 2 and "--attn must be one of auto, sdpa, explicit, unpadded, not 'bogus'" in r.output
+
+
+def test_each_task_loss_on_logits_is_its_heads_loss():
+    """A task's one loss (``Task.loss``, summed over the batch) over the examples, or over the labelled tokens for
+    NER, is the loss the Hugging Face-style head computes from the labels itself: cross-entropy for GLUE
+    classes, NER tags and SWAG choices, squared error for a GLUE regression, the mean of the start and end
+    cross-entropies for SQuAD (no dropout)."""
+    from bertctl.config import BertConfig
+    from bertctl.data.batching import collate
+    from bertctl.model import (BertForMultipleChoice, BertForQuestionAnswering, BertForSequenceClassification,
+                               BertForTokenClassification)
+    from bertctl.tasks import glue, squad
+
+    rng = np.random.default_rng(3)
+    conf = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    lens = [5, 11, 3, 17]
+
+    def seq(n):
+        return {"input_ids": rng.integers(1, 50, n), "token_type_ids": (np.arange(n) > n // 2).astype(np.int8)}
+
+    tags = [np.where(rng.random(n) < 0.3, -100, rng.integers(0, 4, n)) for n in lens]
+    cases = [
+        (glue.Glue, BertForSequenceClassification, dict(num_labels=3),
+         [{**seq(n), "labels": i % 3} for i, n in enumerate(lens)], len(lens)),
+        (glue.Glue, BertForSequenceClassification, dict(num_labels=1, problem_type="regression"),
+         [{**seq(n), "labels": float(rng.uniform(0, 5))} for n in lens], len(lens)),
+        (ner.Ner, BertForTokenClassification, dict(num_labels=4), [{**seq(n), "labels": t} for n, t in zip(lens, tags)],
+         sum(int((t != -100).sum()) for t in tags)),
+        (squad.Squad, BertForQuestionAnswering, {},
+         [{**seq(n), "start_positions": n // 3, "end_positions": n // 2} for n in lens], len(lens)),
+        (swag.Swag, BertForMultipleChoice, {},
+         [{"input_ids": np.stack([rng.integers(1, 50, 24)] * 4), "token_type_ids": np.zeros((4, 24), dtype=np.int8),
+           "lengths": [n, n + 2, n + 1, n], "labels": i % 4} for i, n in enumerate(lens)], len(lens)),
+    ]
+    label_keys = ("labels", "start_positions", "end_positions")
+    for task, cls, kw, features, count in cases:
+        torch.manual_seed(0)
+        model = cls(BertConfig(**conf, **kw)).double().eval()
+        batch = collate(features)
+        head_loss = model(**batch).loss
+        out = model(**{k: v for k, v in batch.items() if k not in label_keys})
+        assert getattr(out, "loss", None) is None  # no labels in the forward: the head computes no second loss
+        # float32's tolerance: the task's loss reads the logits in float32, as it does under bf16 training
+        torch.testing.assert_close(task.loss(out, batch).double() / count, head_loss.double(), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, name=f"{task.__name__} {kw}": f"{name}: {m}")
