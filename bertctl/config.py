@@ -1,8 +1,8 @@
 """Model configuration: one dataclass with Hugging Face's field names.
 
 ``config.json`` written from it loads as a ``transformers.BertConfig`` and vice
-versa.  Runtime choices (attention backend, kernels) are not architecture and
-are never written to ``config.json``.
+versa.  It holds the architecture only: how a model runs (attention backend,
+kernels, dropout masks) is its ``bertctl.runtime.Runtime``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 from bertctl.errors import BertctlError
 from bertctl.io import read_json_object, write_json
-from bertctl.runtime import ATTENTION_BACKENDS, DROPOUT_MASK_CHOICES, KERNEL_CHOICES
 
 # (layers, hidden, heads): BERT-Base/Large from the paper (§3), the small sizes from
 # Turc et al. 2019 ("Well-Read Students Learn Better").  Intermediate = 4 * hidden.
@@ -30,6 +29,7 @@ GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "
 # The label of a slot that carries no prediction (padding, unmasked tokens, a word's later pieces):
 # collation pads labels with it and every loss skips it, as torch's cross_entropy does by default.
 IGNORE_INDEX = -100
+# Runtime choices that config.json files written before the Runtime held them may carry: ignored on reading.
 RUNTIME_FIELDS = ("attn_implementation", "kernels", "dropout_masks")
 
 
@@ -55,13 +55,6 @@ class BertConfig:
     label2id: dict[str, int] | None = None
     problem_type: str | None = None
     architectures: list[str] | None = None
-    # Runtime (not saved): attention backend over the same weights, which ops run it, and whose
-    # dropout masks training draws with the compiled ops (``fused``: bertctl's own, a hash of a seed and
-    # the element's index, inside the fused sub-layer op; ``torch``: torch's dropout before the fused
-    # LayerNorm, as fine-tuning trains; see ``bertctl.nn.fused.own_masks``).
-    attn_implementation: str = "sdpa"
-    kernels: str = "auto"
-    dropout_masks: str = "fused"
     # Unknown keys from a config.json, kept so a round trip loses nothing.
     extra: dict = field(default_factory=dict, repr=False)
 
@@ -70,12 +63,6 @@ class BertConfig:
             raise BertctlError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
             )
-        if self.attn_implementation not in ATTENTION_BACKENDS:
-            raise BertctlError(f"attention backend must be one of {ATTENTION_BACKENDS}, not {self.attn_implementation!r}")
-        if self.kernels not in KERNEL_CHOICES:
-            raise BertctlError(f"kernels must be one of {KERNEL_CHOICES}, not {self.kernels!r}")
-        if self.dropout_masks not in DROPOUT_MASK_CHOICES:
-            raise BertctlError(f"dropout_masks must be one of {DROPOUT_MASK_CHOICES}, not {self.dropout_masks!r}")
         if self.id2label is not None:
             self.id2label = {int(k): v for k, v in self.id2label.items()}
             self.num_labels = len(self.id2label)
@@ -94,11 +81,8 @@ class BertConfig:
         base = dict(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden)
         return cls(**{**base, **overrides})
 
-    def to_dict(self, runtime: bool = False) -> dict:
+    def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
-        if not runtime:
-            for name in RUNTIME_FIELDS:
-                d.pop(name)
         for key in ("id2label", "label2id", "architectures", "problem_type"):
             if d[key] is None:
                 d.pop(key)
@@ -112,7 +96,8 @@ class BertConfig:
     def from_dict(cls, d: dict, **overrides) -> "BertConfig":
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in d.items() if k in names}
-        extra = {k: v for k, v in d.items() if k not in names and k not in ("model_type", "transformers_version")}
+        extra = {k: v for k, v in d.items()
+                 if k not in names and k not in ("model_type", "transformers_version", *RUNTIME_FIELDS)}
         model_type = d.get("model_type", "bert")
         if model_type != "bert":
             raise BertctlError(f"config model_type is {model_type!r}; bertctl reads BERT checkpoints only")
@@ -203,7 +188,7 @@ def pretraining_defaults() -> TrainConfig:
 
 def finetuning_defaults() -> TrainConfig:
     """Fine-tuning's recipe, the paper's (Appendix A.3): batch 32, lr 5e-5, 10% warm-up; torch's dropout
-    masks (``bertctl.nn.fused.own_masks``), one checkpoint kept."""
+    masks (``bertctl.runtime.Runtime.own_masks``), one checkpoint kept."""
     return TrainConfig(batch_size=32, lr=5e-5, warmup_fraction=0.1, seed=42, dropout_masks="torch",
                        graph_min_steps=MIN_SHAPE_STEPS, log_every=50, keep=1, save_every=0)
 

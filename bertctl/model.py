@@ -7,15 +7,15 @@ between bertctl and ``transformers`` unchanged.
 
 The machinery the classes call lives beside them in ``bertctl.nn``: the attention implementations
 (``nn.attention``), packing (``nn.packing``), the projections' autograd nodes (``nn.projections``) and
-the fused-op dispatch (``nn.fused``). Three choices are made per config, over the same weights:
-- ``attn_implementation``: ``sdpa`` (torch's scaled_dot_product_attention), ``explicit``
+the fused-op dispatch (``nn.fused``). A model runs by its ``bertctl.runtime.Runtime`` (``set_runtime``),
+which makes three choices over the same weights:
+- ``attn``: ``sdpa`` (torch's scaled_dot_product_attention), ``explicit``
   (materialised scores, the path the fused softmax serves) or ``unpadded`` (the encoder runs on
   the batch's real tokens only, (T, H) with T = the sum of the lengths; see ``Packed``);
-- ``kernels``: ``fused`` (bertctl's softmax / LayerNorm+residual / bias+GELU /
-  bias+dropout+residual+LayerNorm ops, and on the CPU its dropout), ``torch`` (plain PyTorch), or
-  ``auto`` (fused when the compiled module loaded);
-- ``dropout_masks``: with fused kernels, whether training draws bertctl's own masks (``fused``) or torch's
-  (``torch``, fine-tuning's; see ``own_masks``).
+- ``fused``: bertctl's softmax / LayerNorm+residual / bias+GELU /
+  bias+dropout+residual+LayerNorm ops, and on the CPU its dropout, or plain PyTorch;
+- ``own_masks``: with fused kernels, whether training draws bertctl's own dropout masks or torch's
+  (fine-tuning's).
 
 Shapes: B batch, S sequence, H hidden, nh heads, hs head size, I intermediate, V vocab, T packed tokens,
 P masked positions per sequence, C choices.
@@ -31,10 +31,10 @@ from torch import nn
 from bertctl import ops
 from bertctl.config import IGNORE_INDEX, BertConfig
 from bertctl.nn.attention import attention
-from bertctl.nn.fused import (bias_act, dense_act, dense_dropout_add_norm, dropout, fuses_bias, layer_norm, own_masks,
-                              use_fused)
+from bertctl.nn.fused import bias_act, dense_act, dense_dropout_add_norm, dropout, fuses_bias, layer_norm
 from bertctl.nn.packing import Packed, worth_packing
 from bertctl.nn.projections import VOCAB_ALIGN, input_projection, vocab_projection
+from bertctl.runtime import Runtime, default as default_runtime
 
 
 # --------------------------------------------------------------------------- outputs
@@ -79,7 +79,13 @@ class QAOutput:
 # --------------------------------------------------------------------------- encoder
 
 
-class BertEmbeddings(nn.Module):
+class RuntimeModule(nn.Module):
+    """A module whose forward reads the model's runtime; ``BertPreTrainedModel.set_runtime`` sets it on all."""
+
+    runtime: Runtime
+
+
+class BertEmbeddings(RuntimeModule):
     """Token + segment + position embeddings, then LayerNorm and dropout (paper §3, Figure 2)."""
 
     def __init__(self, config: BertConfig):
@@ -101,11 +107,11 @@ class BertEmbeddings(nn.Module):
             x = x + self.token_type_embeddings.weight[0]
         else:
             x = x + self.token_type_embeddings(token_type_ids)
-        x = layer_norm(self.LayerNorm, x, None, use_fused(self.config))
-        return dropout(self.dropout, x, own_masks(self.config))  # (B, S, H)
+        x = layer_norm(self.LayerNorm, x, None, self.runtime.fused)
+        return dropout(self.dropout, x, self.runtime.own_masks)  # (B, S, H)
 
 
-class BertSelfAttention(nn.Module):
+class BertSelfAttention(RuntimeModule):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -129,10 +135,10 @@ class BertSelfAttention(nn.Module):
         H = x.shape[-1]
         q, k, v, residual = input_projection(x, weight, bias, (H, H, H))  # column views of one (..., 3H)
         p = self.dropout_p if self.training else 0.0
-        return attention(self.config, q, k, v, key_mask, p), residual  # (B, S, H), or (T, H) packed
+        return attention(self.runtime, self.num_heads, q, k, v, key_mask, p), residual  # (B, S, H), or (T, H) packed
 
 
-class ProjectAddNorm(nn.Module):
+class ProjectAddNorm(RuntimeModule):
     """Post-LN sub-layer output (the original Transformer and BERT): LN(residual + Dropout(W h + b)).
 
     Two of these per layer: after attention (HF's ``BertSelfOutput``, in_features = H) and after
@@ -147,8 +153,8 @@ class ProjectAddNorm(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return dense_dropout_add_norm(self.dense, self.dropout, self.LayerNorm, h, residual, use_fused(self.config),
-                                      own_masks(self.config))
+        return dense_dropout_add_norm(self.dense, self.dropout, self.LayerNorm, h, residual, self.runtime.fused,
+                                      self.runtime.own_masks)
 
 
 class BertAttention(nn.Module):
@@ -163,7 +169,7 @@ class BertAttention(nn.Module):
         return self.output(*self.self(x, key_mask))
 
 
-class BertIntermediate(nn.Module):
+class BertIntermediate(RuntimeModule):
     """The feed-forward network's first half, act(x W_1^T + b_1); the layer's ``output`` is its second."""
 
     def __init__(self, config: BertConfig):
@@ -173,7 +179,7 @@ class BertIntermediate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """act(x W^T + b) (B, S, I), and x, handed on as the FFN's residual (``InputProjection``)."""
-        act, fused = self.config.hidden_act, use_fused(self.config)
+        act, fused = self.config.hidden_act, self.runtime.fused
         bias = None if fuses_bias(act, fused) else self.dense.bias
         h, residual = input_projection(x, self.dense.weight, bias, (self.dense.out_features,))
         return bias_act(self.dense, act, h, fused), residual
@@ -219,13 +225,20 @@ class BertPooler(nn.Module):
         return self.activation(self.dense(hidden[:, 0]))  # (B, H), from the [CLS] token's state
 
 
-class BertPreTrainedModel(nn.Module):
+class BertPreTrainedModel(RuntimeModule):
     """Weight initialisation shared by every model class (truncation-free normal, as HF and the reference)."""
 
     config: BertConfig
     # Parameter-name prefixes of this class's task head: may be initialised fresh when a checkpoint lacks them.
     head_prefixes: tuple[str, ...] = ()
     has_pooler: bool = True
+
+    def set_runtime(self, runtime: Runtime | None = None) -> None:
+        """Run by ``runtime`` from now on (None: ``bertctl.runtime.default``), over the same weights."""
+        runtime = runtime or default_runtime()
+        for module in self.modules():
+            if isinstance(module, RuntimeModule):
+                module.runtime = runtime
 
     def init_weights(self) -> None:
         self.apply(self._init_module)
@@ -251,7 +264,7 @@ class BertPreTrainedModel(nn.Module):
 
 
 class BertModel(BertPreTrainedModel):
-    def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
+    def __init__(self, config: BertConfig, runtime: Runtime | None = None, add_pooling_layer: bool = True):
         super().__init__()
         self.config = config
         self.has_pooler = add_pooling_layer
@@ -259,6 +272,7 @@ class BertModel(BertPreTrainedModel):
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
         self.init_weights()
+        self.set_runtime(runtime)
 
     def forward(
         self,
@@ -270,7 +284,7 @@ class BertModel(BertPreTrainedModel):
         """input_ids, token_type_ids, attention_mask: (B, S); attention_mask 1 = token, 0 = padding."""
         key_mask = None if attention_mask is None else attention_mask.bool()
         x = self.embeddings(input_ids, token_type_ids)
-        if self.config.attn_implementation == "unpadded" and key_mask is not None and worth_packing(key_mask):
+        if self.runtime.attn == "unpadded" and key_mask is not None and worth_packing(key_mask):
             packed = Packed(key_mask)
             x, states = self.encoder(packed.pack(x), packed, output_hidden_states)
             x = packed.unpack(x)
@@ -284,7 +298,7 @@ class BertModel(BertPreTrainedModel):
 # --------------------------------------------------------------------------- heads
 
 
-class BertPredictionHeadTransform(nn.Module):
+class BertPredictionHeadTransform(RuntimeModule):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -292,7 +306,7 @@ class BertPredictionHeadTransform(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = use_fused(self.config)
+        fused = self.runtime.fused
         return layer_norm(self.LayerNorm, dense_act(self.dense, self.config.hidden_act, x, fused), None, fused)
 
 
@@ -326,12 +340,13 @@ class BertForPreTraining(BertPreTrainedModel):
 
     head_prefixes = ("cls.",)
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, runtime: Runtime | None = None):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, runtime)
         self.cls = BertPreTrainingHeads(config)
         self.init_weights()
+        self.set_runtime(runtime)
 
     def tie_weights(self) -> None:
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
@@ -378,16 +393,17 @@ def _masked_lm(head: BertLMPredictionHead, hidden: torch.Tensor, masked_position
     loss = None
     if labels is not None:
         flat = labels.flatten()
-        loss = _mean_over_labelled(masked_lm_cross_entropy(head.transform.config, logits.flatten(0, 1), flat)[0], flat)
+        loss = masked_lm_cross_entropy(head.transform.runtime.fused, logits.flatten(0, 1), flat)[0]
+        loss = _mean_over_labelled(loss, flat)
     return logits, loss
 
 
-def masked_lm_cross_entropy(config: BertConfig, logits: torch.Tensor,
+def masked_lm_cross_entropy(fused: bool, logits: torch.Tensor,
                             labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy (float32, 0 where the label is -100) and argmax of MLM logits (N, V) against
-    labels (N,): the compiled op, which reads the logits in their own dtype, where the config uses the
-    fused kernels; else ``F.cross_entropy`` on an fp32 copy."""
-    if use_fused(config):
+    labels (N,): the compiled op, which reads the logits in their own dtype, with the ``fused`` kernels;
+    else ``F.cross_entropy`` on an fp32 copy."""
+    if fused:
         return ops.cross_entropy(logits, labels, IGNORE_INDEX)
     return ops.reference.cross_entropy(logits, labels, IGNORE_INDEX)
 
@@ -415,12 +431,13 @@ class BertForMaskedLM(BertPreTrainedModel):
     head_prefixes = ("cls.predictions.",)
     has_pooler = False
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, runtime: Runtime | None = None):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert = BertModel(config, runtime, add_pooling_layer=False)
         self.cls = BertOnlyMLMHead(config)
         self.init_weights()
+        self.set_runtime(runtime)
 
     def tie_weights(self) -> None:
         self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
@@ -450,13 +467,14 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
     head_prefixes = ("classifier.",)
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, runtime: Runtime | None = None):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, runtime)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.init_weights()
+        self.set_runtime(runtime)
 
     @property
     def is_regression(self) -> bool:
@@ -464,7 +482,7 @@ class BertForSequenceClassification(BertPreTrainedModel):
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
-        logits = self.classifier(dropout(self.dropout, out.pooler_output, own_masks(self.config)))  # (B, num_labels)
+        logits = self.classifier(dropout(self.dropout, out.pooler_output, self.runtime.own_masks))  # (B, num_labels)
         loss = None
         if labels is not None:
             if self.is_regression:
@@ -480,17 +498,18 @@ class BertForTokenClassification(BertPreTrainedModel):
     head_prefixes = ("classifier.",)
     has_pooler = False
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, runtime: Runtime | None = None):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert = BertModel(config, runtime, add_pooling_layer=False)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.init_weights()
+        self.set_runtime(runtime)
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
         out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
-        logits = self.classifier(dropout(self.dropout, out.last_hidden_state, own_masks(self.config)))  # (B, S, labels)
+        logits = self.classifier(dropout(self.dropout, out.last_hidden_state, self.runtime.own_masks))  # (B, S, labels)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
@@ -506,12 +525,13 @@ class BertForQuestionAnswering(BertPreTrainedModel):
     head_prefixes = ("qa_outputs.",)
     has_pooler = False
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, runtime: Runtime | None = None):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert = BertModel(config, runtime, add_pooling_layer=False)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.init_weights()
+        self.set_runtime(runtime)
 
     def forward(
         self, input_ids, token_type_ids=None, attention_mask=None, start_positions=None, end_positions=None,
@@ -541,20 +561,21 @@ class BertForMultipleChoice(BertPreTrainedModel):
 
     head_prefixes = ("classifier.",)
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, runtime: Runtime | None = None):
         super().__init__()
         self.config = config
-        self.bert = BertModel(config)
+        self.bert = BertModel(config, runtime)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.init_weights()
+        self.set_runtime(runtime)
 
     def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
         """input_ids etc. (B, C, S); labels (B,) index of the right choice."""
         B, C, S = input_ids.shape
         flat = lambda t: None if t is None else t.reshape(B * C, S)  # noqa: E731
         out = self.bert(flat(input_ids), flat(token_type_ids), flat(attention_mask), output_hidden_states)
-        logits = self.classifier(dropout(self.dropout, out.pooler_output, own_masks(self.config))).view(B, C)
+        logits = self.classifier(dropout(self.dropout, out.pooler_output, self.runtime.own_masks)).view(B, C)
         loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
         return TaskOutput(loss, logits, out.hidden_states)
 

@@ -60,12 +60,17 @@ class Runtime:
 
     @property
     def own_masks(self) -> bool:
-        """Whether the fused ops draw their own dropout masks rather than torch's."""
+        """Whether the fused ops draw their own dropout masks rather than torch's. With torch's, the sub-layer
+        outputs train with torch's dropout before the fused LayerNorm; fine-tuning trains so: with the fused
+        op's own masks, acceptability scores fell further below the transformers Trainer's
+        (``benchmarks/results/finetune-diagnostics/README.md``)."""
         return self.fused and self.dropout_masks == "fused"
 
-    def model_overrides(self) -> dict:
-        """The runtime choices a model built from a ``BertConfig`` reads."""
-        return dict(attn_implementation=self.attn, kernels=self.kernels, dropout_masks=self.dropout_masks)
+
+def default() -> Runtime:
+    """The runtime of a model built without one (``BertModel(config)``): the CPU, SDPA attention, the
+    compiled kernels where they are built and their own dropout masks."""
+    return resolve("cpu", attn="sdpa")
 
 
 def resolve(device: str | None = "auto", precision: str = "auto", *, attn: str = "auto", kernels: str = "auto",

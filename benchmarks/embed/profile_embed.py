@@ -13,6 +13,7 @@ cold run timed apart. JSON on stdout (``-o`` writes it too).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=0, help="sentences (0: all)")
     ap.add_argument("--device", default="cuda", help="cuda (what this is for) or cpu (a smoke test)")
     ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--attn", default=None, help="the model's attn_implementation instead of its own")
+    ap.add_argument("--attn", default=None, help="the model's attention backend instead of its runtime's")
     ap.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "fp16"),
                     help="the encoder's weights: fp32 (autocast to --precision, as embed runs), or cast once to "
                          "bf16/fp16 and run without autocast (as sentence-transformers' model.half())")
@@ -65,7 +66,7 @@ def main() -> None:
     texts = read_sentences(a.data, a.n)
     model = load_encoder(a.model, device)
     if a.attn:
-        model.config.attn_implementation = a.attn
+        model.model.set_runtime(dataclasses.replace(model.model.runtime, attn=a.attn))
     tokenizer = load_tokenizer(a.model)
     config = EmbedConfig(pooling="mean", normalize=True, precision="fp32", device=a.device, backend="torch")
     reference = embed_texts(model, tokenizer, texts, config, progress=False)  # fp32: what the variants must match
@@ -115,7 +116,7 @@ def main() -> None:
                         **harness.profile_summary(prof, n, "batch", a.rows)})
     out = {"what": "embed_texts host profile (benchmarks/embed/profile_embed.py)", "model": str(a.model),
            "backend": a.backend, **({"native_start_s": round(start_s, 3)} if a.backend == "native" else {}),
-           "attn": model.config.attn_implementation, "precision": model.precision, "weights": a.weights,
+           "attn": model.model.runtime.attn, "precision": model.precision, "weights": a.weights,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
            "environment": harness.environment(device),
            "compiled_kernels": kernels_loaded() or "none: the extension did not load (plain PyTorch ops)",

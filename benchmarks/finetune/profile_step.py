@@ -91,7 +91,7 @@ def main() -> distributed.Dist:
         examples = read_glue_tsv(a.sst2, spec)[0][: a.examples]
         feats = featurize(examples, tok, spec, max_seq_length=a.max_seq_length or 128)
         head = BertForSequenceClassification
-    over = dict(vocab_size=len(tok.vocab), num_labels=2, attn_implementation=a.attn, dropout_masks=a.dropout_masks)
+    over = dict(vocab_size=len(tok.vocab), num_labels=2)
     config = BertConfig.from_json_file(a.config, **over) if a.config else BertConfig.preset(a.size, **over)
     torch.manual_seed(0)
     model = head(config)
@@ -101,8 +101,9 @@ def main() -> distributed.Dist:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     total = a.warmup + 2 * a.steps + 2
     cfg = TrainConfig(batch_size=a.batch_size, lr=5e-5, warmup_steps=10, seed=0, show_progress=False)
-    runtime = resolve(str(device), "bf16" if cuda else "fp32", attn=a.attn, compile=a.compile,
-                      cuda_graphs=bool(a.cuda_graphs))
+    runtime = resolve(str(device), "bf16" if cuda else "fp32", attn=a.attn, dropout_masks=a.dropout_masks,
+                      compile=a.compile, cuda_graphs=bool(a.cuda_graphs))
+    model.set_runtime(runtime)
     engine = Engine(cfg, runtime, model, TaskObjective(span_loss if a.squad else label_loss), dist=dist, max_steps=total, compile_dynamic=True)
     if a.compile_mode:  # the engine's compile with another mode (what the engine would need to offer)
         engine.step_model = torch.compile(engine.model, dynamic=True, mode=a.compile_mode)

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from bertctl.bench import harness
 from bertctl.bench.model import CASES, _train_step_fn, bertctl_model, synthetic_batches
 from bertctl.config import BertConfig
+from bertctl.runtime import resolve
 from bertctl.train.optim import build_optimizer
 
 
@@ -48,8 +49,8 @@ def main() -> None:
     args = ap.parse_args()
     print(json.dumps(harness.environment("cuda")))
     size, seq, batch = CASES[args.case]
-    config = BertConfig.preset(size, attn_implementation=args.attn, kernels=args.kernels)
-    model = bertctl_model(config, "cuda")
+    config = BertConfig.preset(size)
+    model = bertctl_model(config, "cuda", resolve("cuda", attn=args.attn, kernels=args.kernels))
     opt = build_optimizer(model, "adamw", lr=1e-4, fused=True)
     batches = synthetic_batches(config.vocab_size, seq, batch, 4)
     dev = []

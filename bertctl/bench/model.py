@@ -7,7 +7,7 @@ LayerNorm), gradient clipping at 1.0:
 - ``bertctl``: BertForPreTraining with SDPA and the fused ops; the MLM head runs at the masked
   positions only (gathered before the vocabulary projection); batches trimmed to their longest
   sequence; loss sums normalised by host-side counts (no host sync in the step).
-- ``bertctl/unpadded``: the same with ``attn_implementation="unpadded"``: the encoder on the real
+- ``bertctl/unpadded``: the same with the ``unpadded`` attention: the encoder on the real
   tokens only and FlashAttention's variable-length kernel (a batch with < 10% padding runs padded).
 - ``bertctl/graphs`` (GPU): ``bertctl pretrain``'s own step, its default on a GPU: the one training
   engine and the pretraining objective (which also counts correct predictions), each step replayed as
@@ -93,10 +93,10 @@ def synthetic_batches(vocab_size: int, seq: int, batch: int, n: int, seed: int =
     return out
 
 
-def bertctl_model(config, device="cpu"):
+def bertctl_model(config, device="cpu", runtime=None):
     from bertctl.model import BertForPreTraining
 
-    return BertForPreTraining(config).to(device)
+    return BertForPreTraining(config, runtime).to(device)
 
 
 def hf_model(config, device="cpu"):
@@ -211,6 +211,7 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
     """
     from bertctl.bench.harness import device_block
     from bertctl.config import BertConfig
+    from bertctl.runtime import resolve
     from bertctl.train import distributed
     from bertctl.train.optim import build_optimizer
 
@@ -252,8 +253,9 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 kernels = "torch" if "/torch-ops" in provider else "auto"
                 attn = ("unpadded" if provider.startswith("bertctl/unpadded")
                         else "explicit" if provider.startswith("bertctl/explicit") else "sdpa")
-                conf = BertConfig.preset(size, attn_implementation=attn, kernels=kernels)
-                model = (hf_model if provider.startswith("hf") else bertctl_model)(conf, device)
+                conf = BertConfig.preset(size)
+                model = (hf_model(conf, device) if provider.startswith("hf")
+                         else bertctl_model(conf, device, resolve(str(device), attn=attn, kernels=kernels)))
                 config = _config_of(model)
                 train_model = opt = None
                 if provider == "bertctl/graphs":

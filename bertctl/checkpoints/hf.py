@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # torch and the model load with the weights: reading a config
     import torch
 
     from bertctl.model import BertPreTrainedModel
+    from bertctl.runtime import Runtime
 
 M = TypeVar("M", bound="BertPreTrainedModel")
 
@@ -213,8 +214,10 @@ def _leave(tensor, *args, **kwargs):
     return tensor
 
 
-def load_pretrained(model_cls: type[M], directory: str | Path, *, fresh_heads: bool = False, **config_overrides) -> M:
-    """Build ``model_cls`` from a checkpoint directory (bertctl's or Hugging Face's).
+def load_pretrained(model_cls: type[M], directory: str | Path, *, fresh_heads: bool = False,
+                    runtime: Runtime | None = None, **config_overrides) -> M:
+    """Build ``model_cls`` from a checkpoint directory (bertctl's or Hugging Face's), run by ``runtime``
+    (None: ``bertctl.runtime.default``).
 
     ``fresh_heads=True`` initialises this class's task head when the checkpoint has none;
     any other missing, unexpected or mis-shaped tensor is an error listing them all.
@@ -222,7 +225,7 @@ def load_pretrained(model_cls: type[M], directory: str | Path, *, fresh_heads: b
     directory = Path(directory)
     config = load_config(directory, **config_overrides)
     state = read_state_dict(directory)
-    return load_state(on_meta(lambda: model_cls(config)), state, fresh_heads=fresh_heads, source=str(directory))
+    return load_state(on_meta(lambda: model_cls(config, runtime)), state, fresh_heads=fresh_heads, source=str(directory))
 
 
 def save_pretrained(model: BertPreTrainedModel, directory: str | Path, tokenizer=None) -> None:

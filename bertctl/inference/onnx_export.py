@@ -131,7 +131,7 @@ def exported_module(model, architecture: str, hidden_states: bool):
 
 def load_for_export(directory: str | Path, architecture: str, attn_implementation: str = "sdpa",
                     hidden_states: bool = False):
-    """The checkpoint's ``architecture`` on plain PyTorch ops (``kernels="torch"``), in eval mode,
+    """The checkpoint's ``architecture`` on plain PyTorch ops (kernels ``torch``), in eval mode,
     wrapped by ``exported_module``.
 
     The encoder keeps its pooler only where the checkpoint has one (a token-classification
@@ -139,16 +139,18 @@ def load_for_export(directory: str | Path, architecture: str, attn_implementatio
     """
     from bertctl.checkpoints.hf import load_config, load_state, on_meta, read_state_dict
     from bertctl.model import BertModel
+    from bertctl.runtime import resolve
 
     if hidden_states and architecture != "BertModel":
         raise BertctlError("--hidden-states applies to the encoder (--architecture BertModel) only")
-    config = load_config(directory, kernels="torch", attn_implementation=attn_implementation)
+    config = load_config(directory)
+    runtime = resolve("cpu", attn=attn_implementation, kernels="torch")
     state = read_state_dict(directory)
     if architecture == "BertModel":
         has_pooler = any(k.startswith(("pooler.", "bert.pooler.")) for k in state)
-        model = on_meta(lambda: BertModel(config, add_pooling_layer=has_pooler))
+        model = on_meta(lambda: BertModel(config, runtime, add_pooling_layer=has_pooler))
     else:
-        model = on_meta(lambda: HEADS[architecture].cls(config))
+        model = on_meta(lambda: HEADS[architecture].cls(config, runtime))
     model = load_state(model, state, source=str(directory))
     return exported_module(model, architecture, hidden_states).eval()
 

@@ -1,4 +1,4 @@
-"""Multi-head attention, softmax(q k^T / sqrt(hs)) v, by the config's ``attn_implementation``.
+"""Multi-head attention, softmax(q k^T / sqrt(hs)) v, by the runtime's ``attn``.
 
 The implementations (``ATTENTION``) work on a padded batch's heads, (B, nh, S, hs), over the same
 weights: ``sdpa`` (torch's scaled_dot_product_attention) and ``explicit`` (the scores materialised,
@@ -17,24 +17,23 @@ import torch
 import torch.nn.functional as F
 
 from bertctl import ops
-from bertctl.config import BertConfig
-from bertctl.nn.fused import own_masks, use_fused
 from bertctl.nn.packing import Packed
+from bertctl.runtime import Runtime
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                   dropout_p: float, scale: float, config: BertConfig) -> torch.Tensor:
+                   dropout_p: float, scale: float, runtime: Runtime) -> torch.Tensor:
     """torch's fused attention (FlashAttention, memory-efficient or cuDNN kernels): (B, nh, S, hs)."""
     mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, S): over heads and queries
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                       dropout_p: float, scale: float, config: BertConfig) -> torch.Tensor:
+                       dropout_p: float, scale: float, runtime: Runtime) -> torch.Tensor:
     """The scores materialised, then the softmax (bertctl's fused masked one with fused kernels),
     dropout on the probabilities and their product with v: (B, nh, S, hs)."""
     scores = q @ k.transpose(-1, -2)  # (B, nh, S, S), unscaled: the softmax applies the scale
-    if use_fused(config):
+    if runtime.fused:
         probs = ops.softmax(scores, key_mask, scale)
     else:
         scores = scores * scale
@@ -42,22 +41,22 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ma
             scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)
     training = dropout_p > 0  # the caller passes 0 outside training
-    probs = ops.dropout(probs, dropout_p, training) if own_masks(config) else F.dropout(probs, dropout_p, training)
+    probs = ops.dropout(probs, dropout_p, training) if runtime.own_masks else F.dropout(probs, dropout_p, training)
     return probs @ v
 
 
-#: attn_implementation -> attention over a padded batch's heads. ``unpadded`` uses SDPA where a batch
+#: Runtime.attn -> attention over a padded batch's heads. ``unpadded`` uses SDPA where a batch
 #: was not packed, or where its packed tokens cannot take the varlen kernel.
 ATTENTION = {"sdpa": sdpa_attention, "explicit": explicit_attention, "unpadded": sdpa_attention}
 
 
-def attention(config: BertConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def attention(runtime: Runtime, nh: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               key_mask: torch.Tensor | Packed | None, dropout_p: float) -> torch.Tensor:
     """Multi-head attention over the projections q, k, v: (B, S, H) each with ``key_mask`` (B, S) bool
     (True = a real token that may be attended to) or None; or (T, H) each with the batch's ``Packed``
     layout. Returns the heads' outputs joined, (B, S, H) or (T, H). ``dropout_p`` is 0 outside training."""
-    nh, hs = config.num_attention_heads, config.head_dim
     H = q.shape[-1]
+    hs = H // nh
     scale = 1.0 / math.sqrt(hs)
     packed = key_mask if isinstance(key_mask, Packed) else None
     if packed is not None and varlen_ok(q, hs):  # (T, H) each: attention without padding
@@ -69,7 +68,7 @@ def attention(config: BertConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # (B, nh, S, hs) views; the attention kernels return their gradients in (B, S, nh, hs) memory,
     # which InputProjection's backward reads as (B * S, H) rows without a copy.
     q, k, v = (t.view(B, S, nh, hs).transpose(1, 2) for t in (q, k, v))
-    ctx = ATTENTION[config.attn_implementation](q, k, v, key_mask, dropout_p, scale, config)  # (B, nh, S, hs)
+    ctx = ATTENTION[runtime.attn](q, k, v, key_mask, dropout_p, scale, runtime)  # (B, nh, S, hs)
     ctx = ctx.transpose(1, 2).reshape(B, S, H)
     return ctx if packed is None else packed.pack(ctx)
 

@@ -1,7 +1,7 @@
 """Each sub-layer step of the encoder through bertctl's fused ops (``bertctl.ops``) or plain PyTorch.
 
-The config's ``kernels`` decides which (``use_fused``), and its ``dropout_masks`` whose dropout masks
-training draws (``own_masks``). Each helper here is one step of the post-LN layer: LN(x + residual),
+The model's runtime decides which (``Runtime.fused``), and whose dropout masks training draws
+(``Runtime.own_masks``). Each helper here is one step of the post-LN layer: LN(x + residual),
 dropout, act(x W^T + b), LN(Dropout(h W^T + b) + residual); the fused path gives the same maths
 (tests/unit/test_fused_model.py holds it to the plain one).
 """
@@ -12,24 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bertctl import ops
-from bertctl.config import GELU_APPROXIMATION, BertConfig
+from bertctl.config import GELU_APPROXIMATION
 from bertctl.nn.projections import linear
-from bertctl.runtime import fused_kernels
-
-
-def use_fused(config: BertConfig) -> bool:
-    """Whether the model runs bertctl's fused ops, as ``bertctl.runtime.fused_kernels`` decides for the
-    config's ``kernels``."""
-    return fused_kernels(config.kernels)
-
-
-def own_masks(config: BertConfig) -> bool:
-    """Whether training's dropout draws bertctl's own masks (the compiled ops' hash of a seed and the element's
-    index) rather than torch's.  With ``dropout_masks="torch"`` every dropout is torch's, and the sub-layer
-    outputs train with it before the fused LayerNorm (inference keeps the one fused op, which then drops
-    nothing).  Fine-tuning trains so: with the fused op's own masks, acceptability scores fell further below
-    the transformers Trainer's than with torch's (``benchmarks/results/finetune-diagnostics/README.md``)."""
-    return use_fused(config) and config.dropout_masks == "fused"
 
 
 def activation(name: str):
@@ -76,7 +60,7 @@ def dense_dropout_add_norm(dense: nn.Linear, drop: nn.Dropout, ln: nn.LayerNorm,
     residual add and LayerNorm (its mask a hash of a seed and the element's index; on the CPU the mask
     that ``dropout`` would draw, so the same seed trains the same), which never writes the dropped-out
     sum or a mask to memory.  Otherwise the Linear, the dropout, then LN(x + residual): so too in training
-    without ``own`` masks (``own_masks``), with torch's dropout.
+    without ``own`` masks (``Runtime.own_masks``), with torch's dropout.
     """
     device = h.device.type
     dropping = drop.training and drop.p > 0

@@ -1,5 +1,5 @@
 """A padded batch's real tokens packed into one (T, H) tensor, T the sum of the lengths, for
-``attn_implementation="unpadded"``: the projections, the FFN, LayerNorm, GELU and dropout then do no
+the ``unpadded`` attention: the projections, the FFN, LayerNorm, GELU and dropout then do no
 work for padding (``benchmarks/results/unpadded-cpu-2threads-8a2216f.json``)."""
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ class Engine:
         if runtime.cuda_graphs:  # the model's own attention, whatever built it, must fit the graphs too
             why = graphs_unsupported(device_type=self.device.type, precision=self.precision, optimizer=cfg.optimizer,
                                      compile=runtime.compile,
-                                     attn=getattr(getattr(model, "config", None), "attn_implementation", None))
+                                     attn=getattr(getattr(model, "runtime", None), "attn", None))
             if why:
                 raise BertctlError(f"--cuda-graphs: {why}")
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,

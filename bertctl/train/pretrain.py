@@ -65,11 +65,11 @@ def _is_run_dir(path: Path) -> bool:
     return (path / training.CHECKPOINT_DIR).is_dir() or (path / "model" / "config.json").is_file()
 
 
-def _config(model: torch.nn.Module):
-    """The BertConfig of a model, also inside DistributedDataParallel (``.module``)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
+def _runtime(model: torch.nn.Module):
+    """The Runtime of a model, also inside DistributedDataParallel (``.module``)."""
+    while not hasattr(model, "runtime") and hasattr(model, "module"):
         model = model.module
-    return model.config
+    return model.runtime
 
 
 def pretraining_sums(model, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,7 +85,7 @@ def pretraining_sums(model, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tens
                 masked_positions=mb["masked_positions"])
     logits = out.padded_prediction_logits.flatten(0, 1)              # (B·P, V' >= V), extra columns -inf
     labels = mb["masked_lm_labels"].flatten()                        # (B·P,)
-    loss, predicted = masked_lm_cross_entropy(_config(model), logits, labels)
+    loss, predicted = masked_lm_cross_entropy(_runtime(model).fused, logits, labels)
     mlm_sum = loss.sum()
     mlm_correct = ((predicted == labels) & (labels != IGNORE_INDEX)).sum()
     sums = {"mlm_sum": mlm_sum, "mlm_correct": mlm_correct}
@@ -257,7 +257,7 @@ class Trainer:
         from bertctl.checkpoints.hf import load_config
         from bertctl.config import BertConfig
 
-        over = {**self.cfg.model_overrides, **self.runtime.model_overrides()}
+        over = self.cfg.model_overrides
         if ckpt_state is not None:  # resume, or init from a previous run's checkpoint
             return BertConfig.from_dict(ckpt_state["configs"]["model"], **over), None
         if self.cfg.init_from:
@@ -318,10 +318,9 @@ class Trainer:
         # Same initial weights on every rank: seed before construction.
         torch.manual_seed(cfg.train.seed)
         if hf_dir is not None and init_state is None:
-            model = load_pretrained(model_cls, hf_dir, fresh_heads=True,
-                                    **{**cfg.model_overrides, **self.runtime.model_overrides()})
+            model = load_pretrained(model_cls, hf_dir, fresh_heads=True, runtime=self.runtime, **cfg.model_overrides)
         else:
-            model = model_cls(mconf)
+            model = model_cls(mconf, self.runtime)
         if init_state is not None and resume_from is None:
             # A previous run's weights: with another objective, the heads this one lacks are dropped
             # and the ones it adds (NSP head, pooler) start fresh.

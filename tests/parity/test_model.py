@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import transformers
 
 from bertctl.checkpoints.hf import load_pretrained, load_state
-from bertctl.config import PRESETS, BertConfig
+from bertctl.config import PRESETS, RUNTIME_FIELDS, BertConfig
 from bertctl.model import (
     BertForMultipleChoice,
     BertForPreTraining,
@@ -17,6 +17,7 @@ from bertctl.model import (
     BertModel,
     PAD_LOGIT,
 )
+from bertctl.runtime import resolve
 
 TOL = 1e-5  # fp32, same math in a different order
 
@@ -44,8 +45,7 @@ def minilm_pair(minilm_dir):
 @pytest.mark.parametrize("kernels", ["torch", "fused"])
 def test_minilm_every_layer_matches_transformers(minilm_pair, attn, kernels):
     ours, ref = minilm_pair
-    ours.config.attn_implementation = attn
-    ours.config.kernels = kernels
+    ours.set_runtime(resolve("cpu", attn=attn, kernels=kernels))
     ids, types, mask = padded_batch(ours.config.vocab_size, torch.Generator().manual_seed(0))
     with torch.no_grad():
         a = ours(ids, types, mask, output_hidden_states=True)
@@ -55,7 +55,7 @@ def test_minilm_every_layer_matches_transformers(minilm_pair, attn, kernels):
         diff = (x - y).abs().max().item()
         assert diff <= TOL, f"layer {layer}: max abs diff {diff:.3g}"
     assert (a.pooler_output - b.pooler_output).abs().max().item() <= TOL
-    ours.config.attn_implementation, ours.config.kernels = "sdpa", "auto"
+    ours.set_runtime(None)
 
 
 def test_presets_follow_the_papers():
@@ -66,11 +66,15 @@ def test_presets_follow_the_papers():
 
 
 def test_config_json_round_trip(tmp_path):
-    c = BertConfig.preset("tiny", vocab_size=1000, id2label={0: "neg", 1: "pos"}, attn_implementation="explicit")
+    c = BertConfig.preset("tiny", vocab_size=1000, id2label={0: "neg", 1: "pos"})
     c.to_json_file(tmp_path / "config.json")
     back = BertConfig.from_json_file(tmp_path / "config.json")
     assert back.to_dict() == c.to_dict()
-    assert back.attn_implementation == "sdpa"  # runtime choices are not architecture: not saved
+    assert not set(RUNTIME_FIELDS) & set(back.to_dict())  # runtime choices are not architecture: not saved
+    # A config.json that carries runtime choices (written while the config held them) loads without them.
+    old = BertConfig.from_dict({**c.to_dict(), "attn_implementation": "unpadded", "kernels": "torch",
+                                "dropout_masks": "torch"})
+    assert old.to_dict() == c.to_dict()
     hf = transformers.BertConfig.from_json_file(str(tmp_path / "config.json"))
     assert hf.hidden_size == 128 and hf.id2label == {0: "neg", 1: "pos"}
 
@@ -92,7 +96,7 @@ def test_pretraining_heads_and_loss_match(attn):
     torch.manual_seed(0)
     ref = transformers.BertForPreTraining(_tiny_hf_config()).eval()
     ours = _ours_from(ref, BertForPreTraining)
-    ours.config.attn_implementation = attn
+    ours.set_runtime(resolve("cpu", attn=attn))
     g = torch.Generator().manual_seed(1)
     ids, types, mask = padded_batch(211, g, B=4, S=20)
     positions = torch.tensor([[1, 3, 5], [2, 4, 6], [1, 2, 3], [5, 6, 7]])
@@ -171,7 +175,7 @@ def test_gradients_flow_through_both_backends():
     grads = {}
     for attn in ("sdpa", "explicit"):
         model.zero_grad()
-        model.config.attn_implementation = attn
+        model.set_runtime(resolve("cpu", attn=attn))
         out = model(ids, types, mask, masked_positions=torch.tensor([[1, 2], [3, 1]]),
                     masked_lm_labels=torch.tensor([[5, 6], [7, -100]]), next_sentence_label=torch.tensor([0, 1]))
         out.loss.backward()

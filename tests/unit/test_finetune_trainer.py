@@ -8,6 +8,7 @@ import torch
 from bertctl.checkpoints import training
 from bertctl.errors import BertctlError
 from bertctl.config import FinetuneConfig
+from bertctl.runtime import resolve
 from bertctl.tasks import trainer as T
 from bertctl.data import batching as L
 from test_finetune_support import make_tiny_model_dir
@@ -85,7 +86,8 @@ def _setup(tmp_path, dropout: float | None = None, tokens: bool = False, masks: 
 
     def build():  # the seed fixes the fresh head's initialisation
         torch.manual_seed(0)
-        return load_pretrained(cls, d, fresh_heads=True, num_labels=3 if tokens else 2, dropout_masks=masks, **over)
+        return load_pretrained(cls, d, fresh_heads=True, num_labels=3 if tokens else 2,
+                               runtime=resolve("cpu", attn="sdpa", dropout_masks=masks), **over)
     return build, feats
 
 
@@ -422,8 +424,7 @@ def test_padding_further_changes_no_loss_or_gradient():
 
     rng = np.random.default_rng(2)
     conf = dict(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                attn_implementation="sdpa", kernels="torch")
+                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     lens = [5, 11, 3, 17]
 
     def seq(n):
@@ -440,7 +441,7 @@ def test_padding_further_changes_no_loss_or_gradient():
     ]
     for cls, kw, features in cases:
         torch.manual_seed(0)
-        model = cls(BertConfig(**conf, **kw)).double()
+        model = cls(BertConfig(**conf, **kw), resolve("cpu", attn="sdpa", kernels="torch")).double()
         results = []
         for extra in (0, 16):
             natural = L.collate(features)
@@ -482,9 +483,9 @@ def test_fine_tuning_trains_with_torchs_dropout_masks(tmp_path):
 
     d = make_tiny_model_dir(tmp_path / "tiny")
     tuned = common.load_for_finetuning(BertForSequenceClassification, d, cfg=FinetuneConfig.of(device="cpu"), num_labels=2)
-    assert tuned.config.dropout_masks == "torch"
+    assert tuned.runtime.dropout_masks == "torch"
     other = load_pretrained(BertForSequenceClassification, d, fresh_heads=True, num_labels=2)
-    assert other.config.dropout_masks == "fused"
+    assert other.runtime.dropout_masks == "fused"
 
 
 def test_the_median_step_length_is_the_first_epochs_median_padded_longest():

@@ -14,21 +14,26 @@ from bertctl import ops
 from bertctl.config import BertConfig
 from bertctl.model import BertForPreTraining
 from bertctl.nn.fused import dropout, layer_norm
+from bertctl.runtime import Runtime, resolve
 
 pytestmark = pytest.mark.usefixtures("fused_kernels")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
-def tiny_config(kernels: str, **kw) -> BertConfig:
+def tiny_config(**kw) -> BertConfig:
     kw = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **kw}
-    return BertConfig.preset("tiny", vocab_size=96, max_position_embeddings=64, attn_implementation="explicit",
-                             kernels=kernels, **kw)
+    return BertConfig.preset("tiny", vocab_size=96, max_position_embeddings=64, **kw)
+
+
+def runtime(kernels: str, masks: str = "fused") -> Runtime:
+    """Explicit attention (the fused softmax's path) on ``kernels``, drawing ``masks``' dropout masks."""
+    return resolve("cpu", attn="explicit", kernels=kernels, dropout_masks=masks)
 
 
 def pair(device, **kw) -> tuple[BertForPreTraining, BertForPreTraining]:
     torch.manual_seed(0)
-    fused = BertForPreTraining(tiny_config("fused", **kw)).to(device)
-    plain = BertForPreTraining(tiny_config("torch", **kw)).to(device)
+    fused = BertForPreTraining(tiny_config(**kw), runtime("fused")).to(device)
+    plain = BertForPreTraining(tiny_config(**kw), runtime("torch")).to(device)
     plain.load_state_dict(fused.state_dict())
     return fused, plain
 
@@ -108,7 +113,7 @@ def test_cpu_fused_sublayer_output_matches_the_ops_apart(monkeypatch):
         if name == "apart":
             monkeypatch.setattr(M, "dense_dropout_add_norm", separate_output)
         torch.manual_seed(0)
-        model = BertForPreTraining(tiny_config("fused", **drop))
+        model = BertForPreTraining(tiny_config(**drop), runtime("fused"))
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         gen = torch.Generator().manual_seed(4)
         torch.manual_seed(7)  # the dropout masks' generator
@@ -142,7 +147,7 @@ def test_with_torchs_masks_the_fused_model_trains_as_plain_pytorch(device, monke
     results = {}
     for name, kernels, masks in (("fused", "fused", "torch"), ("plain", "torch", "fused"), ("own", "fused", "fused")):
         torch.manual_seed(0)
-        model = BertForPreTraining(tiny_config(kernels, dropout_masks=masks, **drop)).to(device)
+        model = BertForPreTraining(tiny_config(**drop), runtime(kernels, masks)).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         gen = torch.Generator().manual_seed(4)
         torch.manual_seed(7)  # the dropout masks' generator (CPU and CUDA)
@@ -167,12 +172,12 @@ def test_with_torchs_masks_the_fused_model_trains_as_plain_pytorch(device, monke
 
 
 def test_dropout_masks_is_a_runtime_choice_and_checked():
-    """Not architecture: never written to config.json; an unknown value is one clear error."""
+    """Not architecture: a config.json that names it loads without it; an unknown value is one clear error."""
     from bertctl.errors import BertctlError
 
-    assert "dropout_masks" not in tiny_config("fused", dropout_masks="torch").to_dict()
+    assert "dropout_masks" not in BertConfig.from_dict({**tiny_config().to_dict(), "dropout_masks": "torch"}).to_dict()
     with pytest.raises(BertctlError, match="dropout_masks must be one of"):
-        tiny_config("fused", dropout_masks="philox")
+        runtime("fused", "philox")
 
 
 @pytest.mark.cuda
@@ -188,7 +193,7 @@ def test_fused_sublayer_outputs_train_alike_on_cpu_and_cuda(monkeypatch):
         device = "cuda" if device == "other seeds" else device
         monkeypatch.setattr(ops, "_seed", lambda x: torch.tensor(next(seeds), device=x.device))
         torch.manual_seed(0)
-        model = BertForPreTraining(tiny_config("fused", **drop)).to(device)
+        model = BertForPreTraining(tiny_config(**drop), runtime("fused")).to(device)
         model.bert.embeddings.dropout.p = 0.0
         opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
         gen = torch.Generator().manual_seed(4)
@@ -230,8 +235,8 @@ def test_training_with_dropout_converges_like_torch():
     diffs = []
     for seed in range(8):
         torch.manual_seed(seed)
-        fused = BertForPreTraining(tiny_config("fused", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
-        plain = BertForPreTraining(tiny_config("torch", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+        drop = tiny_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+        fused, plain = BertForPreTraining(drop, runtime("fused")), BertForPreTraining(drop, runtime("torch"))
         plain.load_state_dict(fused.state_dict())
         final = {}
         for name, model in (("fused", fused), ("torch", plain)):

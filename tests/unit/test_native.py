@@ -50,9 +50,11 @@ def reference(directory: Path, ids: np.ndarray, mask: np.ndarray, layers: str, p
     """The PyTorch model's features in float64 on the CPU."""
     from bertctl.checkpoints.hf import load_config, load_state, read_state_dict
     from bertctl.model import BertModel
+    from bertctl.runtime import resolve
 
-    config = load_config(directory, kernels="torch", attn_implementation="explicit")
-    model = load_state(BertModel(config, add_pooling_layer=False), read_state_dict(directory)).double().eval()
+    config = load_config(directory)
+    model = load_state(BertModel(config, resolve("cpu", attn="explicit", kernels="torch"), add_pooling_layer=False),
+                       read_state_dict(directory)).double().eval()
     with torch.no_grad():
         out = model(torch.from_numpy(ids), torch.zeros_like(torch.from_numpy(ids)), torch.from_numpy(mask),
                     output_hidden_states=True)

@@ -402,6 +402,7 @@ def test_export_is_a_masked_lm_that_transformers_loads(mlm_run):
 
     from bertctl.checkpoints.hf import load_pretrained
     from bertctl.model import BertForMaskedLM
+    from bertctl.runtime import resolve
 
     model_dir = mlm_run[0] / "model"
     config = json.loads((model_dir / "config.json").read_text())
@@ -410,7 +411,7 @@ def test_export_is_a_masked_lm_that_transformers_loads(mlm_run):
                                                             attn_implementation="eager")
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     hf = hf.double().eval()
-    ours = load_pretrained(BertForMaskedLM, model_dir, kernels="torch").double().eval()
+    ours = load_pretrained(BertForMaskedLM, model_dir, runtime=resolve("cpu", attn="sdpa", kernels="torch")).double().eval()
     tok = transformers.BertTokenizer.from_pretrained(model_dir)
     enc = tok(["We the people hold these truths.", "Ask not what your country can do for you, ask what you can do."],
               padding=True, return_tensors="pt")

@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bertctl.bench.model import bertctl_model, hf_model, step_loss, synthetic_batches
 from bertctl.config import BertConfig
+from bertctl.runtime import resolve
 from bertctl.train.metrics import batch_counts, forward_flops
 
 
@@ -29,8 +30,8 @@ def test_synthetic_batches_look_like_built_data():
 
 def test_flop_count_matches_torch_flop_counter():
     """Unpadded batch: analytic FLOPs = the matmuls torch counts (embeddings / norms / softmax excluded)."""
-    conf = BertConfig.preset("tiny", vocab_size=300, attn_implementation="explicit", kernels="torch")
-    model = bertctl_model(conf).eval()
+    conf = BertConfig.preset("tiny", vocab_size=300)
+    model = bertctl_model(conf, runtime=resolve("cpu", attn="explicit", kernels="torch")).eval()
     B, S, P = 3, 16, 4
     ids = torch.randint(5, 300, (B, S))
     pos = torch.stack([torch.randperm(S - 1)[:P] + 1 for _ in range(B)])
@@ -82,11 +83,9 @@ def test_mixed_lengths_case_has_fine_tunings_padding_and_unpadded_gives_hfs_loss
     assert 2.5 < padded_over_real < 3.5
     conf = BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     padded, theirs = bertctl_model(conf).eval(), hf_model(conf).eval()
-    unpadded = bertctl_model(BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0,
-                                               attention_probs_dropout_prob=0.0, attn_implementation="unpadded")).eval()
+    unpadded = bertctl_model(conf, runtime=resolve("cpu", attn="unpadded")).eval()
     unpadded.load_state_dict(padded.state_dict())
-    explicit = bertctl_model(BertConfig.preset("tiny", vocab_size=500, hidden_dropout_prob=0.0,
-                                               attention_probs_dropout_prob=0.0, attn_implementation="explicit")).eval()
+    explicit = bertctl_model(conf, runtime=resolve("cpu", attn="explicit")).eval()
     explicit.load_state_dict(padded.state_dict())
     sd = padded.state_dict()
     sd["cls.predictions.decoder.bias"] = sd["cls.predictions.bias"]

@@ -50,5 +50,6 @@ def test_attention_and_kernels_follow_the_request():
         R.resolve("cpu", attn="flash")
     with pytest.raises(BertctlError, match="kernels must be one of"):
         R.resolve("cpu", kernels="cuda")
-    assert R.resolve("cpu", attn="sdpa", kernels="torch", dropout_masks="torch").model_overrides() == dict(
-        attn_implementation="sdpa", kernels="torch", dropout_masks="torch")
+    default = R.default()  # a model built without a runtime
+    assert (default.device, default.attn, default.fused, default.own_masks) == ("cpu", "sdpa", R.kernels_built(),
+                                                                               R.kernels_built())

@@ -1,4 +1,4 @@
-"""attn_implementation="unpadded": the encoder on the real tokens only, against the padded model (float64 and bf16)."""
+"""The ``unpadded`` attention: the encoder on the real tokens only, against the padded model (float64 and bf16)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ from bertctl.config import BertConfig
 from bertctl.model import (BertForMultipleChoice, BertForPreTraining, BertForQuestionAnswering,
                            BertForSequenceClassification, BertForTokenClassification, BertModel)
 from bertctl.nn.packing import Packed
+from bertctl.runtime import resolve
 
 KERNELS = ["torch", "fused"]
 
@@ -34,8 +35,8 @@ def twins(cls, kernels, dtype=torch.float64, **kw):
 
     assert kernels != "fused" or ops.fused_available(), "the compiled module did not load"
     torch.manual_seed(0)
-    padded = cls(config(kernels=kernels, attn_implementation="sdpa", **kw)).to(dtype)
-    unpadded = cls(config(kernels=kernels, attn_implementation="unpadded", **kw)).to(dtype)
+    padded = cls(config(**kw), resolve("cpu", attn="sdpa", kernels=kernels)).to(dtype)
+    unpadded = cls(config(**kw), resolve("cpu", attn="unpadded", kernels=kernels)).to(dtype)
     unpadded.load_state_dict(padded.state_dict())
     return padded, unpadded
 
@@ -184,10 +185,10 @@ def cuda_twins(dtype):
     torch.manual_seed(0)
     kw = dict(vocab_size=97, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
               max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    padded = BertModel(BertConfig(attn_implementation="sdpa", **kw)).cuda()
-    unpadded = BertModel(BertConfig(attn_implementation="unpadded", **kw)).cuda()
+    padded = BertModel(BertConfig(**kw), resolve("cuda", attn="sdpa")).cuda()
+    unpadded = BertModel(BertConfig(**kw), resolve("cuda", attn="unpadded")).cuda()
     unpadded.load_state_dict(padded.state_dict())
-    reference = BertModel(BertConfig(attn_implementation="sdpa", kernels="torch", **kw)).double()
+    reference = BertModel(BertConfig(**kw), resolve("cpu", attn="sdpa", kernels="torch")).double()
     reference.load_state_dict(padded.state_dict())
     return padded, unpadded, reference
 

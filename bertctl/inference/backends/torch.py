@@ -69,8 +69,8 @@ def load_torch_encoder(directory: str | Path, runtime: Runtime) -> TorchEncoder:
     from bertctl.checkpoints.hf import load_config, load_state, on_meta, read_state_dict
     from bertctl.model import BertModel
 
-    config = load_config(directory, **runtime.model_overrides())
-    model = load_state(on_meta(lambda: BertModel(config, add_pooling_layer=False)), read_state_dict(directory),
+    config = load_config(directory)
+    model = load_state(on_meta(lambda: BertModel(config, runtime, add_pooling_layer=False)), read_state_dict(directory),
                        source=str(directory))
     model = model.to(runtime.device)
     if runtime.precision in HALF_DTYPES:
