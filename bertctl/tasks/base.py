@@ -19,10 +19,13 @@ from bertctl.tasks.trainer import device_info, label_loss, runtime_of
 
 
 class Task:
-    """One task's data and rules. A task is built for fine-tuning (training and dev sets) or for
-    evaluating (one set); the driver calls, in order, ``featurize``, then ``predict``/``score`` at each
-    evaluation, then ``write_predictions``. ``outputs`` is whatever ``predict`` returns and ``score`` and
-    ``write_predictions`` read: the task's own predictions, before scoring."""
+    """One task's data and rules, built from what the task module's reader returns (``glue.load_data``,
+    ``squad.read_squad``, ``ner.read_conll``, ``swag.read_swag``), for fine-tuning (training and dev sets) or for
+    evaluating (one set). The driver calls ``featurize``, then ``predict`` and ``score`` at each evaluation,
+    then ``write_predictions``; ``outputs`` is whatever ``predict`` returns and ``score`` and
+    ``write_predictions`` read: the task's own predictions, before scoring. A base class rather than a
+    ``typing.Protocol``, so that the hooks most tasks leave alone (``configure``, ``adopt``, ``annotate``) have
+    their one default here."""
 
     name: str  # metrics.json's "task"
     model_class: type  # the head, a bertctl.model class (a property: the model loads only when a run starts)
@@ -67,7 +70,7 @@ class Task:
         raise NotImplementedError
 
     def facts(self) -> dict:
-        """The data's counts for a fine-tuning run's metrics.json."""
+        """The data's counts, for metrics.json."""
         return {}
 
     def notes(self) -> dict:

@@ -394,17 +394,15 @@ def _report_skips(reports: Sequence[ReadReport]) -> dict:
     return skipped
 
 
-def evaluate_devs(model, data: GlueData, tokenizer, cfg: FinetuneConfig, label_names, max_seq_length: int,
-                  progress: bool, features: dict[str, list[dict]] | None = None, shards=None) -> tuple[dict, dict]:
+def evaluate_devs(model, data: GlueData, cfg: FinetuneConfig, label_names, features: dict[str, list[dict]],
+                  progress: bool, shards=None) -> tuple[dict, dict]:
     """Metrics per dev file (MNLI: matched and mismatched) and the predictions for writing;
     ``features``: the dev files' features by name, made once for a run's every evaluation; ``shards``:
     the processes that share the predictions (``predict``)."""
     metrics, preds = {}, {}
     regression = data.task.labels is None
     for name, _, examples in data.devs:
-        feats = features[name] if features is not None else featurize(examples, tokenizer, data.task, max_seq_length,
-                                                                       label_names=label_names)
-        p = _predictions(model, feats, cfg, regression, progress, shards)
+        p = _predictions(model, features[name], cfg, regression, progress, shards)
         preds[name] = p
         if any(e.label is None for e in examples):  # unlabelled (test) file: predictions only
             continue
@@ -476,11 +474,9 @@ class Glue(Task):
             self.train_features = featurize(data.train, tokenizer, data.task, self.max_seq_length, progress=progress)
         self.dev_features = {name: featurize(examples, tokenizer, data.task, self.max_seq_length,
                                              label_names=self.label_names) for name, _, examples in data.devs}
-        self.tokenizer = tokenizer
 
     def predict(self, model, cfg: FinetuneConfig, *, progress=False, shards=None, final=False):
-        return evaluate_devs(model, self.data, self.tokenizer, cfg, self.label_names, self.max_seq_length, progress,
-                             self.dev_features, shards)
+        return evaluate_devs(model, self.data, cfg, self.label_names, self.dev_features, progress, shards)
 
     def score(self, outputs, *, final=False) -> dict:
         return outputs[0]
