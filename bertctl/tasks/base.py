@@ -3,19 +3,26 @@
 A task (GLUE, SQuAD, NER, SWAG) is its data read into a ``Task``: a featurizer, a loss on the head's
 logits, a scorer and a prediction writer. It never owns a loop, a device or a second loss: ``finetune``
 runs it on ``bertctl.tasks.trainer.fine_tune`` (the one engine) and ``evaluate`` scores a fine-tuned
-model with it, both through ``bertctl.tasks.trainer.predict``.
+model with it, both through ``bertctl.tasks.trainer.predict``; with ``--lr-sweep`` the driver fine-tunes once per
+learning rate of the paper's grid and keeps the best on dev (``train_with_sweep``).
 """
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
 from bertctl.config import FinetuneConfig
-from bertctl.progress import MetricsLog
+from bertctl.io import write_json
+from bertctl.progress import MetricsLog, stderr
+from bertctl.runtime import Runtime
 from bertctl.tasks import common
-from bertctl.tasks.trainer import device_info, label_loss, runtime_of
+from bertctl.tasks.trainer import (TrainResult, device_info, fine_tune, label_loss, lr_sweep_values, runtime_of,
+                                   with_lr)
 
 
 class Task:
@@ -96,13 +103,13 @@ def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: Finetun
         return common.load_for_finetuning(task.model_class, model_dir, dropout=dropout, cfg=cfg, runtime=runtime,
                                           **head)
 
-    last = common.LastEvaluation()
+    last = LastEvaluation()
 
     def evaluate(model, shards):
         return task.score(last.keep(model, task.predict(model, cfg, shards=shards)))
 
     with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.train.tensorboard) as log:
-        outcome = common.train_with_sweep(build, task.train_features, cfg, evaluate=evaluate,
+        outcome = train_with_sweep(build, task.train_features, cfg, evaluate=evaluate,
                                           main_metric=task.main_metric, output=output, lr_sweep=lr_sweep,
                                           resume=resume, log=log, runtime=runtime, loss=task.loss)
         if not outcome.is_main:  # under torchrun rank 0 writes the outputs
@@ -120,7 +127,7 @@ def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: Finetun
             run["best_epoch"] = (outcome.result.best or {}).get("epoch")
         result = {"task": task.name, **metrics, **run, "batch_size": cfg.train.batch_size, "seed": cfg.train.seed,
                   **task.facts(), "train_examples_per_second": outcome.result.examples_per_second,
-                  "seconds": common.run_seconds(outcome), "device": device_info(), **task.notes()}
+                  "seconds": run_seconds(outcome), "device": device_info(), **task.notes()}
         if len(outcome.sweep) > 1:
             result["lr_sweep"] = outcome.sweep
         log.log(event="final", **{k: v for k, v in result.items() if not k.endswith("per_type") and k != "lr_sweep"})
@@ -144,3 +151,126 @@ def evaluate(task: Task, model_dir: str | Path, cfg: FinetuneConfig, *, output: 
         task.write_predictions(output, outputs)
     common.emit_metrics(Path(output) if output else None, result)
     return result
+
+
+@dataclass
+class SweepOutcome:
+    result: TrainResult
+    lr: float
+    sweep: list[dict]  # one {"lr", "dev": metrics} per learning rate
+
+    @property
+    def is_main(self) -> bool:
+        return is_main_process()
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the outputs (rank 0 under torchrun; the only process otherwise)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: FinetuneConfig, *,
+                     evaluate: Callable[[torch.nn.Module, Any], dict], main_metric: str, output: Path,
+                     lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None,
+                     runtime: Runtime | None = None, loss: Callable = label_loss) -> SweepOutcome:
+    """Fine-tune once, or once per lr of the paper's grid, with the task's ``loss``, keeping the best on dev
+    (``main_metric``).
+
+    With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
+    and ``result.json`` there, so ``resume`` skips it. Under torchrun every process trains; only
+    ``SweepOutcome.is_main`` writes outputs.
+    """
+    lrs = lr_sweep_values(lr_sweep, cfg.train.lr)
+    user_build = build_model
+
+    def build_model():  # the seed fixes the fresh head's initialisation too
+        torch.manual_seed(cfg.train.seed)
+        return user_build()
+    if len(lrs) == 1:
+        result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
+                           output_dir=output, resume=resume and _has_checkpoint(output), log=log, runtime=runtime,
+                           loss=loss)
+        return SweepOutcome(result, cfg.train.lr, [{"lr": cfg.train.lr, "dev": result.best}])
+    from bertctl.checkpoints.hf import load_state, save_pretrained
+
+    sweep = []
+    best: tuple[float, float, Path] | None = None
+    best_result = None
+    for lr in lrs:
+        run_dir = output / "sweep" / f"lr-{lr:g}"
+        done = run_dir / "result.json"
+        if resume and done.exists():
+            record = json.loads(done.read_text())
+            stderr.print(f"lr {lr:g}: already done ({main_metric} {record['dev'][main_metric]:.4f})")
+            result = None
+        else:
+            stderr.print(f"lr sweep: lr {lr:g}")
+            result = fine_tune(build_model(), train_features, with_lr(cfg, lr), evaluate=evaluate,
+                               main_metric=main_metric, output_dir=run_dir,
+                               resume=resume and _has_checkpoint(run_dir), log=log, runtime=runtime, loss=loss)
+            record = {"lr": lr, "dev": result.best, "examples_per_second": result.examples_per_second}
+            if is_main_process():
+                save_pretrained(result.model, run_dir / common.MODEL_SUBDIR)
+                write_json(done, record)
+        sweep.append(record)
+        score = record["dev"][main_metric]
+        if best is None or score > best[0]:
+            best = (score, lr, run_dir)
+            best_result = result
+    assert best is not None
+    _, lr, run_dir = best
+    if best_result is None:  # the best run finished before a resume: reload its weights
+        from bertctl.checkpoints.hf import read_state_dict
+
+        model = build_model()
+        load_state(model, read_state_dict(run_dir / common.MODEL_SUBDIR), source=str(run_dir))
+        record = json.loads((run_dir / "result.json").read_text())
+        best_result = TrainResult(model, [record["dev"]], record["dev"])
+    stderr.print(f"lr sweep: best lr {lr:g} ({main_metric} {best[0]:.4f})")
+    return SweepOutcome(best_result, lr, sweep)
+
+
+class LastEvaluation:
+    """The outputs of the last dev evaluation, reused for the final report when the returned model is
+    the one evaluated last (no second pass over the dev set after training)."""
+
+    def __init__(self):
+        self.model = None
+        self.outputs = None
+
+    def keep(self, model, outputs):
+        self.model, self.outputs = model, outputs
+        return outputs
+
+    def reuse(self, outcome: SweepOutcome):
+        r = outcome.result
+        if self.model is r.model and r.history and r.best is r.history[-1]:
+            return self.outputs
+        return None
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from bertctl.checkpoints import training
+
+    return training.latest_checkpoint(run_dir) is not None
+
+
+def run_seconds(outcome: SweepOutcome) -> dict:
+    """Where the run's wall time went, for ``metrics.json``: since this process started (None where
+    /proc is not there), in training steps (CUDA-graph captures included) and in the epoch-end
+    evaluations; with an lr sweep, the kept run's steps and evaluations."""
+    r = outcome.result
+    return {"since_process_start": _process_age(), "training_steps": round(r.train_seconds, 3),
+            "evaluations": round(r.eval_seconds, 3)}
+
+
+def _process_age() -> float | None:
+    """Wall seconds since this process started, from the kernel's clock (Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)

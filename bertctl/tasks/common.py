@@ -1,22 +1,18 @@
-"""What the fine-tuning driver (``bertctl.tasks.base``) shares: loading model and tokenizer, the head check, the lr
-sweep, the outputs."""
+"""Loading a task's model and tokenizer (a pretrained encoder with a fresh head, or a fine-tuned model whose head
+must fit the task) and writing its metrics."""
 from __future__ import annotations
 
 import json
-import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from bertctl.errors import BertctlError
 from bertctl.io import write_json
-from bertctl.progress import MetricsLog, stderr
 from bertctl.runtime import Runtime
-from bertctl.tasks.trainer import (FinetuneConfig, TrainResult, fine_tune, label_loss, lr_sweep_values, runtime_of,
-                                   with_lr)
+from bertctl.tasks.trainer import FinetuneConfig, runtime_of
 
 MODEL_SUBDIR = "model"
 
@@ -97,132 +93,9 @@ def head_labels(model: torch.nn.Module) -> list[str]:
     return [str(i) for i in range(config.num_labels)]
 
 
-@dataclass
-class SweepOutcome:
-    result: TrainResult
-    lr: float
-    sweep: list[dict]  # one {"lr", "dev": metrics} per learning rate
-
-    @property
-    def is_main(self) -> bool:
-        return is_main_process()
-
-
-def is_main_process() -> bool:
-    """Whether this process writes the outputs (rank 0 under torchrun; the only process otherwise)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: FinetuneConfig, *,
-                     evaluate: Callable[[torch.nn.Module, Any], dict], main_metric: str, output: Path,
-                     lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None,
-                     runtime: Runtime | None = None, loss: Callable = label_loss) -> SweepOutcome:
-    """Fine-tune once, or once per lr of the paper's grid, with the task's ``loss``, keeping the best on dev
-    (``main_metric``).
-
-    With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
-    and ``result.json`` there, so ``resume`` skips it. Under torchrun every process trains; only
-    ``SweepOutcome.is_main`` writes outputs.
-    """
-    lrs = lr_sweep_values(lr_sweep, cfg.train.lr)
-    user_build = build_model
-
-    def build_model():  # the seed fixes the fresh head's initialisation too
-        torch.manual_seed(cfg.train.seed)
-        return user_build()
-    if len(lrs) == 1:
-        result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
-                           output_dir=output, resume=resume and _has_checkpoint(output), log=log, runtime=runtime,
-                           loss=loss)
-        return SweepOutcome(result, cfg.train.lr, [{"lr": cfg.train.lr, "dev": result.best}])
-    from bertctl.checkpoints.hf import load_state, save_pretrained
-
-    sweep = []
-    best: tuple[float, float, Path] | None = None
-    best_result = None
-    for lr in lrs:
-        run_dir = output / "sweep" / f"lr-{lr:g}"
-        done = run_dir / "result.json"
-        if resume and done.exists():
-            record = json.loads(done.read_text())
-            stderr.print(f"lr {lr:g}: already done ({main_metric} {record['dev'][main_metric]:.4f})")
-            result = None
-        else:
-            stderr.print(f"lr sweep: lr {lr:g}")
-            result = fine_tune(build_model(), train_features, with_lr(cfg, lr), evaluate=evaluate,
-                               main_metric=main_metric, output_dir=run_dir,
-                               resume=resume and _has_checkpoint(run_dir), log=log, runtime=runtime, loss=loss)
-            record = {"lr": lr, "dev": result.best, "examples_per_second": result.examples_per_second}
-            if is_main_process():
-                save_pretrained(result.model, run_dir / MODEL_SUBDIR)
-                write_json(done, record)
-        sweep.append(record)
-        score = record["dev"][main_metric]
-        if best is None or score > best[0]:
-            best = (score, lr, run_dir)
-            best_result = result
-    assert best is not None
-    _, lr, run_dir = best
-    if best_result is None:  # the best run finished before a resume: reload its weights
-        from bertctl.checkpoints.hf import read_state_dict
-
-        model = build_model()
-        load_state(model, read_state_dict(run_dir / MODEL_SUBDIR), source=str(run_dir))
-        record = json.loads((run_dir / "result.json").read_text())
-        best_result = TrainResult(model, [record["dev"]], record["dev"])
-    stderr.print(f"lr sweep: best lr {lr:g} ({main_metric} {best[0]:.4f})")
-    return SweepOutcome(best_result, lr, sweep)
-
-
-class LastEvaluation:
-    """The outputs of the last dev evaluation, reused for the final report when the returned model is
-    the one evaluated last (no second pass over the dev set after training)."""
-
-    def __init__(self):
-        self.model = None
-        self.outputs = None
-
-    def keep(self, model, outputs):
-        self.model, self.outputs = model, outputs
-        return outputs
-
-    def reuse(self, outcome: SweepOutcome):
-        r = outcome.result
-        if self.model is r.model and r.history and r.best is r.history[-1]:
-            return self.outputs
-        return None
-
-
-def _has_checkpoint(run_dir: Path) -> bool:
-    from bertctl.checkpoints import training
-
-    return training.latest_checkpoint(run_dir) is not None
-
-
 def emit_metrics(output: Path | None, metrics: dict) -> None:
     """Metrics JSON to stdout (results only there) and to ``OUT/metrics.json``."""
     if output is not None:
         write_json(output / "metrics.json", metrics)
     sys.stdout.write(json.dumps(metrics, indent=2) + "\n")
     sys.stdout.flush()
-
-
-def run_seconds(outcome: SweepOutcome) -> dict:
-    """Where the run's wall time went, for ``metrics.json``: since this process started (None where
-    /proc is not there), in training steps (CUDA-graph captures included) and in the epoch-end
-    evaluations; with an lr sweep, the kept run's steps and evaluations."""
-    r = outcome.result
-    return {"since_process_start": _process_age(), "training_steps": round(r.train_seconds, 3),
-            "evaluations": round(r.eval_seconds, 3)}
-
-
-def _process_age() -> float | None:
-    """Wall seconds since this process started, from the kernel's clock (Linux)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)
