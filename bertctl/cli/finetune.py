@@ -60,6 +60,20 @@ GRAPH_MIN_STEPS = typer.Option(16, "--graph-min-steps", help="With CUDA graphs: 
 LOG_EVERY = typer.Option(50, "--log-every", help="Steps between logged mean training losses (metrics.jsonl).")
 EPOCH_EVALS = typer.Option(True, "--epoch-evals/--no-epoch-evals", help="Score the dev set after every epoch (a "
                            "learning curve in metrics.jsonl), or once, after training.")
+# glue's --lr, --batch-size and --epochs take lists too; lists, --task all, --restarts and --grid run the protocol
+# (bertctl.tasks.suite: every run its own finetune glue process, the best on dev kept).
+GLUE_LR = typer.Option(5e-5, "--lr", help="Peak learning rate (AdamW); a list (5e-5,3e-5) runs each.")
+GLUE_BATCH = typer.Option(32, "--batch-size", help="Global training batch (examples per optimizer step, all "
+                          "processes); a list (16,32) runs each.")
+GLUE_EPOCHS = typer.Option(3.0, "--epochs", help="Training epochs (fractions allowed); a list (2,3,4) runs each.")
+RESTARTS = typer.Option(1, "--restarts", help="Fine-tune this many seeds (--seed, --seed + 1, ...) and keep the best "
+                        "on dev (§4.1); every seed's score is reported.")
+GRID = typer.Option(None, "--grid", help="paper: Appendix A.3's grid (lr 5e-5,4e-5,3e-5,2e-5; batch 16,32; epochs "
+                    "2,3,4), the best on dev.")
+DEVICES = typer.Option(None, "--devices", help="With several runs: the GPUs they spread over, e.g. 0,1.",
+                       show_default="every visible GPU")
+PARALLEL = typer.Option(None, "--parallel", help="With several runs: how many run side by side on each GPU (one at a "
+                        "time on the CPU).", show_default="as many as fit in its memory")
 SQUAD_EPOCH_EVALS = typer.Option(False, "--epoch-evals/--no-epoch-evals", help="Score the dev set after every epoch "
                                  "(a learning curve in metrics.jsonl), or once, after training (as the paper's and "
                                  "Hugging Face's scripts do; each evaluation decodes every dev question's answer).")
@@ -121,8 +135,10 @@ def _processes(output: Path):
 
 
 def glue_command(
-    task: Optional[str] = typer.Option(None, "--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli "
-                                                            "(omit for your own data with --text-column)."),
+    ctx: typer.Context,
+    task: Optional[str] = typer.Option(None, "--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli, or "
+                                                            "all: every task folder in --data-dir (omit for your own "
+                                                            "data with --text-column)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="GLUE folder (the task's or the parent)."),
     train: Optional[Path] = typer.Option(None, "--train", help="Own data: training TSV/CSV/JSONL."),
     dev: Optional[Path] = typer.Option(None, "--dev", help="Own data: dev file (or a GLUE dev file to use instead)."),
@@ -133,9 +149,11 @@ def glue_command(
     skip_bad_rows: bool = typer.Option(False, "--skip-bad-rows", help="Skip (and count) malformed rows instead of "
                                                                       "stopping."),
     max_seq_length: int = typer.Option(128, "--max-seq-length", help="Tokens per example, specials included."),
-    # the shared fine-tuning options
-    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
-    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    restarts: int = RESTARTS, grid: Optional[str] = GRID, devices: Optional[str] = DEVICES,
+    parallel: Optional[int] = PARALLEL,
+    # the shared fine-tuning options (glue's --lr, --batch-size and --epochs take lists)
+    model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: str = GLUE_EPOCHS,
+    lr: str = GLUE_LR, lr_sweep: bool = LR_SWEEP, batch_size: str = GLUE_BATCH,
     micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
@@ -146,10 +164,16 @@ def glue_command(
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
-    """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data."""
+    """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data; or run the paper's
+    protocol (--task all, --restarts, --grid, lists): every run, the best on dev, summary.md as Table 1."""
     from bertctl.tasks import glue as g
+    from bertctl.tasks import suite
     from bertctl.tasks.base import finetune
 
+    if suite.wanted(task, lr, batch_size, epochs, restarts, grid):
+        suite.from_cli(ctx)
+        return
+    lr, batch_size, epochs = suite.one_setting(lr, batch_size, epochs)
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,

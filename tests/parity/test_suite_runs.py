@@ -127,32 +127,21 @@ def _gone(pid: int) -> bool:
         return True
 
 
-SUITE = """
-import sys
-from pathlib import Path
-from bertctl.errors import BertctlError
-from bertctl.tasks import suite
-data, model, out, resume = sys.argv[1:5]
-try:
-    suite.run_suite(suite.SuiteConfig(data_dir=Path(data), model=Path(model), output=Path(out), restarts=2,
-                                      batch_sizes=(8,), lrs=(1e-3,), epochs=(2.0,), device="cpu",
-                                      resume=resume == "1", finetune_args=("--save-every", "1")))
-except BertctlError as e:
-    print(e, file=sys.stderr)
-    sys.exit(2)
-"""
 
 
 def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
-    """Killed once its first run has finished and its second has a checkpoint: the rerun refuses without
-    --resume, then skips the finished run and continues the other from its checkpoint."""
+    """``finetune glue --task all --restarts 2`` killed once its first run has finished and its second has a
+    checkpoint: the rerun refuses without --resume, then skips the finished run and continues the other from its
+    checkpoint."""
     from bertctl.checkpoints import training
 
     data = glue_folder(tmp_path / "GLUE", tasks=("SST-2",))
     out = tmp_path / "out"
-    argv = [sys.executable, "-c", SUITE, str(data), str(tiny), str(out)]
+    argv = [sys.executable, "-m", "bertctl", "finetune", "glue", "--task", "all", "--data-dir", str(data), "--model",
+            str(tiny), "--output", str(out), "--restarts", "2", "--batch-size", "8", "--lr", "1e-3", "--epochs", "2",
+            "--device", "cpu", "--save-every", "1"]
     first, second = (out / "SST-2" / "runs" / f"lr0.001-bs8-ep2-seed{s}" for s in (42, 43))
-    p = subprocess.Popen(argv + ["0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     children: set[int] = set()
     while not (suite.run_finished(first) and training.latest_checkpoint(second) is not None):
@@ -170,11 +159,11 @@ def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     assert not suite.run_finished(second)
     finished_at = (first / "metrics.json").stat().st_mtime_ns
 
-    r = subprocess.run(argv + ["0"], capture_output=True, text=True)
-    assert r.returncode == 2 and "pass --resume to continue it" in r.stderr, r.stderr
-    r = subprocess.run(argv + ["1"], capture_output=True, text=True)
+    r = subprocess.run(argv, capture_output=True, text=True)
+    assert r.returncode == 2 and "pass --resume to continue it" in " ".join(r.stderr.split()), r.stderr
+    r = subprocess.run(argv + ["--resume"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "lr0.001-bs8-ep2-seed42: already finished" in r.stderr
+    assert "lr0.001-bs8-ep2-seed42: already finished" in " ".join(r.stderr.split())
     assert (first / "metrics.json").stat().st_mtime_ns == finished_at  # not redone
     log = (out / "SST-2" / "logs" / "lr0.001-bs8-ep2-seed43.log").read_text()
     assert "resuming at step" in log and log.count("$ ") == 2
@@ -182,3 +171,13 @@ def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     sst2 = summary["tasks"]["sst2"]
     assert sst2["grid"][0]["seeds"].keys() == {"42", "43"} and not sst2["failed_runs"]
     assert sst2["chosen"]["score"] == max(sst2["grid"][0]["seeds"].values())
+    # A complete suite resumed with one more restart runs only the new seed.
+    more = list(argv)
+    more[more.index("--restarts") + 1] = "3"
+    r = subprocess.run(more + ["--resume"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    said = " ".join(r.stderr.split())
+    assert "seed42: already finished" in said and "seed43: already finished" in said and "1 to run" in said
+    assert (first / "metrics.json").stat().st_mtime_ns == finished_at
+    seeds = json.loads((out / "summary.json").read_text())["tasks"]["sst2"]["grid"][0]["seeds"]
+    assert seeds.keys() == {"42", "43", "44"}

@@ -278,6 +278,60 @@ def test_given_flags_go_to_every_run_as_they_came():
     assert seen["args"] == ("--epoch-evals",)
 
 
+@pytest.fixture
+def captured(monkeypatch):
+    """finetune glue's routing: the suite's config as the command builds it, with no run started."""
+    seen = []
+    monkeypatch.setattr(suite, "run_suite", lambda cfg: seen.append(cfg) or {})
+    return seen
+
+
+def finetune_glue(*args):
+    from bertctl.cli.app import app
+
+    return CliRunner().invoke(app, ["finetune", "glue", "--data-dir", "GLUE", "--model", "M", "-o", "OUT", *args])
+
+
+def test_finetune_glue_routes_the_protocol_to_the_suite(captured):
+    r = finetune_glue("--task", "all", "--restarts", "3", "--lr", "1e-3,2e-3", "--batch-size", "8", "--max-steps",
+                      "2", "--no-epoch-evals", "--devices", "0,1", "--parallel", "2", "--seed", "5", "--device", "cuda",
+                      "--max-seq-length", "64", "--resume")
+    assert r.exit_code == 0, r.output
+    cfg = captured.pop()
+    assert (cfg.tasks, cfg.lrs, cfg.batch_sizes, cfg.epochs, cfg.restarts, cfg.seed) == (
+        None, (1e-3, 2e-3), (8,), (3.0,), 3, 5)
+    assert (cfg.devices, cfg.parallel, cfg.device, cfg.max_seq_length, cfg.resume) == (("0", "1"), 2, "cuda", 64, True)
+    assert cfg.finetune_args == ("--max-steps", "2", "--no-epoch-evals")
+    assert (cfg.data_dir, cfg.model, cfg.output) == (Path("GLUE"), Path("M"), Path("OUT"))
+    assert finetune_glue("--task", "rte", "--grid", "paper").exit_code == 0
+    cfg = captured.pop()
+    assert cfg.tasks == ("rte",) and (cfg.lrs, cfg.batch_sizes, cfg.epochs) == tuple(suite.PAPER_GRID.values())
+    assert finetune_glue("--task", "sst2", "--lr-sweep", "--restarts", "2").exit_code == 0
+    assert captured.pop().lrs == (5e-5, 4e-5, 3e-5, 2e-5)  # --lr-sweep is the grid of the paper's four rates
+    assert finetune_glue("--task", "sst2", "--epochs", "2,3").exit_code == 0  # a list alone is a grid
+    assert captured.pop().epochs == (2.0, 3.0)
+    for args, why in ((("--task", "all", "--grid", "paper", "--lr", "1e-3"), "--grid paper sets"),
+                      (("--task", "all", "--grid", "big"), "'paper'"),
+                      (("--task", "all", "--lr-sweep", "--lr", "1e-3"), "drop --lr"),
+                      (("--task", "all", "--train", "t.tsv"), "--train: the suite runs"),
+                      (("--task", "all", "--devices", "a"), "--devices: CUDA device numbers"),
+                      (("--task", "all", "--parallel", "0"), "--parallel must be 1 or more"),
+                      (("--task", "all", "--restarts", "0"), "--restarts must be 1 or more"),
+                      (("--task", "all", "--batch-size", "16,x"), "--batch-size: 'x' is not an integer")):
+        r = finetune_glue(*args)
+        assert r.exit_code == 2 and why in r.output, (args, r.output)
+    assert not captured
+
+
+def test_one_run_stays_one_run(captured, tmp_path):
+    """Without the protocol's flags finetune glue is one run, as before: no suite, its numbers checked as before."""
+    r = finetune_glue("--task", "sst2", "--lr", "0")
+    assert r.exit_code == 2 and "--lr must be greater than 0, not 0" in r.output, r.output
+    r = finetune_glue("--task", "sst2", "--epochs", "abc")
+    assert r.exit_code == 2 and "--epochs: 'abc' is not a number" in r.output, r.output
+    assert not captured
+
+
 def test_the_suite_refuses_torchrun(monkeypatch, tmp_path):
     """Under torchrun every process would start the whole suite; it starts its own processes instead."""
     monkeypatch.setenv("WORLD_SIZE", "2")

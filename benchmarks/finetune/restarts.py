@@ -1,0 +1,101 @@
+"""Random restarts side by side: the wall time of ``bertctl finetune glue --restarts N`` (its runs side by
+side on the GPU) against one run alone, and each seed's dev metrics against the same seed run alone.
+
+The target: N = 5 restarts of MiniLM on SST-2 in at most 1.5 times one run's wall time, with the same
+per-seed metrics as separate runs (``--separate`` runs every seed alone; by default only the first).
+
+    python benchmarks/finetune/restarts.py --model MINILM --data-dir ../shared/data/glue/SST-2 -o OUT.json
+    python benchmarks/finetune/restarts.py --model MINILM --data-dir ../shared/data/glue/SST-2 --device cpu \\
+        --limit 64 --max-steps 2 --restarts 2 -o /tmp/restarts.json     # a check of the script on the CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def timed(argv: list[str], log: Path) -> float:
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        r = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(argv)} failed (exit {r.returncode}); see {log}")
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--data-dir", required=True, type=Path, help="The task's GLUE folder.")
+    ap.add_argument("--task", default="sst2")
+    ap.add_argument("--restarts", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--separate", action="store_true", help="Run every seed alone too, not only the first.")
+    ap.add_argument("--limit", type=int, help="Train on the first N rows only (a quick check).")
+    ap.add_argument("--max-steps", type=int, help="Passed to each run (a quick check).")
+    ap.add_argument("--work", type=Path, help="Folder for the runs (default: a temporary one).")
+    ap.add_argument("-o", "--output", type=Path, required=True)
+    args = ap.parse_args()
+
+    from bertctl.bench.harness import environment
+    from bertctl.tasks.glue import find_task_files, task_spec
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="restarts-"))
+    work.mkdir(parents=True, exist_ok=True)
+    train, devs = find_task_files(args.data_dir, task_spec(args.task))
+    data = train.parent
+    if args.limit:
+        data = work / "data"
+        data.mkdir(exist_ok=True)
+        lines = train.read_text(encoding="utf-8").splitlines(keepends=True)
+        (data / "train.tsv").write_text("".join(lines[:args.limit + 1]), encoding="utf-8")
+        for dev in devs:
+            (data / dev.name).write_bytes(dev.read_bytes())
+    base = [sys.executable, "-m", "bertctl", "finetune", "glue", "--task", args.task, "--data-dir", str(data),
+            "--model", str(args.model), "--device", args.device, "--no-progress"]
+    if args.max_steps:
+        base += ["--max-steps", str(args.max_steps)]
+    seeds = [args.seed + i for i in range(args.restarts)]
+    alone = {}
+    for seed in seeds if args.separate else seeds[:1]:
+        out = work / f"alone-seed{seed}"
+        seconds = timed(base + ["--seed", str(seed), "--output", str(out)], work / f"alone-seed{seed}.log")
+        alone[seed] = {"seconds": seconds, "metrics": json.loads((out / "metrics.json").read_text())}
+        print(f"seed {seed} alone: {seconds:.1f} s", file=sys.stderr)
+    suite_out = work / "suite"
+    suite_seconds = timed(base + ["--seed", str(args.seed), "--restarts", str(args.restarts), "--output",
+                                  str(suite_out)], work / "suite.log")
+    summary = json.loads((suite_out / "summary.json").read_text())
+    task = summary["tasks"][task_spec(args.task).name]
+    one = alone[seeds[0]]["seconds"]
+    per_seed = []
+    for run in task["runs"]:
+        row = {"seed": run["seed"], "score": run["score"], "metrics": run["metrics"]}
+        if run["seed"] in alone:
+            mine = alone[run["seed"]]["metrics"]
+            row["alone"] = {k: mine[k] for k in run["metrics"] if k in mine and not isinstance(mine[k], dict)}
+            row["largest_difference"] = max((abs(v - mine[k]) for k, v in run["metrics"].items()
+                                             if k in mine and isinstance(mine[k], float) and "second" not in k),
+                                            default=0.0)
+        per_seed.append(row)
+    launched = next((line for line in (work / "suite.log").read_text().splitlines() if line.startswith("suite:")), "")
+    result = {"environment": environment(args.device if args.device != "auto" else
+                                         ("cuda" if __import__("torch").cuda.is_available() else "cpu")),
+              "task": args.task, "model": str(args.model), "restarts": args.restarts, "one_run_seconds": one,
+              "suite_seconds": suite_seconds, "ratio": suite_seconds / one, "target_ratio": 1.5,
+              "suite_plan": launched, "per_seed": per_seed,
+              "mean": task["grid"][0]["mean"], "std": task["grid"][0]["std"], "chosen": task["chosen"]["run"]}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{args.restarts} restarts: {suite_seconds:.1f} s, one run {one:.1f} s: {suite_seconds / one:.2f}x "
+          f"(target 1.5x)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
