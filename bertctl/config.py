@@ -209,6 +209,7 @@ class PretrainConfig:
     model_overrides: dict = field(default_factory=dict)  # e.g. {"hidden_dropout_prob": 0.0}
     bucket_lengths: bool = False          # length-bucketed batch order (less padding for varied lengths)
     resume: bool = False
+    overwrite: bool = False               # replace the run in output (kept aside until this one finishes)
     # Held-out evaluation.
     eval_every: int | None = None
     eval_batches: int = 20

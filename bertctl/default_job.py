@@ -181,7 +181,7 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     """
     from bertctl.config import BertConfig, PretrainConfig
     from bertctl.data import PretrainingData
-    from bertctl.train.pretrain import pretrain
+    from bertctl.train.pretrain import claim_output, pretrain
 
     output = Path(output)
     minutes = DEFAULT_MINUTES if minutes is None else minutes
@@ -192,45 +192,48 @@ def run_default_job(output: Path, *, batch_size: int | None = None, lr: float | 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and max_steps is None:
         raise BertctlError("the default job under torchrun needs --max-steps (the time calibration is per process)")
-    if rank != 0:  # under torchrun rank 0 prepares the data; the others wait for its manifest
-        while not (output / "work" / "data" / "manifest.json").is_file():
-            time.sleep(1.0)
-    prepared = prepare_default_data(output / "work", vocab_size=vocab_size, max_seq_length=max_seq_length,
-                                    seed=seed, max_modules=max_modules,
-                                    show_progress=train_options.get("show_progress", True))
-    data_dir, tokenizer = prepared["data"], prepared["tokenizer"]
-    prep_seconds = time.monotonic() - t0
+    # The output folder rule before any work: a finished or running job is refused at once.
+    with claim_output(PretrainConfig.of(output=str(output), resume=train_options.get("resume", False),
+                                        overwrite=train_options.get("overwrite", False)), main=rank == 0):
+        if rank != 0:  # under torchrun rank 0 prepares the data; the others wait for its manifest
+            while not (output / "work" / "data" / "manifest.json").is_file():
+                time.sleep(1.0)
+        prepared = prepare_default_data(output / "work", vocab_size=vocab_size, max_seq_length=max_seq_length,
+                                        seed=seed, max_modules=max_modules,
+                                        show_progress=train_options.get("show_progress", True))
+        data_dir, tokenizer = prepared["data"], prepared["tokenizer"]
+        prep_seconds = time.monotonic() - t0
 
-    model_overrides = train_options.pop("model_overrides", {}) or {}
-    max_steps_given = max_steps
-    if max_steps is None:
-        # Fit the step count to the time box, so the lr schedule completes (warm-up, then decay to 0);
-        # the engine re-plans from the measured step rate when the machine gets busier or quieter.
-        ds = PretrainingData(data_dir)
-        mconf = BertConfig.preset(model_size, vocab_size=ds.vocab_size, **model_overrides)
-        t_step = _calibrate_step_seconds(mconf, batch_size, max_seq_length, ds.max_predictions, seed)
-        budget = max(10.0, minutes * 60 - (time.monotonic() - t0) - 10.0)  # evals and export take a few s
-        max_steps = int(min(20000, max(20, 0.85 * budget / t_step)))
-        stderr.print(f"default job: {t_step * 1e3:.0f} ms a step on this CPU -> {max_steps} steps in ~{minutes:g} min "
-                     "(re-planned from the run's own pace as it trains)")
-    options = {"warmup_fraction": 0.05, "eval_batches": 8, **train_options}
-    if not options.get("eval_every"):
-        options["eval_every"] = max(10, max_steps // 5)  # a few points on the accuracy curve
-    cfg = PretrainConfig.of(output=str(output), data=str(data_dir), model_size=model_size,
-                            model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
-                            minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed,
-                            fit_to_minutes=max_steps_given is None, **options)
-    summary = pretrain(cfg, tokenizer=tokenizer)
-    ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}
-    summary["default_job"] = {
-        "corpus": prepared["corpus"], "vocabulary": str(prepared["vocabulary"]), "data": str(data_dir),
-        "prepare_seconds": round(prep_seconds, 1),
-        "eval_mlm_accuracy_start": ev0.get("mlm_acc"), "eval_mlm_accuracy_end": ev1.get("mlm_acc"),
-        "majority_token_baseline": ev1.get("mlm_majority_baseline", ev0.get("mlm_majority_baseline")),
-    }
-    if ev1:
-        start = f"{ev0['mlm_acc']:.3f} -> " if ev0 else ""
-        stderr.print(f"default job: held-out MLM accuracy {start}{ev1['mlm_acc']:.3f} "
-                     f"(majority-token baseline {ev1['mlm_majority_baseline']:.3f}); "
-                     f"NSP accuracy {ev1['nsp_acc']:.3f}; model in {summary.get('model')}")
-    return summary
+        model_overrides = train_options.pop("model_overrides", {}) or {}
+        max_steps_given = max_steps
+        if max_steps is None:
+            # Fit the step count to the time box, so the lr schedule completes (warm-up, then decay to 0);
+            # the engine re-plans from the measured step rate when the machine gets busier or quieter.
+            ds = PretrainingData(data_dir)
+            mconf = BertConfig.preset(model_size, vocab_size=ds.vocab_size, **model_overrides)
+            t_step = _calibrate_step_seconds(mconf, batch_size, max_seq_length, ds.max_predictions, seed)
+            budget = max(10.0, minutes * 60 - (time.monotonic() - t0) - 10.0)  # evals and export take a few s
+            max_steps = int(min(20000, max(20, 0.85 * budget / t_step)))
+            stderr.print(f"default job: {t_step * 1e3:.0f} ms a step on this CPU -> {max_steps} steps in ~{minutes:g} min "
+                         "(re-planned from the run's own pace as it trains)")
+        options = {"warmup_fraction": 0.05, "eval_batches": 8, **train_options}
+        if not options.get("eval_every"):
+            options["eval_every"] = max(10, max_steps // 5)  # a few points on the accuracy curve
+        cfg = PretrainConfig.of(output=str(output), data=str(data_dir), model_size=model_size,
+                                model_overrides=model_overrides, batch_size=batch_size, lr=lr or 1e-3, max_steps=max_steps,
+                                minutes=max(0.1, minutes - (time.monotonic() - t0) / 60), seed=seed,
+                                fit_to_minutes=max_steps_given is None, **options)
+        summary = pretrain(cfg, tokenizer=tokenizer)
+        ev0, ev1 = summary.get("eval_start") or {}, summary.get("eval_end") or {}
+        summary["default_job"] = {
+            "corpus": prepared["corpus"], "vocabulary": str(prepared["vocabulary"]), "data": str(data_dir),
+            "prepare_seconds": round(prep_seconds, 1),
+            "eval_mlm_accuracy_start": ev0.get("mlm_acc"), "eval_mlm_accuracy_end": ev1.get("mlm_acc"),
+            "majority_token_baseline": ev1.get("mlm_majority_baseline", ev0.get("mlm_majority_baseline")),
+        }
+        if ev1:
+            start = f"{ev0['mlm_acc']:.3f} -> " if ev0 else ""
+            stderr.print(f"default job: held-out MLM accuracy {start}{ev1['mlm_acc']:.3f} "
+                         f"(majority-token baseline {ev1['mlm_majority_baseline']:.3f}); "
+                         f"NSP accuracy {ev1['nsp_acc']:.3f}; model in {summary.get('model')}")
+        return summary

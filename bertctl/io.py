@@ -40,7 +40,7 @@ def current_umask() -> int:
     return mask
 
 
-def _make_parents(folder: Path) -> list[Path]:
+def make_parents(folder: Path) -> list[Path]:
     """``mkdir -p folder``; returns the folders it created, innermost first (for clean-up)."""
     created = []
     for p in [folder, *folder.parents]:
@@ -53,7 +53,7 @@ def _make_parents(folder: Path) -> list[Path]:
     return created
 
 
-def _remove_empty(folders: list[Path]) -> None:
+def remove_empty(folders: list[Path]) -> None:
     for p in folders:
         with contextlib.suppress(OSError):
             p.rmdir()
@@ -129,7 +129,7 @@ def check_writable(target: str | os.PathLike, *, folder: bool = False, what: str
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in the target's folder; rename it onto ``target`` on success."""
     target = Path(target)
-    created = _make_parents(target.parent)
+    created = make_parents(target.parent)
     published = False
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -153,7 +153,7 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
                 tmp.unlink()
     finally:
         if not published:
-            _remove_empty(created)
+            remove_empty(created)
 
 
 @contextlib.contextmanager
@@ -177,7 +177,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     old directory, the new one, or the old one under ``.<name>.old``; never a mix.
     """
     target = Path(target)
-    created = _make_parents(target.parent)
+    created = make_parents(target.parent)
     published = False
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
@@ -204,7 +204,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
                 shutil.rmtree(tmp, ignore_errors=True)
     finally:
         if not published:
-            _remove_empty(created)
+            remove_empty(created)
 
 
 def read_json_object(path: str | os.PathLike, what: str = "JSON") -> dict:

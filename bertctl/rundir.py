@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from bertctl.errors import BertctlError
+from bertctl.io import make_parents, remove_empty
 
 LOCK = ".bertctl.lock"
 MARKER = ".bertctl-run.json"
@@ -61,6 +62,7 @@ class Claim:
     state: str
     lock: Path | None = None
     replaced: Path | None = None
+    created: list[Path] = field(default_factory=list)  # folders the claim made: removed again if left empty
     _released: bool = field(default=False, repr=False)
 
     def finish(self, **summary) -> None:
@@ -69,21 +71,26 @@ class Claim:
 
         write_json(self.folder / MARKER, {"command": self.command, "finished": True,
                                           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **summary})
-        if self.replaced is not None:
-            shutil.rmtree(self.replaced, ignore_errors=True)
-            self.replaced = None
+        shutil.rmtree(self.folder / REPLACED, ignore_errors=True)  # a finished run supersedes a replaced one
+        self.replaced = None
 
     def release(self) -> None:
         """Free the lock (if this process still holds it)."""
         if self._released or self.lock is None:
             return
         self._released = True
+        key = self.lock.resolve()
+        if _held.get(key, 0) > 1:
+            _held[key] -= 1
+            return
+        _held.pop(key, None)
         try:
             held = json.loads(self.lock.read_text())
             if held.get("pid") == os.getpid():
                 self.lock.unlink()
         except (OSError, ValueError):
             pass
+        remove_empty(self.created)  # a run refused before its first write leaves no folder behind
 
     def __enter__(self) -> "Claim":
         return self
@@ -102,8 +109,14 @@ def is_finished(folder: Path, finished_before: Callable[[Path], bool] | None = N
     return bool(finished_before and finished_before(folder))
 
 
+_held: dict[Path, int] = {}  # locks this process holds, and how many claims hold each
+
+
 def _take_lock(folder: Path, command: str) -> Path:
     path = folder / LOCK
+    if path.resolve() in _held:  # a command that claims before its library call claims again
+        _held[path.resolve()] += 1
+        return path
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid()),
           "command": command, "since": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())}
     for _ in range(2):
@@ -132,6 +145,7 @@ def _take_lock(folder: Path, command: str) -> Path:
             continue
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
+        _held[path.resolve()] = 1
         return path
     raise BertctlError(f"{folder}: could not take the lock {path} (another run keeps taking it)")
 
@@ -151,15 +165,19 @@ def claim(folder: str | os.PathLike, *, command: str, resume: bool = False, over
         raise BertctlError("--resume and --overwrite: choose one")
     if folder.exists() and not folder.is_dir():
         raise BertctlError(f"{folder}: exists and is not a folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = _take_lock(folder, command)
+    created = make_parents(folder)
+    try:
+        lock = _take_lock(folder, command)
+    except BaseException:
+        remove_empty(created)
+        raise
     try:
         state = _decide(folder, command, resume, overwrite, started, finished_before)
         replaced = _move_aside(folder, outputs) if state == "overwrite" else None
     except BaseException:
-        lock.unlink(missing_ok=True)
+        Claim(folder, command, "refused", lock, created=created).release()
         raise
-    c = Claim(folder, command, state, lock, replaced)
+    c = Claim(folder, command, state, lock, replaced, created)
     atexit.register(c.release)
     return c
 

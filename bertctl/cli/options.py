@@ -40,7 +40,9 @@ MICRO_BATCH = typer.Option(None, "--micro-batch-size", help="Examples per proces
                                                             "accumulate to --batch-size.", show_default="--batch-size "
                                                                                                         "/ processes")
 MAX_GRAD_NORM = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping (0 = off).")
-RESUME = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --output.")
+RESUME = typer.Option(False, "--resume", help="Continue the unfinished run in --output from its newest checkpoint.")
+OVERWRITE = typer.Option(False, "--overwrite", help="Replace the run in --output (its files are kept in "
+                         "OUT/.replaced/ until the new run finishes).")
 TENSORBOARD = typer.Option(None, "--tensorboard/--no-tensorboard", help="TensorBoard event files in "
                            "OUT/tensorboard/ beside metrics.jsonl.", show_default="on when tensorboard is installed")
 DROPOUT = typer.Option(None, "--dropout", help="Override hidden and attention dropout.",

@@ -63,6 +63,7 @@ def pretrain_command(
     device: str = opt.DEVICE,
     # checkpoints
     resume: bool = opt.RESUME,
+    overwrite: bool = opt.OVERWRITE,
     save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps.",
                                              show_default="by --save-minutes"),
     save_minutes: Optional[float] = typer.Option(30.0, "--save-minutes", help="Checkpoint every N minutes."),

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bertctl import rundir
 from bertctl.checkpoints import training
 from bertctl.config import IGNORE_INDEX, PretrainConfig
 from bertctl.data.batching import Prefetcher, bucketed_batches, pretraining_batches, pretraining_step, trim
@@ -297,10 +298,8 @@ class Trainer:
 
         cfg = self.cfg
         model_cls = BertForPreTraining if self.data.nsp else BertForMaskedLM
+        # The output folder rule (claim_output) has already refused checkpoints without --resume.
         resume_from = training.latest_checkpoint(self.out) if cfg.resume else None
-        if not cfg.resume and training.latest_checkpoint(self.out) is not None:
-            raise BertctlError(f"{self.out} already holds checkpoints: pass --resume to continue that run, "
-                               f"or choose another --output")
         if cfg.resume and resume_from is None:
             self._say(f"[yellow]no checkpoint in {self.out}: starting a new run")
         init_state = None
@@ -572,6 +571,33 @@ def _data_tokenizer(data_dir: Path, manifest: dict):
     return load_tokenizer(data_dir)  # a build-data folder is a tokenizer directory
 
 
+RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "curves.png", "tensorboard")
+
+
+def unfinished_work(folder: Path) -> str | None:
+    """What an unfinished pretraining run left in ``folder`` (its newest checkpoint), or None."""
+    last = training.latest_checkpoint(folder)
+    return f"a checkpoint at step {last.step}" if last is not None else None
+
+
+def finished_before_marker(folder: Path) -> bool:
+    """A run finished before output folders had their marker: its model exported after a final checkpoint."""
+    last = training.latest_checkpoint(folder)
+    if last is None or not (folder / "model" / "config.json").is_file():
+        return False
+    try:
+        return json.loads((last.path / "meta.json").read_text()).get("reason") == "final"
+    except (OSError, ValueError):
+        return False
+
+
+def claim_output(cfg: PretrainConfig, main: bool = True) -> rundir.Claim:
+    """The output folder rule (bertctl.rundir) for a pretraining run."""
+    return rundir.claim(cfg.output, command="pretrain", resume=cfg.resume, overwrite=cfg.overwrite,
+                        started=unfinished_work, finished_before=finished_before_marker, outputs=RUN_OUTPUTS,
+                        main=main)
+
+
 def pretrain(cfg: PretrainConfig, tokenizer=None) -> dict[str, Any]:
     """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``PretrainConfig``."""
     t = cfg.train
@@ -580,12 +606,18 @@ def pretrain(cfg: PretrainConfig, tokenizer=None) -> dict[str, Any]:
     dist = distributed.setup(runtime.device_type)
     finished = False
     trainer = None
+    claim = None
     try:
+        claim = claim_output(cfg, main=dist.is_main)
         trainer = Trainer(cfg, dist, runtime, tokenizer=tokenizer)
         summary = trainer.run()
+        if summary["model"] is not None and dist.is_main:
+            claim.finish(steps=summary["steps"])
         finished = True
         return summary
     finally:
+        if claim is not None:
+            claim.release()
         # The trainer (its DistributedDataParallel reducer holds the process group and gloo's
         # pending work) sits in reference cycles: it must be gone before the group is, not
         # freed at interpreter exit, where gloo's threads abort the process ("terminate called

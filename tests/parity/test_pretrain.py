@@ -168,10 +168,27 @@ def test_cuda_graphs_are_off_on_the_cpu_and_asking_there_is_one_clear_error(data
                    for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines())
 
 
-def test_refuses_to_overwrite_a_run_without_resume(trained, data_dir):
+def test_a_finished_run_is_refused_without_overwrite_and_resume_says_it_is_finished(trained, data_dir):
     out, _ = trained
+    before = (out / "model" / "model.safetensors").read_bytes()
     r = _cli(*_args(data_dir, out, "--max-steps", "2"))
-    assert r.returncode == 2 and "--resume" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "finished pretrain run; pass --overwrite" in " ".join(r.stderr.split())
+    r = _cli(*_args(data_dir, out, "--max-steps", "50", "--resume"))
+    assert r.returncode == 2 and "nothing to resume" in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
+    assert (out / "model" / "model.safetensors").read_bytes() == before
+
+
+def test_an_unfinished_run_needs_resume_and_overwrite_replaces_a_finished_one(data_dir, tmp_path):
+    out = tmp_path / "run"
+    killed_at = kill_at_checkpoint([sys.executable, "-m", "bertctl", *_args(data_dir, out, "--max-steps", "200",
+                                                                            "--save-every", "2")], out, 2, ENV)
+    r = _cli(*_args(data_dir, out, "--max-steps", "200", "--save-every", "2"))
+    assert r.returncode == 2 and f"unfinished pretrain run (a checkpoint at step {killed_at})" in " ".join(r.stderr.split())
+    assert training.latest_checkpoint(out).step == killed_at  # nothing was touched
+    done = _cli(*_args(data_dir, out, "--max-steps", "3", "--overwrite"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["steps"] == 3 and not (out / ".replaced").exists()
+    assert training.latest_checkpoint(out).step == 3
 
 
 KILL_IN_SAVE = r"""
