@@ -88,6 +88,7 @@ class Run:
     cfg: FinetuneConfig
     lr_sweep: bool
     resume: bool
+    overwrite: bool
     dropout: Optional[float]
 
 
@@ -95,7 +96,7 @@ def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float
                  batch_size: int, micro_batch_size: Optional[int], eval_batch_size: int,
                  eval_batch_tokens: Optional[int], warmup_fraction: float, weight_decay: float, max_grad_norm: float,
                  dropout: Optional[float], seed: int, device: str, precision: str, group_by_length: bool,
-                 compile_: bool, max_steps: Optional[int], save_every: int, resume: bool, no_progress: bool,
+                 compile_: bool, max_steps: Optional[int], save_every: int, resume: bool, overwrite: bool, no_progress: bool,
                  log_every: int, epoch_evals: bool, kernels: str, dropout_masks: str, attn: str,
                  cuda_graphs: Optional[bool], graph_min_steps: int, tensorboard: Optional[bool]) -> Run:
     """The shared options, every number checked, as the task's ``Run`` (its ``FinetuneConfig``)."""
@@ -116,7 +117,8 @@ def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float
     cfg = FinetuneConfig(epochs=epochs, eval_batch_size=eval_batch_size, eval_batch_tokens=eval_batch_tokens,
                          group_by_length=group_by_length, from_scratch=from_scratch, epoch_evals=epoch_evals,
                          train=train)
-    return Run(model=model, output=output, cfg=cfg, lr_sweep=lr_sweep, resume=resume, dropout=dropout)
+    return Run(model=model, output=output, cfg=cfg, lr_sweep=lr_sweep, resume=resume, overwrite=overwrite,
+               dropout=dropout)
 
 
 @contextlib.contextmanager
@@ -159,7 +161,7 @@ def glue_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -179,7 +181,7 @@ def glue_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
@@ -188,7 +190,7 @@ def glue_command(
                        skip_bad_rows=skip_bad_rows)
     with _processes(run.output):
         finetune(g.Glue(data, max_seq_length), run.model, run.output, run.cfg, lr_sweep=run.lr_sweep,
-                 resume=run.resume, dropout=run.dropout)
+                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
 
 
 def squad_command(
@@ -213,7 +215,7 @@ def squad_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = SQUAD_EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -227,7 +229,7 @@ def squad_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
@@ -236,7 +238,7 @@ def squad_command(
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
     with _processes(run.output):
         finetune(s.Squad(train_data, dev_data, scfg, write_nbest=write_nbest), run.model, run.output, run.cfg,
-                 lr_sweep=run.lr_sweep, resume=run.resume, dropout=run.dropout)
+                 lr_sweep=run.lr_sweep, resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
 
 
 def ner_command(
@@ -250,7 +252,7 @@ def ner_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -264,13 +266,13 @@ def ner_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
     with _processes(run.output):
         finetune(n.Ner(data_dir=data_dir, max_seq_length=max_seq_length), run.model, run.output, run.cfg,
-                 lr_sweep=run.lr_sweep, resume=run.resume, dropout=run.dropout)
+                 lr_sweep=run.lr_sweep, resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
 
 
 def swag_command(
@@ -285,7 +287,7 @@ def swag_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -299,13 +301,13 @@ def swag_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
     with _processes(run.output):
         finetune(w.Swag(train, dev, max_seq_length), run.model, run.output, run.cfg, lr_sweep=run.lr_sweep,
-                 resume=run.resume, dropout=run.dropout)
+                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
 
 
 finetune_app.command("glue")(glue_command)

@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
+from bertctl import rundir
 from bertctl.config import FinetuneConfig
 from bertctl.io import write_json
 from bertctl.progress import MetricsLog, stderr
@@ -85,15 +86,45 @@ class Task:
         return {}
 
 
-def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: FinetuneConfig, *, lr_sweep: bool = False,
-             resume: bool = False, dropout: float | None = None) -> dict:
-    """Fine-tune ``task``'s head on its training set, evaluating on dev after every epoch; write the model
-    (``OUT/model``), the predictions and the metrics (``OUT/metrics.json``, also on stdout)."""
-    from bertctl.checkpoints.hf import save_pretrained
+RUN_OUTPUTS = ("checkpoints", "model", "metrics.json", "metrics.jsonl", "predictions*", "tensorboard", "sweep")
 
+
+def unfinished_work(folder: Path) -> str | None:
+    """What an unfinished fine-tuning run left in ``folder`` (a checkpoint, its own or a sweep run's), or None."""
+    from bertctl.checkpoints import training
+
+    for run in (folder, *sorted((folder / "sweep").glob("lr-*"))):
+        last = training.latest_checkpoint(run)
+        if last is not None:
+            return f"a checkpoint at step {last.step}" + (f" in {run.name}" if run != folder else "")
+    return None
+
+
+def finished_before_marker(folder: Path) -> bool:
+    """A run finished before output folders had their marker: its metrics and model written."""
+    return (folder / "metrics.json").is_file() and (folder / common.MODEL_SUBDIR / "config.json").is_file()
+
+
+def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: FinetuneConfig, *, lr_sweep: bool = False,
+             resume: bool = False, overwrite: bool = False, dropout: float | None = None) -> dict:
+    """Fine-tune ``task``'s head on its training set, evaluating on dev after every epoch; write the model
+    (``OUT/model``), the predictions and the metrics (``OUT/metrics.json``, also on stdout). The output folder
+    follows bertctl.rundir's rule: an unfinished run needs ``resume``, a finished one ``overwrite``."""
     cfg = task.configure(cfg)  # before any work: it may refuse the configuration
     output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
+    with rundir.claim(output, command=f"finetune {task.name}", resume=resume, overwrite=overwrite,
+                      started=unfinished_work, finished_before=finished_before_marker, outputs=RUN_OUTPUTS,
+                      main=is_main_process()) as claim:
+        result = _finetune(task, model_dir, output, cfg, lr_sweep=lr_sweep, resume=resume, dropout=dropout)
+        if result:
+            claim.finish(task=task.name)
+    return result
+
+
+def _finetune(task: Task, model_dir: str | Path, output: Path, cfg: FinetuneConfig, *, lr_sweep: bool, resume: bool,
+              dropout: float | None) -> dict:
+    from bertctl.checkpoints.hf import save_pretrained
+
     tokenizer = common.load_tokenizer(model_dir)
     task.featurize(tokenizer, cfg.train.show_progress)
     head = task.head()

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
+import sys
 import time
 
 import numpy as np
@@ -545,3 +549,41 @@ def test_full_batch_steps_equal_the_transformers_trainers(tiny, sst2, tmp_path):
         if name in final:
             torch.testing.assert_close(final[name], p, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     assert set(hf.state_dict()) - set(final) <= {"bert.embeddings.position_ids"}, set(hf.state_dict()) - set(final)
+
+
+def test_the_output_folder_rule_keeps_every_run(tiny, sst2, tmp_path):
+    """A rerun, a resume of a finished run, a rerun over an interrupted one and a second run at once each keep
+    the work that is there (bertctl.rundir)."""
+    from bertctl import rundir
+
+    out = tmp_path / "out"
+    args = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "--output", str(out),
+            "--max-steps", "2", "--save-every", "1", "--no-progress", "--no-tensorboard"]
+    assert runner.invoke(app, args).exit_code == 0
+    finished = (out / "metrics.json").read_bytes()
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "finished finetune sst2 run; pass --overwrite" in " ".join(r.output.split())
+    r = runner.invoke(app, args + ["--resume"])
+    assert r.exit_code == 2 and "nothing to resume" in r.output
+    assert (out / "metrics.json").read_bytes() == finished
+    (out / rundir.LOCK).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(),
+                                               "started": rundir._start_time(os.getppid()), "command": "finetune"}))
+    r = runner.invoke(app, args + ["--overwrite"])  # another live process holds the folder
+    assert r.exit_code == 2 and f"pid {os.getppid()}" in r.output and "is writing this folder" in r.output
+    (out / rundir.LOCK).unlink()
+    r = runner.invoke(app, args + ["--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert not (out / rundir.REPLACED).exists() and rundir.is_finished(out)
+    # An interrupted run (killed after a checkpoint): a plain rerun is refused, and the checkpoint stays.
+    from conftest import kill_at_checkpoint
+
+    cut = tmp_path / "cut"
+    long = [a if a != str(out) else str(cut) for a in args]
+    long[long.index("--max-steps") + 1] = "200"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    step = kill_at_checkpoint([sys.executable, "-m", "bertctl", *long], cut, 1, env)
+    r = runner.invoke(app, long)
+    assert r.exit_code == 2 and f"unfinished finetune sst2 run (a checkpoint at step {step})" in " ".join(r.output.split())
+    from bertctl.checkpoints import training
+
+    assert training.latest_checkpoint(cut).step == step

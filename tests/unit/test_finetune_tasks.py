@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from bertctl.cli.app import app
+from bertctl import rundir
 from bertctl.errors import BertctlError
 from bertctl.tasks import ner, swag
 from bertctl.tasks.metrics import conlleval
@@ -285,6 +287,12 @@ def test_lr_sweep_keeps_the_best_on_dev_and_resume_skips_done_runs(tiny, tmp_pat
     best = max(sweep, key=lambda s: s["dev"]["accuracy"])  # first best wins ties, as the loop does
     assert metrics["lr"] == best["lr"]
     assert metrics["accuracy"] == pytest.approx(best["dev"]["accuracy"])
+    r = runner.invoke(app, args + ["--resume"])
+    assert r.exit_code == 2 and "nothing to resume" in r.output  # a finished run is finished
+    # Stopped after the sweep's runs but before the chosen model was written: resume reuses every run.
+    for name in ("metrics.json", "model", rundir.MARKER):
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
     r = runner.invoke(app, args + ["--resume"])
     assert r.exit_code == 0, r.output
     assert r.output.count("already done") == 4
