@@ -447,6 +447,7 @@ def test_export_is_accepted_by_fine_tuning_and_embedding(mlm_run):
 def test_resume_on_mlm_data_is_bit_identical(mlm_run, mlm_data, tmp_path):
     from safetensors.torch import load_file
 
+    from bertctl import rundir
     from bertctl.checkpoints import training
     from bertctl.train.pretrain import pretrain
 
@@ -457,6 +458,7 @@ def test_resume_on_mlm_data_is_bit_identical(mlm_run, mlm_data, tmp_path):
         if c.step > 10:
             shutil.rmtree(c.path)
     shutil.rmtree(cut / "model")
+    (cut / rundir.MARKER).unlink()  # as the run was at step 10: not finished
     summary = pretrain(_config(mlm_data, cut, save_every=10, resume=True))
     assert summary["start_step"] == 10 and summary["steps"] == 30 and summary["objective"] == "mlm"
     a, b = load_file(out / "model" / "model.safetensors"), load_file(cut / "model" / "model.safetensors")
