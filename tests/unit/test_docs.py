@@ -121,7 +121,8 @@ def test_named_repository_paths_exist():
 
 
 # Flags of other programs the docs show beside bertctl's.
-OTHER_PROGRAMS_FLAGS = {"--no-build-isolation": "pip", "--nproc-per-node": "torchrun", "--logdir": "tensorboard"}
+OTHER_PROGRAMS_FLAGS = {"--no-build-isolation": "pip", "--nproc-per-node": "torchrun", "--nnodes": "torchrun",
+                        "--rdzv-backend": "torchrun", "--rdzv-endpoint": "torchrun", "--logdir": "tensorboard"}
 
 
 def cli_flags() -> set[str]:
