@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from bertctl.errors import BertctlError
@@ -193,8 +194,34 @@ def finetuning_defaults() -> TrainConfig:
                        graph_min_steps=MIN_SHAPE_STEPS, log_every=50, keep=1, save_every=0)
 
 
+class ExtendsTrain:
+    """A command's config that holds one ``TrainConfig`` (``train``) and adds its own fields; saved as one flat
+    object with the train fields, as checkpoints and ``metrics.jsonl`` have always held it."""
+
+    defaults: ClassVar  # the command's TrainConfig defaults
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "train"}
+        d.update(dataclasses.asdict(self.train))
+        d["betas"] = list(self.train.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, strict: bool = False):
+        """From one flat object: ``to_dict``'s, one a run saved before the shared TrainConfig (``eps``),
+        or options given in code (``strict``: an unknown key is an error); the train fields not given
+        keep the command's defaults."""
+        train, own = _split(d, cls, strict)
+        return cls(**own, train=dataclasses.replace(cls.defaults(), **train))
+
+    @classmethod
+    def of(cls, **options):
+        """The command's own and training options in one list, e.g. ``PretrainConfig.of(output=..., lr=1e-3)``."""
+        return cls.from_dict(options, strict=True)
+
+
 @dataclass
-class PretrainConfig:
+class PretrainConfig(ExtendsTrain):
     """A pretraining run (saved in every checkpoint): its data, its model, its evaluation; ``train``
     holds the rest."""
 
@@ -217,29 +244,11 @@ class PretrainConfig:
     eval_at_start: bool = True
     train: TrainConfig = field(default_factory=pretraining_defaults)
 
-    def to_dict(self) -> dict:
-        """One flat JSON object, as checkpoints and ``metrics.jsonl`` have always held it."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "train"}
-        d.update(dataclasses.asdict(self.train))
-        d["betas"] = list(self.train.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict, strict: bool = False) -> "PretrainConfig":
-        """From one flat object: ``to_dict``'s, one a run saved before the shared TrainConfig (``eps``),
-        or options given in code (``strict``: an unknown key is an error); the train fields not given
-        keep pretraining's defaults."""
-        train, own = _split(d, cls, strict)
-        return cls(**own, train=dataclasses.replace(pretraining_defaults(), **train))
-
-    @classmethod
-    def of(cls, **options) -> "PretrainConfig":
-        """Pretraining's own and training options in one list, e.g. ``of(output=..., data=..., lr=1e-3)``."""
-        return cls.from_dict(options, strict=True)
+    defaults: ClassVar = staticmethod(pretraining_defaults)
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(ExtendsTrain):
     """Fine-tuning on a task: epochs, evaluation and batch order; ``train`` holds the rest."""
 
     epochs: float = 3.0
@@ -251,19 +260,4 @@ class FinetuneConfig:
     epoch_evals: bool = True              # evaluate on dev after every epoch; False: once, after training
     train: TrainConfig = field(default_factory=finetuning_defaults)
 
-    def to_dict(self) -> dict:
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "train"}
-        d.update(dataclasses.asdict(self.train))
-        d["betas"] = list(self.train.betas)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict, strict: bool = False) -> "FinetuneConfig":
-        """As ``PretrainConfig.from_dict``, over fine-tuning's defaults."""
-        train, own = _split(d, cls, strict)
-        return cls(**own, train=dataclasses.replace(finetuning_defaults(), **train))
-
-    @classmethod
-    def of(cls, **options) -> "FinetuneConfig":
-        """Fine-tuning's own and training options in one list, e.g. ``of(epochs=1, lr=1e-3)``."""
-        return cls.from_dict(options, strict=True)
+    defaults: ClassVar = staticmethod(finetuning_defaults)
