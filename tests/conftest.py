@@ -163,3 +163,18 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _skip_is_a_failure(outcome.get_result())
+
+
+def whole_word_masks(ids, masked, cont, tokenizer) -> int:
+    """Assert each word (a start piece and its "##" pieces; [CLS] and [SEP] end one) is masked whole or not at
+    all; return how many masked words had several pieces (so a test can see whole-word masking was exercised)."""
+    import numpy as np
+
+    starts = ~cont[ids]
+    starts[1:] |= np.isin(ids[:-1], [tokenizer.cls_token_id, tokenizer.sep_token_id])
+    word = np.cumsum(starts)
+    multi_piece = 0
+    for w in np.unique(word[masked]):
+        assert masked[word == w].all()
+        multi_piece += (word == w).sum() > 1
+    return multi_piece

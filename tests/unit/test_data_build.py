@@ -25,6 +25,7 @@ from bertctl.data.dataset import PretrainingData
 from bertctl.data.sentences import split_sentences
 from bertctl.errors import BertctlError
 from bertctl.text.wordpiece import BertTokenizer
+from conftest import whole_word_masks
 
 NON_UTF8 = ["1970-Nixon.txt", "1971-Nixon.txt", "1972-Nixon.txt", "1973-Nixon.txt", "1974-Nixon.txt"]
 
@@ -414,13 +415,7 @@ def test_whole_word_masking_masks_whole_words(tmp_path, shared_data, tokenizer):
         ids[pos] = r["masked_lm_labels"][: len(pos)]
         masked = np.zeros(n, bool)
         masked[pos] = True
-        # a word = a start piece and its "##" pieces: all masked or none
-        starts = ~cont[ids]
-        starts[1:] |= np.isin(ids[:-1], [tokenizer.cls_token_id, tokenizer.sep_token_id])
-        word = np.cumsum(starts)
-        for w in np.unique(word[masked]):
-            assert masked[word == w].all()
-            multi_piece += (word == w).sum() > 1
+        multi_piece += whole_word_masks(ids, masked, cont, tokenizer)
     assert multi_piece > 20
 
 

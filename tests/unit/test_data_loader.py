@@ -15,6 +15,7 @@ from bertctl.data.config import DataConfig
 from bertctl.data.dataset import PretrainingData
 from bertctl.errors import BertctlError
 from bertctl.text.wordpiece import BertTokenizer
+from conftest import whole_word_masks
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +185,5 @@ def test_dynamic_whole_word_masking(tmp_path, shared_data, tokenizer):
         assert torch.equal(e0["masked_lm_labels"][r, : len(pos)], torch.from_numpy(ids[pos]))
         masked = np.zeros(n, bool)
         masked[pos] = True
-        starts = ~cont[ids]
-        starts[1:] |= np.isin(ids[:-1], [tokenizer.cls_token_id, tokenizer.sep_token_id])
-        word = np.cumsum(starts)
-        for w in np.unique(word[masked]):
-            assert masked[word == w].all()
-            multi_piece += (word == w).sum() > 1
+        multi_piece += whole_word_masks(ids, masked, cont, tokenizer)
     assert multi_piece > 10
