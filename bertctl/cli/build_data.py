@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from bertctl.cli.options import WORKERS
+from bertctl.cli.options import OVERWRITE, WORKERS
 from bertctl.workers import usable_cpus
 
 
@@ -68,7 +68,9 @@ def register(app: typer.Typer) -> None:
         holdout_fraction: float = typer.Option(0.0, "--holdout-fraction",
                                                help="Share of documents written to a separate 'eval' split."),
         workers: Optional[int] = WORKERS,
-        resume: bool = typer.Option(False, "--resume", help="Continue an interrupted build in --output."),
+        resume: bool = typer.Option(False, "--resume", help="Continue the interrupted build in --output: finished "
+                                                            "work units are kept, the rest built as before."),
+        overwrite: bool = OVERWRITE,
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar on stderr."),
     ) -> None:
         """Build BERT pretraining data (masked LM + next sentence, or masked LM only) as the paper's create_pretraining_data.
@@ -78,6 +80,7 @@ def register(app: typer.Typer) -> None:
         from bertctl.data.build import build_data
         from bertctl.data.config import DataConfig
         from bertctl.errors import BertctlError
+        from bertctl.io import check_writable
         from bertctl.text import load_tokenizer
 
         if vocab is None and spm_model is None:
@@ -105,44 +108,7 @@ def register(app: typer.Typer) -> None:
                             shard_size=shard_size, chunk_bytes=max(1, int(unit_mb * (1 << 20))),
                             random_next_pool=random_next_pool, random_next_per_unit=random_next_per_unit,
                             holdout_fraction=holdout_fraction)
-        made = _new_folders(output)
-        try:
-            summary = build_data([str(p) for p in inputs], output, tokenizer, config, workers=workers or usable_cpus(),
-                                 resume=resume, progress=not no_progress)
-        except BaseException as e:
-            if made is not None:
-                _after_failure(output, made, keep=not isinstance(e, BertctlError))
-            raise
+        check_writable(output, folder=True)  # before reading any input
+        summary = build_data([str(p) for p in inputs], output, tokenizer, config, workers=workers or usable_cpus(),
+                             resume=resume, overwrite=overwrite, progress=not no_progress)
         typer.echo(json.dumps(summary, indent=2))
-
-
-def _new_folders(output: Path) -> list[Path] | None:
-    """The folders a build into ``output`` creates (it and missing parents, innermost first), [] for an
-    existing empty ``output``; None when ``output`` holds files already (a resumed build: never touched)."""
-    from bertctl.io import check_writable
-
-    check_writable(output, folder=True)  # before reading any input
-    if output.is_dir():
-        return None if any(output.iterdir()) else []
-    return [p for p in [output, *output.parents] if not p.exists()]
-
-
-def _after_failure(output: Path, made: list[Path], keep: bool) -> None:
-    """A failed build that started from nothing leaves nothing behind, except finished work units that
-    ``--resume`` can continue after an interruption or an operating-system error (``keep``); then it
-    says what it left and why."""
-    import shutil
-
-    from bertctl.data.build import BUILD_DIR
-
-    if not output.is_dir():
-        return
-    done = [p for p in (output / BUILD_DIR).glob("*.json") if p.name != "state.json"]
-    if keep and done:
-        typer.echo(f"bertctl: build-data: kept the partial build in {output} ({len(done)} finished work units); "
-                   "run the same command with --resume to continue it, or delete the folder", err=True)
-        return
-    for child in output.iterdir():
-        shutil.rmtree(child) if child.is_dir() else child.unlink()
-    for folder in made:  # innermost first: output itself, then the parents created for it
-        folder.rmdir()

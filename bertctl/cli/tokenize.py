@@ -44,6 +44,13 @@ def _tokenizer(vocab: Path | None, model: Path | None, cased: bool, spm_model: P
     return load_tokenizer(model)
 
 
+def _input_file(path: Path) -> None:
+    if not path.exists():
+        raise BertctlError(f"{path}: no such file")
+    if not path.is_file():
+        raise BertctlError(f"{path}: not a file")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(tokenize_app)
 
@@ -74,8 +81,17 @@ def encode(
     a line that is not UTF-8, or lacks the pair separator, stops with an error naming the line.
     """
     from bertctl.io import check_writable
+    from bertctl.text.base import TRUNCATION_STRATEGIES
     from bertctl.text.files import encode_file
 
+    # The flags and paths first: a mistake is named before a vocabulary is read or a line encoded.
+    if truncation not in TRUNCATION_STRATEGIES:
+        raise BertctlError(f"--truncation must be one of {', '.join(TRUNCATION_STRATEGIES)}, not {truncation!r}")
+    if truncation == "only_second" and pair_separator is None:
+        raise BertctlError("--truncation only_second needs text pairs (--pair-separator)")
+    if output.suffix.lower() not in (".jsonl", ".npy"):
+        raise BertctlError(f"{output}: output must end in .jsonl or .npy")
+    _input_file(input)
     check_writable(output)
     tok = _tokenizer(vocab, model, cased, spm_model)
     summary = encode_file(tok, input, output, pair_separator=pair_separator, max_length=max_seq_length,
@@ -97,6 +113,11 @@ def decode(
     from bertctl.io import atomic_open
     from bertctl.text.files import decode_file
 
+    _input_file(input)
+    if output is not None:
+        from bertctl.io import check_writable
+
+        check_writable(output)
     tok = _tokenizer(vocab, model, False, spm_model)
     lines = decode_file(tok, input, skip_special_tokens=not keep_special)
     if output is None:
@@ -179,9 +200,17 @@ def train(
     trainer learns a SentencePiece model instead (NFKC normalisation, case-folded unless --cased):
     <pad> 0, <unk> 1, [CLS] 2, [SEP] 3, [MASK] 4, \\[unused0..K-1], then the pieces.
     """
+    from bertctl.data.documents import FORMATS
     from bertctl.io import check_writable
     from bertctl.text.vocab_training import ALGORITHMS, VocabConfig, train_sentencepiece, train_vocab, write_vocab
 
+    if algorithm not in ALGORITHMS:
+        raise BertctlError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if fmt not in FORMATS:
+        raise BertctlError(f"--format: unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
+    for path in inputs:
+        if str(path) != "-" and not path.exists():
+            raise BertctlError(f"{path}: no such input file or folder")
     check_writable(output)  # before the (long) training, not after
     if save_dir is not None:
         check_writable(save_dir, folder=True, what="--save-dir")
@@ -191,8 +220,6 @@ def train(
         sample_bytes=sample_bytes, max_sentences=max_sentences, seed=seed,
         format=fmt, text_field=text_field, pattern=pattern, character_coverage=character_coverage,
     )
-    if algorithm not in ALGORITHMS:
-        raise BertctlError(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if algorithm != "wordpiece":
         from bertctl.io import atomic_open
         from bertctl.text.sentencepiece import SentencePieceTokenizer

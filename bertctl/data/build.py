@@ -30,6 +30,15 @@ small completion record (``.build/<unit>.json``); ``resume=True`` skips units
 whose record and shards are complete, which makes an interrupted-then-resumed
 build equal an uninterrupted one byte for byte.
 
+The output folder follows the rule of :mod:`bertctl.rundir`: a folder holding an
+interrupted build (``.build/``) needs ``resume``, a finished one (``manifest.json``,
+written last and atomically: the build's own finished marker, so the folder holds
+no file that differs between two equal builds) is refused unless ``overwrite``,
+and a lock refuses a second build into the folder while the first lives.  A build
+stopped by a signal or an operating-system error keeps its finished units and says
+so; one that finished none, or failed on its input, removes what it wrote and puts
+back a build that ``overwrite`` had moved aside.
+
 Memory is bounded: the reader holds one document, the chunker two units and
 the excerpt sample, and at most ``2 * workers`` units are in flight (see
 :mod:`bertctl.data.instances` for the deviations from the reference).
@@ -43,6 +52,9 @@ import os
 import random
 import re
 import shutil
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,8 +63,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from bertctl import faults, rundir
 from bertctl.errors import BertctlError
-from bertctl.io import atomic_open, write_json
+from bertctl.io import atomic_open, atomic_path, write_json
 from bertctl.workers import worker_pool
 
 from .config import DataConfig
@@ -436,6 +449,10 @@ _worker: ChunkWorker | None = None
 def _init_worker(tokenizer, cfg: DataConfig, output_dir: Path) -> None:
     global _worker
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The main process answers a Ctrl-C (which the terminal sends to every worker too) and stops the
+    # pool; a worker keeps the default TERM, which is how the pool stops it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker = ChunkWorker(tokenizer, cfg, output_dir)
 
 
@@ -465,36 +482,116 @@ def _completed(output_dir: Path, chunk: Chunk) -> dict | None:
     return record
 
 
-def _prepare_output(output_dir: Path, state: dict, resume: bool) -> dict | None:
-    """Create or check the output folder.  Returns the manifest when a resumed build is already complete."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise BertctlError(f"{output_dir}: output exists and is not a folder")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        if not resume:
-            raise BertctlError(f"{output_dir}: output folder is not empty (pass --resume to continue an "
-                               "interrupted build, or choose a new folder)")
-        manifest_path, state_path = output_dir / "manifest.json", output_dir / BUILD_DIR / "state.json"
-        if manifest_path.exists():
-            old = json.loads(manifest_path.read_text(encoding="utf-8"))
-            old_state = old.get("build_state")
-        elif state_path.exists():
-            old = None
+# What a build writes into its folder: what --overwrite moves aside, and what a failed new build removes.
+BUILD_OUTPUTS = ("manifest.json", "vocab.txt", "train-*.npy", "eval-*.npy", BUILD_DIR, "tokenizer_config.json",
+                 "special_tokens_map.json", "*.model", ".*.tmp")
+
+
+def unfinished_build(folder: Path) -> str | None:
+    """What an interrupted build left in ``folder`` (for the output-folder rule), or None."""
+    build = folder / BUILD_DIR
+    if not build.is_dir():
+        return None
+    done = _finished_units(folder)
+    return f"an interrupted build with {done} finished work unit{'s' if done != 1 else ''}"
+
+
+def finished_build(folder: Path) -> bool:
+    """A finished build: its manifest, which is written last (builds from before the rule included)."""
+    return (folder / "manifest.json").is_file()
+
+
+def _finished_units(folder: Path) -> int:
+    return sum(1 for p in (folder / BUILD_DIR).glob("*.json") if p.name != "state.json")
+
+
+def claim_output(output_dir: Path, resume: bool = False, overwrite: bool = False) -> rundir.Claim:
+    """The output folder rule (bertctl.rundir) for a build."""
+    return rundir.claim(output_dir, command="build-data", resume=resume, overwrite=overwrite,
+                        started=unfinished_build, finished_before=finished_build, outputs=BUILD_OUTPUTS)
+
+
+def _prepare_output(output_dir: Path, state: dict, claim: rundir.Claim) -> None:
+    """Start the build's state in a claimed folder, or check that a resumed one was built the same way."""
+    state_path = output_dir / BUILD_DIR / "state.json"
+    if claim.state == "resume" and state_path.exists():
+        try:
             old_state = json.loads(state_path.read_text(encoding="utf-8"))
-        else:
-            raise BertctlError(f"{output_dir}: --resume: not a bertctl build-data folder (no manifest.json or "
-                               f"{BUILD_DIR}/state.json)")
+        except (OSError, ValueError):
+            old_state = None  # torn by a kill mid-write (it is written atomically, so only by hand)
         if old_state != state:
             diff = sorted(k for k in state if (old_state or {}).get(k) != state[k])
             raise BertctlError(f"{output_dir}: --resume: the folder was built with a different "
-                               f"{', '.join(diff)}; start a new build")
-        if old is not None:
-            return old
+                               f"{', '.join(diff)}; start a new build (--overwrite)")
         for tmp in [*output_dir.glob(".*.tmp"), *(output_dir / BUILD_DIR).glob(".*.tmp")]:
             tmp.unlink()  # debris of an interrupted write
-        return None
+        return
     (output_dir / BUILD_DIR).mkdir(parents=True, exist_ok=True)
-    write_json(output_dir / BUILD_DIR / "state.json", state)
-    return None
+    write_json(state_path, state)
+
+
+def _remove_outputs(output_dir: Path) -> None:
+    """Delete what a build writes (``BUILD_OUTPUTS``), and nothing else of the folder's."""
+    for pattern in BUILD_OUTPUTS:
+        for p in output_dir.glob(pattern):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _restore_replaced(output_dir: Path, claim: rundir.Claim) -> bool:
+    """Put back the build that ``--overwrite`` moved aside; True when there was one."""
+    aside = claim.replaced
+    if aside is None or not aside.is_dir():
+        return False
+    for p in sorted(aside.iterdir()):
+        p.rename(output_dir / p.name)
+    aside.rmdir()
+    claim.replaced = None
+    return True
+
+
+def _after_failure(output_dir: Path, claim: rundir.Claim, error: BaseException) -> None:
+    """Leave the folder so that no work is lost, and say on stderr what was kept and how to continue.
+
+    Finished work units survive an interruption or an operating-system error (``--resume`` continues
+    them); a build that failed on its input, or finished no unit, removes what it wrote, and an
+    ``--overwrite`` build then puts back the build it replaced."""
+    done = _finished_units(output_dir) if (output_dir / BUILD_DIR).is_dir() else 0
+    stopped = not isinstance(error, BertctlError)  # a signal, a full disk: the inputs are good
+    if claim.state == "resume" and not stopped:
+        return  # refused on its input: the interrupted build stays as it was, for a corrected --resume
+    if claim.state == "resume" or (stopped and done):
+        said = (f"bertctl: build-data: kept the partial build in {output_dir} ({done} finished work units); "
+                "run the same command with --resume to continue it, or delete the folder")
+        if claim.replaced is not None:
+            said += f"; the build it replaces stays in {claim.replaced} until this one finishes"
+        _say(said)
+        return
+    _remove_outputs(output_dir)
+    if _restore_replaced(output_dir, claim):
+        _say(f"bertctl: build-data: stopped before any work unit finished; the previous build in {output_dir} "
+             "is kept as it was")
+    elif stopped:
+        _say(f"bertctl: build-data: stopped before any work unit finished; nothing was kept in {output_dir}")
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the build is, so that it stops as it does for a Ctrl-C: finished units kept."""
+
+
+def _terminate_as_interrupt():
+    """Install a SIGTERM handler raising ``_Terminated`` (main thread only); returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _summarize(records: list[dict], read: ReadStats, cfg: DataConfig) -> dict:
@@ -570,7 +667,7 @@ def _as_tokenizer(tokenizer):
 
 def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, tokenizer=None,
                config: DataConfig | None = None, workers: int = 1, resume: bool = False, progress: bool = True,
-               *, vocab: str | os.PathLike | None = None,
+               *, overwrite: bool = False, vocab: str | os.PathLike | None = None,
                on_unit_done: Callable[[dict], None] | None = None) -> dict:
     """Build pretraining shards from raw text; returns the summary (also stored in the manifest).
 
@@ -578,11 +675,10 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     a tokenizer folder / vocab.txt path (``vocab=`` says the same; a bare vocab.txt
     is read uncased); ``config``: a ``DataConfig`` (defaults when None);
     ``workers``: processes (the output does not depend on it); ``resume``:
-    continue an interrupted build in ``output_dir``; ``on_unit_done(record)`` is
+    continue an interrupted build in ``output_dir``; ``overwrite``: replace a build
+    there (the module docstring gives the folder rule); ``on_unit_done(record)`` is
     called in this process after each finished work unit (progress hooks, tests).
     """
-    from bertctl.progress import track
-
     start = time.perf_counter()
     if tokenizer is None and vocab is None:
         raise BertctlError("build_data: give a tokenizer (or vocab=path)")
@@ -596,12 +692,30 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     tok = tokenizer_info(tokenizer)
     state = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "data_config": cfg.to_dict(), "tokenizer": tok,
              "inputs": [str(f) for f in files]}
-    done_manifest = _prepare_output(output_dir, state, resume)
-    if done_manifest is not None:
-        summary = dict(done_manifest["summary"])
-        summary.update(output=str(output_dir), resumed="already complete")
+    claim = claim_output(output_dir, resume=resume, overwrite=overwrite)
+    undo_term = _terminate_as_interrupt()
+    try:
+        _prepare_output(output_dir, state, claim)
+        faults.point("start")
+        summary = _build(files, output_dir, tokenizer, cfg, state, workers, claim.state == "resume", progress,
+                         on_unit_done, start)
+        shutil.rmtree(output_dir / rundir.REPLACED, ignore_errors=True)  # the new build supersedes it
+        claim.replaced = None
         return summary
+    except BaseException as e:
+        undo_term()  # a second TERM while the folder is put in order ends the process, as TERM does
+        _after_failure(output_dir, claim, e)
+        raise
+    finally:
+        undo_term()
+        claim.release()
 
+
+def _build(files: list[Path], output_dir: Path, tokenizer, cfg: DataConfig, state: dict, workers: int, resume: bool,
+           progress: bool, on_unit_done, start: float) -> dict:
+    from bertctl.progress import track
+
+    tok = state["tokenizer"]
     read = ReadStats()
     chunks = make_chunks(read_documents(files, cfg.format, read, text_field=cfg.text_field,
                                         doc_separator=cfg.doc_separator,
@@ -619,6 +733,7 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
                 advance(record["bytes"], info=f"{sum(r['stats']['instances'] for r in records)} instances")
                 if on_unit_done is not None:
                     on_unit_done(record)
+                faults.point("shard")  # between two units' shards: those of this one are complete
 
             worker = ChunkWorker(tokenizer, cfg, output_dir) if pool is None else None
             in_flight: deque = deque()
@@ -680,7 +795,10 @@ def build_data(inputs: list[str | os.PathLike], output_dir: str | os.PathLike, t
     # A SentencePiece folder also holds the model file, so pretraining tokenises as the data was.
     if tokenizer.kind == "sentencepiece":
         tokenizer.save_pretrained(output_dir)
-    write_json(output_dir / "manifest.json", manifest)
+    # The manifest is written last: it marks the build finished (``finished_build``).
+    with atomic_path(output_dir / "manifest.json") as tmp:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        faults.point("write")  # written under its temporary name, not yet renamed
     shutil.rmtree(output_dir / BUILD_DIR, ignore_errors=True)
 
     seconds = time.perf_counter() - start

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bertctl import faults
 from bertctl.io import atomic_path
 
 from .instances import Instance
@@ -97,6 +98,7 @@ def write_shard(path: Path, array: np.ndarray) -> dict:
     data = npy_bytes(array)
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
+        faults.point("write")  # written under its temporary name, not yet renamed
     return {"file": path.name, "num_instances": int(len(array)), "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest()}
 

@@ -387,7 +387,8 @@ def test_interrupted_build_resumes_byte_identical(tmp_path, shared_data, tokeniz
         build_data(inputs, tmp_path / "cut", tokenizer, cfg, workers=2, progress=False, on_unit_done=stop_after_three)
     assert not (tmp_path / "cut" / "manifest.json").exists()
     (tmp_path / "cut" / ".train-00009-000.npy.x.tmp").write_bytes(b"half a shard")  # debris of a killed write
-    with pytest.raises(BertctlError, match="not empty"):
+    with pytest.raises(BertctlError, match=r"unfinished build-data run \(an interrupted build with 3 finished work "
+                                           r"units\); pass --resume"):
         build_data(inputs, tmp_path / "cut", tokenizer, cfg, progress=False)
     with pytest.raises(BertctlError, match="different data_config"):
         build_data(inputs, tmp_path / "cut", tokenizer, DataConfig(**{**cfg.to_dict(), "seed": 6}), resume=True,
@@ -397,8 +398,9 @@ def test_interrupted_build_resumes_byte_identical(tmp_path, shared_data, tokeniz
     a, b = dir_bytes(tmp_path / "full"), dir_bytes(tmp_path / "cut")
     assert a.keys() == b.keys() and all(a[k] == b[k] for k in a)
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "cut").iterdir())
-    again = build_data(inputs, tmp_path / "cut", tokenizer, cfg, resume=True, progress=False)
-    assert again["resumed"] == "already complete" and again["instances"] == summary["instances"]
+    with pytest.raises(BertctlError, match="finished build-data run, so there is nothing to resume"):
+        build_data(inputs, tmp_path / "cut", tokenizer, cfg, resume=True, progress=False)
+    assert dir_bytes(tmp_path / "cut") == a  # the refusal touched nothing
 
 
 def test_whole_word_masking_masks_whole_words(tmp_path, shared_data, tokenizer):
@@ -500,10 +502,15 @@ def test_cli_build_data(tmp_path, minilm_vocab, shared_data):
     no_vocab = runner.invoke(app, ["build-data", "-o", str(tmp_path / "none"), *inputs])
     assert no_vocab.exit_code == 2 and "bertctl tokenize train" in no_vocab.stderr
     assert not (tmp_path / "none").exists()
-    result = runner.invoke(app, args)  # non-empty output without --resume
-    assert result.exit_code == 2 and "not empty" in result.stderr
+    built = dir_bytes(out)
+    result = runner.invoke(app, args)  # a finished build, without --overwrite
+    assert result.exit_code == 2 and "holds a finished build-data run; pass --overwrite" in result.stderr
     result = runner.invoke(app, args + ["--resume"])
-    assert result.exit_code == 0 and json.loads(result.stdout)["resumed"] == "already complete"
+    assert result.exit_code == 2 and "nothing to resume" in result.stderr
+    assert dir_bytes(out) == built
+    result = runner.invoke(app, args + ["--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert dir_bytes(out) == built and not (out / ".replaced").exists()
     # the installed entry point: one line on stderr, exit code 2
     bad_vocab = tmp_path / "vocab.txt"
     bad_vocab.write_text("a\nb\n", encoding="utf-8")
