@@ -214,3 +214,57 @@ def _move_aside(folder: Path, outputs: Iterable[str]) -> Path | None:
     for p in names:
         p.rename(aside / p.name)
     return aside
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if value is None:
+        return "none"
+    return str(value)
+
+
+def flag_name(name: str) -> str:
+    """A parameter's flag, as the user types it (``compile_`` is ``--compile``)."""
+    return "--" + name.rstrip("_").replace("_", "-")
+
+
+def check_resume(saved: dict | None, given: dict, may_change: Iterable[str], *, folder: Path, command: str,
+                 say: Callable[[str], None] | None = None) -> None:
+    """A resumed run continues the run as it was made: a flag whose value differs from the saved one is refused
+    (one line naming it, with both values), unless ``may_change`` names it, when the run says it differs.
+    ``saved`` None: the checkpoint predates recorded flags, so there is nothing to check against."""
+    if saved is None:
+        return
+    if say is None:
+        from bertctl.progress import stderr
+
+        say = stderr.print
+    may_change = set(may_change)
+    for name, value in given.items():
+        if name not in saved or saved[name] == value:
+            continue
+        flag = flag_name(name)
+        if name in may_change:
+            say(f"resuming with {flag} {_shown(value)} (the run had {_shown(saved[name])})")
+            continue
+        raise BertctlError(f"{flag} {_shown(value)}: the {command} run in {folder} was made with {flag} "
+                           f"{_shown(saved[name])}, and a resumed run cannot change it; resume with {flag} "
+                           f"{_shown(saved[name])}, or start again with --overwrite")
+
+
+def flag_values(params: dict) -> dict:
+    """A command's parameters as JSON values for ``check_resume``: paths made absolute (a resume from another
+    folder names the same files)."""
+    out = {}
+    for name, value in params.items():
+        if isinstance(value, os.PathLike):
+            value = str(Path(value).resolve())
+        elif isinstance(value, (list, tuple)):
+            value = [str(Path(v).resolve()) if isinstance(v, os.PathLike) else v for v in value]
+        elif not isinstance(value, (str, int, float, bool, type(None))):
+            value = str(value)
+        out[name] = value
+    return out

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+from bertctl import faults
+from bertctl.checkpoints.writes import write_errors
 from bertctl.config import BertConfig
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_dir
@@ -243,6 +245,8 @@ def save_pretrained(model: BertPreTrainedModel, directory: str | Path, tokenizer
     d["architectures"] = architectures
     with atomic_dir(directory) as tmp:
         (tmp / "config.json").write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        with write_errors(Path(directory) / WEIGHTS):
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        faults.point("final-save")

@@ -12,6 +12,7 @@ checkpoints untouched and at most a ``.step-*.tmp`` folder that is ignored here.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import shutil
@@ -22,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bertctl import faults
+from bertctl.checkpoints.writes import write_errors
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_dir, write_json
 
@@ -90,8 +93,10 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, meta: dict, kee
     """Write ``state`` (torch objects) and ``meta`` (JSON) atomically as ``step-NNNNNNNN``; keep the last ``keep``."""
     target = checkpoint_dir(run_dir) / f"step-{step:08d}"
     with atomic_dir(target) as tmp:
-        torch.save(state, tmp / "state.pt")
+        with write_errors(target):
+            torch.save(state, tmp / "state.pt")
         write_json(tmp / "meta.json", meta)
+        faults.point("checkpoint")
     if keep is not None and keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old.path, ignore_errors=True)
@@ -127,14 +132,16 @@ class CheckpointWriter:
         self._error: BaseException | None = None
 
     def submit(self, run_dir: str | Path, step: int, state: dict, meta: dict, keep: int | None = None,
-               done=None) -> Path:
-        """Start writing ``state`` as checkpoint ``step``; ``done(path)`` runs in the writer once it is complete."""
+               done=None, guard=None) -> Path:
+        """Start writing ``state`` as checkpoint ``step``; ``done(path)`` runs in the writer once it is complete;
+        ``guard()``: a context the write runs in (the run's ``StopSignal.writing``: no signal cuts it)."""
         self.wait()
         snapshot, meta = host_copy(state), host_copy(meta)
 
         def write():
             try:
-                path = save_checkpoint(run_dir, step, snapshot, meta, keep)
+                with guard() if guard is not None else contextlib.nullcontext():
+                    path = save_checkpoint(run_dir, step, snapshot, meta, keep)
                 if done is not None:
                     done(path)
             except BaseException as e:  # handed to the next wait()

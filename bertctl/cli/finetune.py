@@ -33,7 +33,9 @@ OUTPUT = typer.Option(..., "--output", "-o", help="Output directory.")
 EPOCHS = typer.Option(3.0, "--epochs", help="Training epochs (fractions allowed).")
 SQUAD_EPOCHS = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3 for v1.1, 2 for v2.0).")
 LR = typer.Option(5e-5, "--lr", help="Peak learning rate (AdamW).")
-LR_SWEEP = typer.Option(False, "--lr-sweep", help="Try lr 5e-5, 4e-5, 3e-5, 2e-5 and keep the best on dev.")
+RESUME = opt.resume_option("--no-progress, --log-every, --tensorboard, --save-every, --device, "
+                           "--micro-batch-size, --compile, --cuda-graphs, --graph-min-steps, --eval-batch-size, "
+                           "--eval-batch-tokens and (squad) --write-nbest")
 BATCH = typer.Option(32, "--batch-size", help="Global training batch (examples per optimizer step, all processes).")
 EVAL_BATCH = typer.Option(128, "--eval-batch-size", help="Evaluation batch size.")
 EVAL_TOKENS = typer.Option(None, "--eval-batch-tokens", help="Padded tokens (examples x longest) per evaluation "
@@ -86,13 +88,12 @@ class Run:
     model: Path
     output: Path
     cfg: FinetuneConfig
-    lr_sweep: bool
     resume: bool
     overwrite: bool
     dropout: Optional[float]
 
 
-def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float, lr: float, lr_sweep: bool,
+def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float, lr: float,
                  batch_size: int, micro_batch_size: Optional[int], eval_batch_size: int,
                  eval_batch_tokens: Optional[int], warmup_fraction: float, weight_decay: float, max_grad_norm: float,
                  dropout: Optional[float], seed: int, device: str, precision: str, group_by_length: bool,
@@ -117,8 +118,16 @@ def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float
     cfg = FinetuneConfig(epochs=epochs, eval_batch_size=eval_batch_size, eval_batch_tokens=eval_batch_tokens,
                          group_by_length=group_by_length, from_scratch=from_scratch, epoch_evals=epoch_evals,
                          train=train)
-    return Run(model=model, output=output, cfg=cfg, lr_sweep=lr_sweep, resume=resume, overwrite=overwrite,
+    return Run(model=model, output=output, cfg=cfg, resume=resume, overwrite=overwrite,
                dropout=dropout)
+
+
+def run_flags(ctx: typer.Context, **parsed) -> dict:
+    """Every flag of the command, as given or by default (``parsed``: values the command parsed from text),
+    for the resumed run's check that it continues the run as it was made."""
+    from bertctl.rundir import flag_values
+
+    return flag_values({**ctx.params, **parsed})
 
 
 @contextlib.contextmanager
@@ -155,13 +164,13 @@ def glue_command(
     parallel: Optional[int] = PARALLEL,
     # the shared fine-tuning options (glue's --lr, --batch-size and --epochs take lists)
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: str = GLUE_EPOCHS,
-    lr: str = GLUE_LR, lr_sweep: bool = LR_SWEEP, batch_size: str = GLUE_BATCH,
+    lr: str = GLUE_LR, batch_size: str = GLUE_BATCH,
     micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -177,7 +186,7 @@ def glue_command(
         return
     lr, batch_size, epochs = suite.one_setting(lr, batch_size, epochs)
     run = finetune_run(
-        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
@@ -189,11 +198,13 @@ def glue_command(
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)
     with _processes(run.output):
-        finetune(g.Glue(data, max_seq_length), run.model, run.output, run.cfg, lr_sweep=run.lr_sweep,
-                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
+        finetune(g.Glue(data, max_seq_length), run.model, run.output, run.cfg, resume=run.resume,
+                 overwrite=run.overwrite, dropout=run.dropout,
+                 flags=run_flags(ctx, lr=run.cfg.train.lr, batch_size=run.cfg.train.batch_size, epochs=run.cfg.epochs))
 
 
 def squad_command(
+    ctx: typer.Context,
     train: Path = typer.Option(..., "--train", help="SQuAD training JSON."),
     dev: Path = typer.Option(..., "--dev", help="SQuAD dev JSON."),
     train_articles: Optional[str] = typer.Option(None, "--train-articles", help="FILE:KEY, e.g. split.json:train; train "
@@ -209,13 +220,13 @@ def squad_command(
     write_nbest: bool = typer.Option(False, "--write-nbest", help="Also write nbest_predictions.json."),
     # the shared fine-tuning options (SQuAD's own --epochs help and --epoch-evals default)
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = SQUAD_EPOCHS,
-    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    lr: float = LR, batch_size: int = BATCH,
     micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = SQUAD_EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -225,7 +236,7 @@ def squad_command(
     from bertctl.tasks.base import finetune
 
     run = finetune_run(
-        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
@@ -238,21 +249,22 @@ def squad_command(
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
     with _processes(run.output):
         finetune(s.Squad(train_data, dev_data, scfg, write_nbest=write_nbest), run.model, run.output, run.cfg,
-                 lr_sweep=run.lr_sweep, resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
+                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))
 
 
 def ner_command(
+    ctx: typer.Context,
     data_dir: Path = typer.Option(..., "--data-dir", help="Folder with train.txt, valid.txt, test.txt (CoNLL)."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     # the shared fine-tuning options
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
-    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    lr: float = LR, batch_size: int = BATCH,
     micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -262,7 +274,7 @@ def ner_command(
     from bertctl.tasks.base import finetune
 
     run = finetune_run(
-        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
@@ -272,22 +284,23 @@ def ner_command(
         tensorboard=tensorboard)
     with _processes(run.output):
         finetune(n.Ner(data_dir=data_dir, max_seq_length=max_seq_length), run.model, run.output, run.cfg,
-                 lr_sweep=run.lr_sweep, resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
+                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))
 
 
 def swag_command(
+    ctx: typer.Context,
     train: Path = typer.Option(..., "--train", help="SWAG training JSONL or CSV."),
     dev: Path = typer.Option(..., "--dev", help="SWAG dev JSONL or CSV."),
     max_seq_length: int = typer.Option(128, "--max-seq-length"),
     # the shared fine-tuning options
     model: Path = MODEL, from_scratch: bool = FROM_SCRATCH, output: Path = OUTPUT, epochs: float = EPOCHS,
-    lr: float = LR, lr_sweep: bool = LR_SWEEP, batch_size: int = BATCH,
+    lr: float = LR, batch_size: int = BATCH,
     micro_batch_size: Optional[int] = opt.MICRO_BATCH, eval_batch_size: int = EVAL_BATCH,
     eval_batch_tokens: Optional[int] = EVAL_TOKENS, warmup_fraction: float = WARMUP, weight_decay: float = WD,
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = opt.RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -297,7 +310,7 @@ def swag_command(
     from bertctl.tasks.base import finetune
 
     run = finetune_run(
-        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, lr_sweep=lr_sweep,
+        model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
@@ -306,8 +319,8 @@ def swag_command(
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
     with _processes(run.output):
-        finetune(w.Swag(train, dev, max_seq_length), run.model, run.output, run.cfg, lr_sweep=run.lr_sweep,
-                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout)
+        finetune(w.Swag(train, dev, max_seq_length), run.model, run.output, run.cfg, resume=run.resume,
+                 overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))
 
 
 finetune_app.command("glue")(glue_command)

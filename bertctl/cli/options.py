@@ -41,6 +41,14 @@ MICRO_BATCH = typer.Option(None, "--micro-batch-size", help="Examples per proces
                                                                                                         "/ processes")
 MAX_GRAD_NORM = typer.Option(1.0, "--max-grad-norm", help="Gradient clipping (0 = off).")
 RESUME = typer.Option(False, "--resume", help="Continue the unfinished run in --output from its newest checkpoint.")
+
+
+def resume_option(may_change: str) -> typer.Option:
+    """``--resume``, its help naming the flags a resumed run may change (``may_change``); any other flag given
+    another value than the run was made with is refused."""
+    return typer.Option(False, "--resume", help="Continue the unfinished run in --output from its newest "
+                        f"checkpoint. Every flag must be as the run was made, except {may_change}, which may "
+                        "change (the run says when one does).")
 OVERWRITE = typer.Option(False, "--overwrite", help="Replace the run in --output (its files are kept in "
                          "OUT/.replaced/ until the new run finishes).")
 TENSORBOARD = typer.Option(None, "--tensorboard/--no-tensorboard", help="TensorBoard event files in "

@@ -3,27 +3,27 @@
 A task (GLUE, SQuAD, NER, SWAG) is its data read into a ``Task``: a featurizer, a loss on the head's
 logits, a scorer and a prediction writer. It never owns a loop, a device or a second loss: ``finetune``
 runs it on ``bertctl.tasks.trainer.fine_tune`` (the one engine) and ``evaluate`` scores a fine-tuned
-model with it, both through ``bertctl.tasks.trainer.predict``; with ``--lr-sweep`` the driver fine-tunes once per
-learning rate of the paper's grid and keeps the best on dev (``train_with_sweep``).
+model with it, both through ``bertctl.tasks.trainer.predict``. Choosing among learning rates (the paper's grid) is
+the GLUE suite's (``bertctl.tasks.suite``): one ``finetune`` is one run.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from bertctl import rundir
+from bertctl import faults, rundir
 from bertctl.config import FinetuneConfig
-from bertctl.io import write_json
+from bertctl.errors import BertctlError, Stopped
 from bertctl.progress import MetricsLog, stderr
 from bertctl.runtime import Runtime
 from bertctl.tasks import common
-from bertctl.tasks.trainer import (TrainResult, device_info, fine_tune, label_loss, lr_sweep_values, runtime_of,
-                                   with_lr)
+from bertctl.tasks.trainer import TrainResult, device_info, fine_tune, label_loss, runtime_of
 
 
 class Task:
@@ -58,6 +58,12 @@ class Task:
     def adopt(self, model: torch.nn.Module, model_dir: str | Path) -> None:
         """Take what evaluating needs from a fine-tuned model (its label names, a saved threshold)."""
 
+    def check_inputs(self, tokenizer, cfg: FinetuneConfig, model_dir: str | Path) -> None:
+        """Refuse, before any featurising or training, what the run could not finish with (default: a
+        ``--max-seq-length`` beyond the model's positions)."""
+        check_max_seq_length(getattr(self, "max_seq_length", None) or getattr(getattr(self, "cfg", None),
+                                                                              "max_seq_length", None), model_dir)
+
     def featurize(self, tokenizer, progress: bool) -> None:
         """Features of every set: ``train_features`` when fine-tuning, the evaluation sets' own."""
         raise NotImplementedError
@@ -86,84 +92,176 @@ class Task:
         return {}
 
 
-RUN_OUTPUTS = ("checkpoints", "model", "metrics.json", "metrics.jsonl", "predictions*", "tensorboard", "sweep")
+def check_max_seq_length(max_seq_length: int | None, model_dir: str | Path) -> None:
+    """``--max-seq-length`` must fit the model's position embeddings (a longer row would fail mid-training)."""
+    if max_seq_length is None:
+        return
+    from bertctl.checkpoints.hf import load_config
+
+    positions = load_config(common.model_dir_of(model_dir)).max_position_embeddings
+    if max_seq_length > positions:
+        raise BertctlError(f"--max-seq-length {max_seq_length} is longer than the model's {positions} positions "
+                           f"(max_position_embeddings in {common.model_dir_of(model_dir) / 'config.json'}); give at "
+                           f"most {positions}")
+
+
+RUN_OUTPUTS = ("checkpoints", "model", "metrics.json", "metrics.jsonl", "predictions*", "null_odds.json",
+               "nbest_predictions.json", "tensorboard")
 
 
 def unfinished_work(folder: Path) -> str | None:
-    """What an unfinished fine-tuning run left in ``folder`` (a checkpoint, its own or a sweep run's), or None."""
+    """What an unfinished fine-tuning run left in ``folder`` (a checkpoint, or the trained model with its
+    evaluation still to run), or None."""
     from bertctl.checkpoints import training
+    from bertctl.tasks.trainer import is_final
 
-    for run in (folder, *sorted((folder / "sweep").glob("lr-*"))):
-        last = training.latest_checkpoint(run)
-        if last is not None:
-            return f"a checkpoint at step {last.step}" + (f" in {run.name}" if run != folder else "")
-    return None
+    last = training.latest_checkpoint(folder)
+    if last is None:
+        return None
+    if is_final(last):
+        return "a trained model whose evaluation did not finish"
+    return f"a checkpoint at step {last.step}"
 
 
 def finished_before_marker(folder: Path) -> bool:
-    """A run finished before output folders had their marker: its metrics and model written."""
-    return (folder / "metrics.json").is_file() and (folder / common.MODEL_SUBDIR / "config.json").is_file()
+    """A run finished before output folders had their marker: its metrics and model written, no checkpoint left."""
+    from bertctl.checkpoints import training
+
+    return ((folder / "metrics.json").is_file() and (folder / common.MODEL_SUBDIR / "config.json").is_file()
+            and training.latest_checkpoint(folder) is None)
 
 
-def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: FinetuneConfig, *, lr_sweep: bool = False,
-             resume: bool = False, overwrite: bool = False, dropout: float | None = None) -> dict:
+#: The shared flags a resumed run may give other values than the run was made with: how it is shown, logged
+#: and checkpointed, and where and how its steps run (the same maths); every other flag changes the run.
+MAY_CHANGE = ("no_progress", "log_every", "tensorboard", "save_every", "device", "micro_batch_size", "compile_",
+              "cuda_graphs", "graph_min_steps", "eval_batch_size", "eval_batch_tokens", "write_nbest")
+#: Flags that say where and how to run the command, not what the run is.
+NOT_THE_RUN = ("output", "resume", "overwrite", "restarts", "grid", "devices", "parallel")
+
+
+def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: FinetuneConfig, *, resume: bool = False,
+             overwrite: bool = False, dropout: float | None = None, flags: dict | None = None) -> dict:
     """Fine-tune ``task``'s head on its training set, evaluating on dev after every epoch; write the model
     (``OUT/model``), the predictions and the metrics (``OUT/metrics.json``, also on stdout). The output folder
-    follows bertctl.rundir's rule: an unfinished run needs ``resume``, a finished one ``overwrite``."""
+    follows bertctl.rundir's rule: an unfinished run needs ``resume``, a finished one ``overwrite``. ``flags``:
+    the command's flags by name, saved with every checkpoint; a resumed run must give the same values, except
+    ``MAY_CHANGE``'s (``rundir.check_resume``)."""
+    from bertctl.tasks.trainer import kept_state
+    from bertctl.train.engine import Interrupted, StopSignal
+
     cfg = task.configure(cfg)  # before any work: it may refuse the configuration
     output = Path(output)
+    flags = {k: v for k, v in (flags or {}).items() if k not in NOT_THE_RUN}
     with rundir.claim(output, command=f"finetune {task.name}", resume=resume, overwrite=overwrite,
                       started=unfinished_work, finished_before=finished_before_marker, outputs=RUN_OUTPUTS,
                       main=is_main_process()) as claim:
-        result = _finetune(task, model_dir, output, cfg, lr_sweep=lr_sweep, resume=resume, dropout=dropout)
+        if claim.state == "resume" and flags:
+            rundir.check_resume(_saved_flags(output), flags, MAY_CHANGE, folder=output, command="finetune")
+        with StopSignal(kept=lambda: kept_state(output)) as stop:
+            try:
+                with stop.phase(lambda: "stopping now: training has not started", at_once=True):
+                    faults.point("start")
+                    prepared = _prepare(task, model_dir, cfg, dropout)
+            except Interrupted as e:
+                stderr.print(f"stopped ({e.signal}) before training started: {kept_state(output)}")
+                raise Stopped() from None
+            try:
+                result = _finetune(task, prepared, output, cfg, resume=resume and unfinished_work(output) is not None,
+                                   stop=stop, meta={"flags": flags} if flags else {})
+            except OSError as e:
+                raise BertctlError(disk_error(e, kept_state(output))) from None
         if result:
+            from bertctl.checkpoints import training
+
+            shutil.rmtree(output / training.CHECKPOINT_DIR, ignore_errors=True)  # complete: nothing to resume
             claim.finish(task=task.name)
     return result
 
 
-def _finetune(task: Task, model_dir: str | Path, output: Path, cfg: FinetuneConfig, *, lr_sweep: bool, resume: bool,
-              dropout: float | None) -> dict:
+def disk_error(e: OSError, kept: str) -> str:
+    """One line for a write that failed (a full disk, a file-size limit, permissions): what, what is kept, and how
+    to go on."""
+    from bertctl.io import describe_os_error
+
+    return f"{describe_os_error(e)}; {kept}"
+
+
+def _saved_flags(output: Path) -> dict | None:
+    """The flags the run in ``output`` was made with, from its newest checkpoint (None: recorded by none)."""
+    from bertctl.checkpoints import training
+
+    last = training.latest_checkpoint(output)
+    if last is None:
+        return None
+    try:
+        return json.loads((last.path / "meta.json").read_text()).get("flags")
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class Prepared:
+    tokenizer: Any
+    model: torch.nn.Module
+    runtime: Runtime
+
+
+def _prepare(task: Task, model_dir: str | Path, cfg: FinetuneConfig, dropout: float | None) -> Prepared:
+    """The tokenizer, the features of every set and the model with its fresh head (seeded: the head's
+    initialisation is the run's)."""
+    tokenizer = common.load_tokenizer(model_dir)
+    task.check_inputs(tokenizer, cfg, model_dir)
+    task.featurize(tokenizer, cfg.train.show_progress)
+    runtime = runtime_of(cfg)  # resolved once: the model built and the engine read it
+    torch.manual_seed(cfg.train.seed)
+    model = common.load_for_finetuning(task.model_class, model_dir, dropout=dropout, cfg=cfg, runtime=runtime,
+                                       **task.head())
+    return Prepared(tokenizer, model, runtime)
+
+
+def _finetune(task: Task, prepared: Prepared, output: Path, cfg: FinetuneConfig, *, resume: bool, stop,
+              meta: dict) -> dict:
     from bertctl.checkpoints.hf import save_pretrained
 
-    tokenizer = common.load_tokenizer(model_dir)
-    task.featurize(tokenizer, cfg.train.show_progress)
-    head = task.head()
-    runtime = runtime_of(cfg)  # resolved once: every model built (each lr of a sweep) and the engine read it
-
-    def build():
-        return common.load_for_finetuning(task.model_class, model_dir, dropout=dropout, cfg=cfg, runtime=runtime,
-                                          **head)
-
+    tokenizer = prepared.tokenizer
     last = LastEvaluation()
 
     def evaluate(model, shards):
         return task.score(last.keep(model, task.predict(model, cfg, shards=shards)))
 
-    with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.train.tensorboard) as log:
-        outcome = train_with_sweep(build, task.train_features, cfg, evaluate=evaluate,
-                                          main_metric=task.main_metric, output=output, lr_sweep=lr_sweep,
-                                          resume=resume, log=log, runtime=runtime, loss=task.loss)
-        if not outcome.is_main:  # under torchrun rank 0 writes the outputs
-            return {}
-        model = outcome.result.model
-        outputs = last.reuse(outcome) if task.reuse_last else None
-        if outputs is None:
-            outputs = task.predict(model, cfg, progress=cfg.train.show_progress, final=True)
-        metrics = task.score(outputs, final=True)
-        task.annotate(model)
+    def save_model(model) -> None:  # the trained model, before its final evaluation
         save_pretrained(model, output / common.MODEL_SUBDIR, tokenizer=tokenizer)
-        task.write_predictions(output, outputs)
-        run = {"lr": outcome.lr, "epochs": outcome.result.epochs}
-        if task.select_best:
-            run["best_epoch"] = (outcome.result.best or {}).get("epoch")
-        result = {"task": task.name, **metrics, **run, "batch_size": cfg.train.batch_size, "seed": cfg.train.seed,
-                  **task.facts(), "train_examples_per_second": outcome.result.examples_per_second,
-                  "seconds": run_seconds(outcome), "device": device_info(), **task.notes()}
-        if len(outcome.sweep) > 1:
-            result["lr_sweep"] = outcome.sweep
-        log.log(event="final", **{k: v for k, v in result.items() if not k.endswith("per_type") and k != "lr_sweep"})
-    common.emit_metrics(output, result)
-    return result
+
+    with MetricsLog(output / "metrics.jsonl", tensorboard=cfg.train.tensorboard) as log:
+        def finish(result: TrainResult) -> dict:
+            """The final evaluation's report: predictions, scores and what the task chose, then the outputs."""
+            if not is_main_process():  # under torchrun rank 0 writes the outputs
+                return {}
+            model = result.model
+            outputs = last.reuse(result) if task.reuse_last else None
+            if outputs is None:
+                outputs = task.predict(model, cfg, progress=cfg.train.show_progress, final=True)
+            metrics = task.score(outputs, final=True)
+            before = model.config.to_dict()
+            task.annotate(model)
+            run = {"lr": cfg.train.lr, "epochs": result.epochs}
+            if task.select_best:
+                run["best_epoch"] = (result.best or {}).get("epoch")
+            report = {"task": task.name, **metrics, **run, "batch_size": cfg.train.batch_size, "seed": cfg.train.seed,
+                      **task.facts(), "train_examples_per_second": result.examples_per_second,
+                      "seconds": run_seconds(result), "device": device_info(), **task.notes()}
+            with stop.writing():  # the outputs agree with each other: none is cut by a signal
+                if result.reloaded or model.config.to_dict() != before:  # another epoch's weights, or a choice made
+                    save_model(model)
+                task.write_predictions(output, outputs)
+                log.log(event="final", **{k: v for k, v in report.items() if not k.endswith("per_type")})
+                common.emit_metrics(output, report)
+            return report
+
+        result = fine_tune(prepared.model, task.train_features, cfg, evaluate=evaluate, main_metric=task.main_metric,
+                           output_dir=output, resume=resume, log=log, runtime=prepared.runtime, loss=task.loss,
+                           save_model=save_model, finish=finish, stop=stop, meta=meta)
+    return result.outcome or {}
 
 
 def evaluate(task: Task, model_dir: str | Path, cfg: FinetuneConfig, *, output: str | Path | None = None) -> dict:
@@ -184,81 +282,9 @@ def evaluate(task: Task, model_dir: str | Path, cfg: FinetuneConfig, *, output: 
     return result
 
 
-@dataclass
-class SweepOutcome:
-    result: TrainResult
-    lr: float
-    sweep: list[dict]  # one {"lr", "dev": metrics} per learning rate
-
-    @property
-    def is_main(self) -> bool:
-        return is_main_process()
-
-
 def is_main_process() -> bool:
     """Whether this process writes the outputs (rank 0 under torchrun; the only process otherwise)."""
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def train_with_sweep(build_model: Callable[[], torch.nn.Module], train_features: Sequence[dict], cfg: FinetuneConfig, *,
-                     evaluate: Callable[[torch.nn.Module, Any], dict], main_metric: str, output: Path,
-                     lr_sweep: bool = False, resume: bool = False, log: MetricsLog | None = None,
-                     runtime: Runtime | None = None, loss: Callable = label_loss) -> SweepOutcome:
-    """Fine-tune once, or once per lr of the paper's grid, with the task's ``loss``, keeping the best on dev
-    (``main_metric``).
-
-    With a sweep each run checkpoints under ``OUT/sweep/lr-X/``; a finished run leaves its model
-    and ``result.json`` there, so ``resume`` skips it. Under torchrun every process trains; only
-    ``SweepOutcome.is_main`` writes outputs.
-    """
-    lrs = lr_sweep_values(lr_sweep, cfg.train.lr)
-    user_build = build_model
-
-    def build_model():  # the seed fixes the fresh head's initialisation too
-        torch.manual_seed(cfg.train.seed)
-        return user_build()
-    if len(lrs) == 1:
-        result = fine_tune(build_model(), train_features, cfg, evaluate=evaluate, main_metric=main_metric,
-                           output_dir=output, resume=resume and _has_checkpoint(output), log=log, runtime=runtime,
-                           loss=loss)
-        return SweepOutcome(result, cfg.train.lr, [{"lr": cfg.train.lr, "dev": result.best}])
-    from bertctl.checkpoints.hf import load_state, save_pretrained
-
-    sweep = []
-    best: tuple[float, float, Path] | None = None
-    best_result = None
-    for lr in lrs:
-        run_dir = output / "sweep" / f"lr-{lr:g}"
-        done = run_dir / "result.json"
-        if resume and done.exists():
-            record = json.loads(done.read_text())
-            stderr.print(f"lr {lr:g}: already done ({main_metric} {record['dev'][main_metric]:.4f})")
-            result = None
-        else:
-            stderr.print(f"lr sweep: lr {lr:g}")
-            result = fine_tune(build_model(), train_features, with_lr(cfg, lr), evaluate=evaluate,
-                               main_metric=main_metric, output_dir=run_dir,
-                               resume=resume and _has_checkpoint(run_dir), log=log, runtime=runtime, loss=loss)
-            record = {"lr": lr, "dev": result.best, "examples_per_second": result.examples_per_second}
-            if is_main_process():
-                save_pretrained(result.model, run_dir / common.MODEL_SUBDIR)
-                write_json(done, record)
-        sweep.append(record)
-        score = record["dev"][main_metric]
-        if best is None or score > best[0]:
-            best = (score, lr, run_dir)
-            best_result = result
-    assert best is not None
-    _, lr, run_dir = best
-    if best_result is None:  # the best run finished before a resume: reload its weights
-        from bertctl.checkpoints.hf import read_state_dict
-
-        model = build_model()
-        load_state(model, read_state_dict(run_dir / common.MODEL_SUBDIR), source=str(run_dir))
-        record = json.loads((run_dir / "result.json").read_text())
-        best_result = TrainResult(model, [record["dev"]], record["dev"])
-    stderr.print(f"lr sweep: best lr {lr:g} ({main_metric} {best[0]:.4f})")
-    return SweepOutcome(best_result, lr, sweep)
 
 
 class LastEvaluation:
@@ -273,24 +299,16 @@ class LastEvaluation:
         self.model, self.outputs = model, outputs
         return outputs
 
-    def reuse(self, outcome: SweepOutcome):
-        r = outcome.result
+    def reuse(self, r: TrainResult):
         if self.model is r.model and r.history and r.best is r.history[-1]:
             return self.outputs
         return None
 
 
-def _has_checkpoint(run_dir: Path) -> bool:
-    from bertctl.checkpoints import training
-
-    return training.latest_checkpoint(run_dir) is not None
-
-
-def run_seconds(outcome: SweepOutcome) -> dict:
+def run_seconds(r: TrainResult) -> dict:
     """Where the run's wall time went, for ``metrics.json``: since this process started (None where
     /proc is not there), in training steps (CUDA-graph captures included) and in the epoch-end
-    evaluations; with an lr sweep, the kept run's steps and evaluations."""
-    r = outcome.result
+    evaluations."""
     return {"since_process_start": _process_age(), "training_steps": round(r.train_seconds, 3),
             "evaluations": round(r.eval_seconds, 3)}
 

@@ -19,7 +19,8 @@ Layout of the output folder::
 
 The recipe (§4.1, Appendix A.3): batch 32 and 3 epochs for every task; the learning rate is
 ``finetune glue``'s own default, 5e-5, so a task run in the suite and alone give the same model
-(the paper picks among 5e-5..2e-5 on dev: ``--lr-sweep`` runs those four, ``--grid paper`` the whole grid).
+(the paper picks among 5e-5..2e-5 on dev: ``--lr 5e-5,4e-5,3e-5,2e-5`` runs those four, ``--grid paper`` the
+whole grid).
 """
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ COMMAND = "finetune glue suite"
 # Appendix A.3: "The optimal hyperparameter values are task-specific, but we found the following range of
 # possible values to work well across all tasks".
 PAPER_GRID = {"lr": (5e-5, 4e-5, 3e-5, 2e-5), "batch_size": (16, 32), "epochs": (2.0, 3.0, 4.0)}
-LR_SWEEP = PAPER_GRID["lr"]  # §4.1: batch 32, 3 epochs, the best of these learning rates on dev
 
 # Table 1's columns, in its order: (column, task, metric key in the run's metrics.json). The paper reports F1
 # for QQP and MRPC, Spearman for STS-B, Matthews correlation for CoLA and accuracy for the others; its average
@@ -341,7 +341,7 @@ def find_tasks(data_dir: Path, tasks: Sequence[str] | None) -> list[GlueTask]:
 
 
 # The flags the suite sets on each run itself; ``finetune_args`` holds the others.
-OWN_FLAGS = ("--task", "--data-dir", "--model", "--output", "-o", "--lr", "--lr-sweep", "--batch-size", "--epochs",
+OWN_FLAGS = ("--task", "--data-dir", "--model", "--output", "-o", "--lr", "--batch-size", "--epochs",
              "--seed", "--max-seq-length", "--device", "--no-progress", "--resume")
 
 
@@ -577,7 +577,7 @@ def summary_markdown(summary: dict) -> str:
 # ------------------------------------------------------------------------------ from finetune glue's flags
 
 # finetune glue's parameters the suite reads itself; its other given flags go to every run as they came.
-SUITE_PARAMS = ("task", "data_dir", "model", "output", "lr", "lr_sweep", "batch_size", "epochs", "seed",
+SUITE_PARAMS = ("task", "data_dir", "model", "output", "lr", "batch_size", "epochs", "seed",
                 "max_seq_length", "device", "no_progress", "resume", "restarts", "grid", "devices", "parallel")
 OWN_DATA_PARAMS = ("train", "dev", "text_column", "text_pair_column", "label_column", "regression")
 
@@ -638,15 +638,10 @@ def from_cli(ctx) -> dict:
         if p["grid"] != "paper":
             raise BertctlError(f"--grid: 'paper' (Appendix A.3), not {p['grid']!r}; lists such as --lr 5e-5,3e-5 "
                                "--batch-size 16,32 --epochs 2,3 make your own")
-        clash = [f"--{n.replace('_', '-')}" for n in ("lr", "batch_size", "epochs", "lr_sweep") if given(n)]
+        clash = [f"--{n.replace('_', '-')}" for n in ("lr", "batch_size", "epochs") if given(n)]
         if clash:
             raise BertctlError(f"--grid paper sets the learning rates, batch sizes and epochs; drop {', '.join(clash)}")
         lrs, batch_sizes, epochs = PAPER_GRID["lr"], PAPER_GRID["batch_size"], PAPER_GRID["epochs"]
-    elif p["lr_sweep"]:
-        if given("lr"):
-            raise BertctlError("--lr-sweep runs the paper's learning rates (5e-5, 4e-5, 3e-5, 2e-5); drop --lr, or "
-                               "give your own list as --lr")
-        lrs = LR_SWEEP
     devices = None
     if p["devices"] is not None:
         devices = tuple(d.strip() for d in p["devices"].split(",") if d.strip())

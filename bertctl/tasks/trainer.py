@@ -2,7 +2,7 @@
 
 Recipe: AdamW (no decay on biases and LayerNorm, ``bertctl.train.optim``), linear warm-up over
 the first 10% of steps then linear decay to 0, batch 32, 3 epochs, lr 5e-5, dropout 0.1; the
-paper's lr sweep over {5e-5, 4e-5, 3e-5, 2e-5} picks the best on dev.
+paper's lr choice over {5e-5, 4e-5, 3e-5, 2e-5} on dev is the GLUE suite's (``--lr 5e-5,4e-5,...``).
 
 ``fine_tune`` takes a model with a fresh head, featurised examples (dicts of numpy arrays, see
 ``bertctl.data.batching.collate``), the task's loss on the head's logits (``label_loss``, ``span_loss``) and an
@@ -14,24 +14,27 @@ random (Hugging Face Trainer's order) and padded to their own longest row; ``gro
 Evaluation runs at every epoch end, under torchrun shared by the processes (each predicts a share of
 the batches, all score the whole); a checkpoint is written there too
 (``OUT/checkpoints/step-N``), so ``resume=True`` continues exactly: batch order is a pure
-function of (seed, epoch), dropout of (seed, step, rank).
+function of (seed, epoch), dropout of (seed, step, rank). The trained model is written before the
+last evaluation, so a signal there loses nothing (``fine_tune``).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bertctl import faults
 from bertctl.checkpoints import training
 from bertctl.config import IGNORE_INDEX, FinetuneConfig
 from bertctl.data.batching import (BATCH_TOKENS, Prefetcher, collate, feature_length, length_batches,
@@ -41,7 +44,7 @@ from bertctl.nn.attention import cudnn_training_attention, varied_shapes
 from bertctl.progress import MetricsLog, stderr, track
 from bertctl.runtime import Runtime, resolve, resolve_precision
 from bertctl.train import distributed
-from bertctl.train.engine import Engine, autocast, to_device
+from bertctl.train.engine import Engine, Interrupted, StopSignal, autocast, to_device
 
 
 @dataclass
@@ -54,6 +57,8 @@ class TrainResult:
     steps: int = 0
     epochs: float = 0.0  # epochs actually trained (a --max-steps run stops early)
     eval_seconds: float = 0.0  # the epoch-end evaluations
+    reloaded: bool = False  # select_best took an earlier epoch's weights than the last step's
+    outcome: Any = None  # what the driver's ``finish`` returned
 
     @property
     def examples_per_second(self) -> float:
@@ -156,6 +161,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
             if len(pending) >= 32:
                 flush()
             advance(len(idx))
+            faults.point("eval")
         flush()
     if shards is not None:
         mine = [(int(i), results[i]) for idx in batches for i in idx]
@@ -218,20 +224,53 @@ def total_steps(num_features: int, cfg: FinetuneConfig, world_size: int = 1) -> 
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
 
 
+#: Where the driver writes the fine-tuned model in the output folder (``bertctl.tasks.common.MODEL_SUBDIR``).
+MODEL_SUBDIR = "model"
+
+
+def kept_state(run_dir: Path | None) -> str:
+    """What a fine-tuning folder holds now, for the message after an abort: the trained model with its
+    evaluation still to run, a checkpoint, or nothing."""
+    last = training.latest_checkpoint(run_dir) if run_dir is not None else None
+    if last is None:
+        return "no checkpoint was written yet, so nothing is kept (a rerun starts from the beginning)"
+    if is_final(last):
+        return (f"the trained model in {run_dir / MODEL_SUBDIR} is kept, its evaluation not done: --resume "
+                f"evaluates it")
+    return f"the checkpoint at step {last.step} is kept: --resume continues from it"
+
+
+def is_final(checkpoint: training.Checkpoint) -> bool:
+    """Whether a checkpoint is a complete training's (the trained model written, its evaluation to run)."""
+    try:
+        return json.loads((checkpoint.path / "meta.json").read_text()).get("reason") == "final"
+    except (OSError, ValueError):
+        return False
+
+
 def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: FinetuneConfig, *,
               evaluate: Callable[[torch.nn.Module, distributed.Dist], dict] | None = None,
               main_metric: str | None = None, output_dir: str | Path | None = None, resume: bool = False,
-              log: MetricsLog | None = None, runtime: Runtime | None = None,
-              loss: Callable = label_loss) -> TrainResult:
+              log: MetricsLog | None = None, runtime: Runtime | None = None, loss: Callable = label_loss,
+              save_model: Callable[[torch.nn.Module], None] | None = None,
+              finish: Callable[["TrainResult"], Any] | None = None, stop: StopSignal | None = None,
+              meta: dict | None = None) -> TrainResult:
     """Fine-tune ``model`` on ``train_features`` with the task's ``loss`` (``label_loss``, ``span_loss``);
     evaluate after every epoch (shared by the processes).
 
     ``evaluate(model, shards)`` returns a metrics dict, predicting with ``predict(..., shards=shards)``;
     ``main_metric`` names the key that picks the best epoch when ``cfg.select_best``; ``runtime``: the
     command's (default: ``cfg``'s). Checkpoints go to ``output_dir/checkpoints/`` (epoch ends, every
-    ``save_every`` steps, and on SIGINT/SIGTERM, after which ``Stopped`` ends the process
-    with exit 0); they are removed once the run completes. Returns the model (best epoch's
-    weights when ``select_best``, else the last), the evaluation history and the throughput.
+    ``save_every`` steps, and on SIGINT/SIGTERM, after which ``Stopped`` ends the process with exit 0), with
+    ``meta`` in their ``meta.json``.
+
+    The end, in this order, so that no signal loses the trained model: ``save_model(model)`` writes the
+    trained model (the last step's weights) and a final checkpoint records the run's evaluations (no optimizer:
+    nothing trains again); then the last evaluation, and ``finish(result)`` (the driver's final predictions,
+    scores and outputs; its value becomes ``result.outcome``). A signal during those stops them at once, and
+    ``resume`` on a final checkpoint just evaluates. Without ``save_model`` (a library call) the checkpoints are
+    removed once training completes. Returns the model (best epoch's weights when ``select_best``, else the
+    last), the evaluation history and the throughput.
     """
     if not train_features:
         raise BertctlError("no training examples")
@@ -253,90 +292,157 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Finet
     note = eager_ddp_note(runtime, W, runtime.cuda_graphs)
     if note and dist.is_main:
         stderr.print(note)
+    with (stop if stop is not None else StopSignal(kept=lambda: kept_state(run_dir))) as stop:
+        engine.stop = stop
+        return _fine_tune(engine, model, train_features, cfg, evaluate=evaluate, main_metric=main_metric,
+                          run_dir=run_dir, resume=resume, log=log, runtime=runtime, save_model=save_model,
+                          finish=finish, stop=stop, meta=meta or {}, per_epoch=per_epoch, steps=steps)
+
+
+def _fine_tune(engine: Engine, model, train_features, cfg: FinetuneConfig, *, evaluate, main_metric, run_dir, resume,
+               log, runtime, save_model, finish, stop: StopSignal, meta: dict, per_epoch: int,
+               steps: int) -> TrainResult:
+    dist, W = engine.dist, engine.dist.world_size
+    say = stderr.print if dist.is_main else (lambda *a, **k: None)
     history: list[dict] = []
     best: dict | None = None
     best_state: dict | None = None
     eval_seconds = 0.0
+    trained = False  # the run's training is complete and its model written: only the evaluation is left
+    pending_eval = False
     if resume:
         latest = training.latest_checkpoint(run_dir) if run_dir else None
         if latest is None:
             raise BertctlError(f"--resume: no checkpoint in {run_dir}/{training.CHECKPOINT_DIR}")
         blob = training.load_checkpoint(latest.path)
-        engine.restore(blob)
         history, best, best_state = blob["history"], blob["best"], blob.get("best_model")
-        if dist.is_main:
-            stderr.print(f"resuming at step {engine.step}/{steps} (epoch {engine.step // per_epoch + 1})")
+        if blob.get("final"):
+            from bertctl.checkpoints.hf import load_state, read_state_dict
 
-    def checkpoint(reason: str) -> None:
+            load_state(model, read_state_dict(run_dir / MODEL_SUBDIR), source=str(run_dir / MODEL_SUBDIR))
+            engine.step = int(blob["step"])
+            trained = True
+            say(f"resuming: training is complete (step {engine.step}/{steps}); evaluating the trained model in "
+                f"{run_dir / MODEL_SUBDIR}")
+        else:
+            engine.restore(blob)
+            pending_eval = bool(blob.get("pending_eval"))
+            say(f"resuming at step {engine.step}/{steps} (epoch {engine.step // per_epoch + 1})"
+                + (", its evaluation first" if pending_eval else ""))
+
+    def checkpoint(reason: str, pending: bool = False) -> None:
         if run_dir is None:
             return
-        extra = {"history": history, "best": best, "configs": {"training": cfg.to_dict()}}
+        extra = {"history": history, "best": best, "configs": {"training": cfg.to_dict()}, "pending_eval": pending}
         if cfg.select_best and best_state is not None:
             extra["best_model"] = best_state
-        engine.save(extra, {"epoch": engine.step / per_epoch}, reason, wait=reason == "interrupted")
+        engine.save(extra, {"epoch": engine.step / per_epoch, **meta}, reason, wait=reason == "interrupted")
+
+    def evaluation(step: int) -> None:
+        """The dev evaluation at ``step`` (an epoch end, or the end of training), recorded in the history."""
+        nonlocal best, best_state, eval_seconds
+        t0 = time.perf_counter()
+        metrics = evaluate(model, dist)  # every process predicts a share and scores the whole
+        eval_seconds += time.perf_counter() - t0
+        record = {"epoch": round(step / per_epoch, 4), "step": step, **metrics}
+        history.append(record)
+        log.log(event="eval", **record)
+        say(f"epoch {record['epoch']:g}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                        if isinstance(v, float)))
+        if main_metric is not None and (best is None or metrics[main_metric] > best[main_metric]):
+            best = record
+            if cfg.select_best:
+                best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    def epoch_end(step: int) -> None:
+        """An epoch end before the last step: its evaluation (stopped at once by a signal, the checkpoint at this
+        step then written with the evaluation still to run), then its checkpoint."""
+        if evaluate is not None and cfg.epoch_evals:
+            try:
+                with stop.phase(lambda: f"stopping the evaluation at step {step} now, then saving", at_once=True):
+                    evaluation(step)
+            except Interrupted as e:
+                checkpoint("interrupted", pending=True)
+                say(f"stopped ({e.signal}) during the evaluation at step {step}/{steps}: checkpoint in "
+                    f"{run_dir}/{training.CHECKPOINT_DIR}; continue with --resume (it evaluates first)")
+                raise Stopped() from None
+        checkpoint("epoch")
 
     def after_step(step: int) -> None:
-        nonlocal best, best_state, eval_seconds
-        if step % per_epoch and step != steps:
-            return
-        if evaluate is not None and (cfg.epoch_evals or step == steps):
-            t0 = time.perf_counter()
-            metrics = evaluate(model, dist)  # every process predicts a share and scores the whole
-            eval_seconds += time.perf_counter() - t0
-            record = {"epoch": round(step / per_epoch, 4), "step": step, **metrics}
-            history.append(record)
-            log.log(event="eval", **record)
-            if dist.is_main:
-                stderr.print(f"epoch {record['epoch']:g}: " + ", ".join(
-                    f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
-            if main_metric is not None and (best is None or metrics[main_metric] > best[main_metric]):
-                best = record
-                if cfg.select_best:
-                    best_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-        if step < steps:
-            checkpoint("epoch")
+        if step % per_epoch == 0 and step < steps:
+            epoch_end(step)
 
-    pin = engine.device.type == "cuda"
-    batches = Prefetcher(task_batches(train_features, cfg.train.batch_size, seed=cfg.train.seed,
-                                      start_step=engine.step, steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
-                                      rank=dist.rank, world_size=W, micro_batch_size=cfg.train.micro_batch_size,
-                                      max_steps=steps,
-                                      min_shape_steps=cfg.train.graph_min_steps if runtime.cuda_graphs else None),
-                         lambda sb: sb, pin=pin)
-    config = getattr(model, "config", None)
-    long_steps = config is not None and cudnn_training_attention(
-        config.hidden_size // config.num_attention_heads,
-        median_step_length(train_features, cfg.train.batch_size, seed=cfg.train.seed,
-                           group_by_length=cfg.group_by_length, world_size=W), steps)
+    result = None
+    if not trained:
+        if pending_eval:
+            epoch_end(engine.step)
+        pin = engine.device.type == "cuda"
+        batches = Prefetcher(task_batches(train_features, cfg.train.batch_size, seed=cfg.train.seed,
+                                          start_step=engine.step, steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
+                                          rank=dist.rank, world_size=W, micro_batch_size=cfg.train.micro_batch_size,
+                                          max_steps=steps,
+                                          min_shape_steps=cfg.train.graph_min_steps if runtime.cuda_graphs else None),
+                             lambda sb: sb, pin=pin)
+        config = getattr(model, "config", None)
+        long_steps = config is not None and cudnn_training_attention(
+            config.hidden_size // config.num_attention_heads,
+            median_step_length(train_features, cfg.train.batch_size, seed=cfg.train.seed,
+                               group_by_length=cfg.group_by_length, world_size=W), steps)
+        try:
+            with contextlib.nullcontext() if long_steps else varied_shapes():
+                result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving",
+                                    stop=stop)
+        finally:
+            batches.close()
+            engine.graphs = None  # the graphs' memory goes now, not at the next garbage collection
+        if result.stopped is not None and engine.step < steps:
+            checkpoint("interrupted")
+            say(f"stopped ({result.stopped}) at step {engine.step}/{steps}: checkpoint in "
+                f"{run_dir}/{training.CHECKPOINT_DIR}; continue with --resume")
+            raise Stopped()
+        if save_model is None:  # a library call: complete, nothing left to resume
+            if run_dir is not None and dist.is_main:
+                shutil.rmtree(run_dir / training.CHECKPOINT_DIR, ignore_errors=True)
+        else:
+            model_dir = run_dir / MODEL_SUBDIR
+            with stop.phase(lambda: f"finishing writing the trained model to {model_dir}, then stopping before "
+                                    f"its evaluation"):
+                with stop.writing():
+                    if dist.is_main:
+                        save_model(model)
+                        final = {"final": True, "step": engine.step, "history": history, "best": best,
+                                 "configs": {"training": cfg.to_dict()}}
+                        if cfg.select_best and best_state is not None:
+                            final["best_model"] = best_state
+                        training.save_checkpoint(run_dir, engine.step, final,
+                                                 {"step": engine.step, "reason": "final", **meta}, keep=1)
+                    distributed.barrier(dist)
+            if stop.requested is not None:
+                say(f"stopped ({stop.requested}) once training was complete: the trained model is in {model_dir}; "
+                    f"run again with --resume to evaluate it")
+                raise Stopped()
+    train_sequences = result.sequences if result else 0
+    train_seconds = result.train_seconds if result else 0.0
     try:
-        with contextlib.nullcontext() if long_steps else varied_shapes():
-            result = engine.run(batches, after_step=after_step, checkpoint=checkpoint, on_interrupt="then saving")
-    finally:
-        batches.close()
-        engine.graphs = None  # the graphs' memory goes now, not at the next garbage collection (--lr-sweep)
-    if result.stopped is not None:
-        checkpoint("interrupted")
-        if dist.is_main:
-            stderr.print(f"stopped ({result.stopped}) at step {engine.step}/{steps}: checkpoint in "
-                         f"{run_dir}/{training.CHECKPOINT_DIR}; continue with --resume")
-        raise Stopped()
-    if run_dir is not None and dist.is_main:  # complete: the task writes model/; nothing left to resume
-        shutil.rmtree(run_dir / training.CHECKPOINT_DIR, ignore_errors=True)
-    if cfg.select_best and best_state is not None:
-        model.load_state_dict(best_state)
-    elif history:
-        best = history[-1]
-    return TrainResult(model, history, best, result.sequences, result.train_seconds, engine.step,
-                       round(engine.step / per_epoch, 4), eval_seconds)
-
-
-def lr_sweep_values(lr_sweep: bool, lr: float) -> list[float]:
-    """The paper's grid (§4.1: {5e-5, 4e-5, 3e-5, 2e-5}) or the one given lr."""
-    return [5e-5, 4e-5, 3e-5, 2e-5] if lr_sweep else [lr]
-
-
-def with_lr(cfg: FinetuneConfig, lr: float) -> FinetuneConfig:
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=lr))
+        with stop.phase(lambda: "stopping the final evaluation now", at_once=True):
+            if evaluate is not None:
+                evaluation(engine.step)
+            reloaded = False
+            if cfg.select_best and best_state is not None:
+                reloaded = bool(history) and best is not history[-1]
+                model.load_state_dict(best_state)
+            elif history:
+                best = history[-1]
+            out = TrainResult(model, history, best, train_sequences, train_seconds, engine.step,
+                              round(engine.step / per_epoch, 4), eval_seconds, reloaded=reloaded)
+            if finish is not None:
+                out.outcome = finish(out)
+            return out
+    except Interrupted as e:
+        where = (f"the trained model is in {run_dir / MODEL_SUBDIR}, written before it: run again with --resume to "
+                 f"evaluate it" if save_model is not None else "nothing was written")
+        say(f"stopped ({e.signal}) during the final evaluation: {where}")
+        raise Stopped() from None
 
 
 def device_info() -> dict:

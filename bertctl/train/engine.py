@@ -27,8 +27,9 @@ What the engine does for every job, in one place:
 - one checkpoint format (``bertctl.checkpoints.training``: ``OUT/checkpoints/step-N/``, written atomically);
 - one metrics writer (``MetricsLog``, JSON lines) and one progress bar; no host sync per step
   (running sums stay on the device until a log line is due);
-- SIGINT/SIGTERM: the first says at once what will happen and finishes the step, then the job
-  checkpoints and exits cleanly; a second SIGINT aborts within a second (previous checkpoint intact).
+- SIGINT/SIGTERM (``StopSignal``): the first says at once what will happen and finishes the step, then
+  the job checkpoints and exits cleanly; a second SIGINT aborts within a second (previous checkpoint
+  intact), or once the checkpoint being written is complete, and says what is kept.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from bertctl import faults
 from bertctl.checkpoints import training
 from bertctl.data.batching import StepBatch
 from bertctl.errors import BertctlError
@@ -103,26 +105,49 @@ def to_device(micro: dict[str, torch.Tensor], device: torch.device) -> dict[str,
 # --------------------------------------------------------------------------- signals
 
 
-class StopSignal:
-    """SIGINT/SIGTERM: finish the step, checkpoint, exit 0; a second SIGINT aborts at once.
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM during a phase that stops at once (preparation, evaluation): raised in the main thread.
 
-    The handlers run in the main thread only between Python bytecodes, which on a CPU can be
-    minutes into a step; so the C-level handler also writes to a wake-up socket that a watcher
-    thread reads at once: it prints what will happen and, on the second SIGINT, ends the process
-    (exit 130). Checkpoints are written under a temporary name, so the previous one stays intact.
+    A BaseException, as KeyboardInterrupt is, so that no ``except Exception`` in the phase swallows it."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal = signal_name
+
+
+class StopSignal:
+    """SIGINT/SIGTERM for a whole run: what a first signal does depends on the phase, a second SIGINT aborts.
+
+    - a training step (the default phase): finish the step, then the job checkpoints and exits cleanly;
+    - a phase entered with ``phase(..., at_once=True)`` (preparation, evaluation): ``Interrupted`` is raised in
+      the main thread at once (the phase's work is abandoned; what was complete before it is kept);
+    - a write (``writing()``: a checkpoint or the final model) is never cut by the first signal, and a second
+      SIGINT during one aborts as soon as it is complete, so a second Ctrl-C never leaves a torn state.
+
+    The handlers run in the main thread only between Python bytecodes, which on a CPU can be minutes into a
+    step; so the C-level handler also writes to a wake-up socket that a watcher thread reads at once: it says
+    what will happen and, on the second SIGINT, ends the process (exit 130) saying what is kept (``kept()``).
     """
 
-    def __init__(self, what_next: Callable[[], str]):
+    def __init__(self, what_next: Callable[[], str] | None = None, kept: Callable[[], str] | None = None):
         self.requested: str | None = None
-        self._what_next = what_next
+        self._what_next = what_next or (lambda: "stopping")
+        self.kept = kept or (lambda: "the last complete checkpoint is kept")
+        self.at_once = False
+        self._raised = False
+        self._writing = 0
+        self._abort_after_write = False
+        self._lock = threading.Lock()
         self._old: dict = {}
         self._old_fd = -1
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._watcher: threading.Thread | None = None
         self._closed = False
+        self._depth = 0
 
     def __enter__(self):
-        if threading.current_thread() is not threading.main_thread():
+        self._depth += 1
+        if self._depth > 1 or threading.current_thread() is not threading.main_thread():
             return self
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old[sig] = signal.signal(sig, self._handle)
@@ -135,9 +160,57 @@ class StopSignal:
         self._watcher.start()
         return self
 
+    @contextlib.contextmanager
+    def phase(self, what_next: Callable[[], str], at_once: bool = False):
+        """Within the block a first signal is announced with ``what_next()``; with ``at_once`` it raises
+        ``Interrupted`` (at once if one came before the block)."""
+        saved = self._what_next, self.at_once
+        self._what_next, self.at_once = what_next, at_once
+        try:
+            if at_once:
+                self._raise_pending()
+            yield self
+        finally:
+            self._what_next, self.at_once = saved
+
+    @contextlib.contextmanager
+    def writing(self):
+        """A write that no signal cuts: a first one is acted on after it (``Interrupted`` in an at-once phase),
+        and a second SIGINT aborts once it is complete. Safe to enter from the checkpoint writer's thread."""
+        main = threading.current_thread() is threading.main_thread()
+        saved = self.at_once
+        with self._lock:
+            self._writing += 1
+            if main:
+                self.at_once = False
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._writing -= 1
+                if main:
+                    self.at_once = saved
+                abort = self._abort_after_write and self._writing == 0
+            if abort:
+                sys.stderr.write(f"write complete: aborting now; {self.kept()}\n")
+                sys.stderr.flush()
+                os._exit(130)
+            if main and saved:
+                self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        if self.requested is not None and not self._raised:
+            self._raised = True
+            raise Interrupted(self.requested)
+
+    def what_next(self) -> str:
+        return self._what_next()
+
     def _handle(self, signum, frame):  # main thread; the watcher has already reacted
         if self.requested is None:
             self.requested = signal.Signals(signum).name
+        if self.at_once and not self._writing:
+            self._raise_pending()
 
     def _watch(self) -> None:
         read = self._sockets[0]
@@ -153,24 +226,36 @@ class StopSignal:
                 if signum not in (signal.SIGINT, signal.SIGTERM):
                     continue
                 name = signal.Signals(signum).name
-                if self.requested is None:
+                first = self.requested is None
+                if first:
                     self.requested = name
                 interrupts += signum == signal.SIGINT
                 if interrupts >= 2:
-                    sys.stderr.write("\nsecond interrupt: aborting now; the last complete checkpoint is kept\n")
+                    with self._lock:
+                        if self._writing:
+                            self._abort_after_write = True
+                    if self._abort_after_write:
+                        sys.stderr.write("\nsecond interrupt: aborting once the write in progress is complete\n")
+                        sys.stderr.flush()
+                        continue
+                    sys.stderr.write(f"\nsecond interrupt: aborting now; {self.kept()}\n")
                     sys.stderr.flush()
                     os._exit(130)
-                sys.stderr.write(f"\n{name}: {self._what_next()} (Ctrl-C again to abort at once)\n")
-                sys.stderr.flush()
+                if first:
+                    sys.stderr.write(f"\n{name}: {self._what_next()} (Ctrl-C again to abort at once)\n")
+                    sys.stderr.flush()
 
     def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth > 0 or self._sockets is None:
+            return
         self._closed = True
-        if self._sockets is not None:
-            signal.set_wakeup_fd(self._old_fd)
-            self._sockets[1].close()
-            self._sockets[0].close()
+        signal.set_wakeup_fd(self._old_fd)
+        self._sockets[1].close()
+        self._sockets[0].close()
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._sockets = None
 
 
 # --------------------------------------------------------------------------- the engine
@@ -208,8 +293,7 @@ class Engine:
         self.model = model.to(self.device)
         if runtime.cuda_graphs:  # the model's own attention, whatever built it, must fit the graphs too
             why = graphs_unsupported(device_type=self.device.type, precision=self.precision, optimizer=cfg.optimizer,
-                                     compile=runtime.compile,
-                                     attn=getattr(getattr(model, "runtime", None), "attn", None))
+                                     compile=runtime.compile)
             if why:
                 raise BertctlError(f"--cuda-graphs: {why}")
         self.optimizer = build_optimizer(self.model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -243,6 +327,14 @@ class Engine:
         self.step_model = step_model
         self._last_save = time.monotonic()
         self._writer = training.CheckpointWriter()  # mid-run checkpoints go to disk in the background
+        self.stop: StopSignal | None = None  # the run's signal handling: writes are guarded by it
+
+    def kept(self) -> str:
+        """What the run folder holds now, for a message after an abort: its newest complete checkpoint."""
+        last = training.latest_checkpoint(self.run_dir) if self.run_dir is not None else None
+        if last is None:
+            return "no checkpoint was written yet, so nothing is kept (a rerun starts from the beginning)"
+        return f"the checkpoint at step {last.step} ({last.path}) is kept: --resume continues from it"
 
     # ----------------------------------------------------------------- CUDA graphs
 
@@ -393,7 +485,8 @@ class Engine:
             info = {"step": self.step, "reason": reason, "world_size": self.dist.world_size, **(meta or {})}
             step = self.step
             path = self._writer.submit(self.run_dir, step, blob, info, keep=self.cfg.keep, done=lambda p: self.log.log(
-                event="checkpoint", step=step, path=str(p), reason=reason))
+                event="checkpoint", step=step, path=str(p), reason=reason),
+                guard=self.stop.writing if self.stop is not None else None)
             if wait:
                 self._writer.wait()
         distributed.barrier(self.dist)
@@ -424,16 +517,18 @@ class Engine:
     # ----------------------------------------------------------------- the loop
 
     def run(self, batches: Iterator[StepBatch], *, after_step: Callable[[int], None] | None = None,
-            checkpoint: Callable[[str], Any] | None = None, on_interrupt: str = "then saving") -> RunResult:
+            checkpoint: Callable[[str], Any] | None = None, on_interrupt: str = "then saving",
+            stop: StopSignal | None = None) -> RunResult:
         """Train from ``self.step`` to ``self.max_steps`` (or a stop request / the time box).
 
         ``after_step(step)`` runs after every step (evaluation when due; its time is not training
         time); ``checkpoint(reason)`` saves (periodic saves and on a stop request). Returns how the
         run ended, with any checkpoint written in the background complete; the caller does the final
-        save, evaluation and export.
+        save, evaluation and export. ``stop``: the job's signal handling when it spans more than the
+        steps (a request made before the first step stops the run there); else the run's own.
         """
         try:
-            result = self._run(batches, after_step, checkpoint, on_interrupt)
+            result = self._run(batches, after_step, checkpoint, on_interrupt, stop)
         except KeyboardInterrupt:  # a second Ctrl-C: out at once (a half-written checkpoint stays a .tmp folder)
             raise
         except BaseException:
@@ -444,7 +539,7 @@ class Engine:
         return result
 
     def _run(self, batches: Iterator[StepBatch], after_step: Callable[[int], None] | None,
-             checkpoint: Callable[[str], Any] | None, on_interrupt: str) -> RunResult:
+             checkpoint: Callable[[str], Any] | None, on_interrupt: str, stop: StopSignal | None) -> RunResult:
         cfg = self.cfg
         n_stats = len(self.objective.loss_terms) + len(self.objective.stat_names)
         stats = torch.zeros(n_stats, device=self.device)
@@ -460,22 +555,35 @@ class Engine:
         log_every = max(1, cfg.log_every)
         sync_every = log_every if self.dist.enabled else 1
         bar = progress(disable=not (self.dist.is_main and cfg.show_progress))
-        what_next = lambda: f"finishing step {self.step + 1}, {on_interrupt}"  # noqa: E731
-        with StopSignal(what_next) as stop, bar:
+        in_step = False
+
+        def what_next() -> str:  # true at the moment the signal comes: inside a step, or between two
+            return (f"finishing step {self.step + 1}, {on_interrupt}" if in_step else
+                    f"stopping at step {self.step}, {on_interrupt}")
+
+        stop = stop if stop is not None else StopSignal(kept=self.kept)
+        self.stop = stop
+        with stop, stop.phase(what_next), bar:
             task = bar.add_task(self.description, total=self.max_steps, completed=self.step, info="")
             t_window = time.perf_counter()
             while self.step < self.max_steps:
+                if stop.requested is not None:  # asked between steps (before the first, or during an evaluation)
+                    stop_reason = stop.requested
+                    break
                 try:
                     sb = next(batches)
                 except StopIteration:
                     break
                 seed_step(step_seed(cfg.seed, self.step, self.dist.rank), self.device)
+                in_step = True
+                faults.point("step")
                 try:
                     loss = self.train_step(sb, stats)
                 except torch.OutOfMemoryError:
                     raise BertctlError(self._out_of_memory(sb)) from None
                 bad += (~torch.isfinite(loss)).int()
                 self.step += 1
+                in_step = False
                 sequences += sb.sequences
                 window.add(sb.counts, self.flops(sb.counts) if self.flops else 0.0)
                 bar.update(task, completed=self.step)

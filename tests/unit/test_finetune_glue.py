@@ -470,7 +470,7 @@ def test_the_startup_timeline_marks_a_whole_run_in_order(tiny, sst2, tmp_path):
     assert times == sorted(times) and 0.0 <= times[0] < 5.0
     order = ["interpreter up", "torch imported", "bertctl imported", "> common.load_tokenizer", "> glue.featurize",
              "> common.load_for_finetuning", "> Engine.__init__", "> engine.build_optimizer", "> Engine.run",
-             "> glue.evaluate_devs", "< Engine.run", "> hf.save_pretrained", "end"]
+             "< Engine.run", "> hf.save_pretrained", "> glue.evaluate_devs", "end"]  # the model saved, then evaluated
     assert [n for n in names if n in order] == [n for n in order for _ in range(names.count(n))]
     assert names.count("> Engine.run") == 1 and names.count("> glue.featurize") == 2  # train, then dev
     seconds = json.loads((out / "metrics.json").read_text())["seconds"]

@@ -274,31 +274,6 @@ def test_swag_bad_label(tmp_path):
         swag.read_swag(bad)
 
 
-def test_lr_sweep_keeps_the_best_on_dev_and_resume_skips_done_runs(tiny, tmp_path):
-    sample = data_path("swag", "sample.jsonl")
-    out = tmp_path / "out"
-    args = ["finetune", "swag", "--train", str(sample), "--dev", str(sample), "--model", str(tiny), "--output", str(out),
-            "--epochs", "1", "--batch-size", "5", "--lr-sweep", "--no-progress"]
-    r = runner.invoke(app, args)
-    assert r.exit_code == 0, r.output
-    metrics = json.loads((out / "metrics.json").read_text())
-    sweep = metrics["lr_sweep"]
-    assert [s["lr"] for s in sweep] == [5e-5, 4e-5, 3e-5, 2e-5]
-    best = max(sweep, key=lambda s: s["dev"]["accuracy"])  # first best wins ties, as the loop does
-    assert metrics["lr"] == best["lr"]
-    assert metrics["accuracy"] == pytest.approx(best["dev"]["accuracy"])
-    r = runner.invoke(app, args + ["--resume"])
-    assert r.exit_code == 2 and "nothing to resume" in r.output  # a finished run is finished
-    # Stopped after the sweep's runs but before the chosen model was written: resume reuses every run.
-    for name in ("metrics.json", "model", rundir.MARKER):
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    r = runner.invoke(app, args + ["--resume"])
-    assert r.exit_code == 0, r.output
-    assert r.output.count("already done") == 4
-    assert json.loads((out / "metrics.json").read_text())["accuracy"] == pytest.approx(metrics["accuracy"])
-
-
 def test_kernels_and_attention_choices_reach_the_model(tiny, tmp_path):
     from bertctl.model import BertForMultipleChoice
     from bertctl.tasks import common

@@ -306,13 +306,14 @@ def test_finetune_glue_routes_the_protocol_to_the_suite(captured):
     assert finetune_glue("--task", "rte", "--grid", "paper").exit_code == 0
     cfg = captured.pop()
     assert cfg.tasks == ("rte",) and (cfg.lrs, cfg.batch_sizes, cfg.epochs) == tuple(suite.PAPER_GRID.values())
-    assert finetune_glue("--task", "sst2", "--lr-sweep", "--restarts", "2").exit_code == 0
-    assert captured.pop().lrs == (5e-5, 4e-5, 3e-5, 2e-5)  # --lr-sweep is the grid of the paper's four rates
+    assert finetune_glue("--task", "sst2", "--lr", "5e-5,4e-5,3e-5,2e-5", "--restarts", "2").exit_code == 0
+    assert captured.pop().lrs == (5e-5, 4e-5, 3e-5, 2e-5)  # the paper's four rates, as a list
+    r = finetune_glue("--task", "sst2", "--lr-sweep")
+    assert r.exit_code == 2 and "No such option: --lr-sweep" in r.output  # gone: the list above is the one way
     assert finetune_glue("--task", "sst2", "--epochs", "2,3").exit_code == 0  # a list alone is a grid
     assert captured.pop().epochs == (2.0, 3.0)
     for args, why in ((("--task", "all", "--grid", "paper", "--lr", "1e-3"), "--grid paper sets"),
                       (("--task", "all", "--grid", "big"), "'paper'"),
-                      (("--task", "all", "--lr-sweep", "--lr", "1e-3"), "drop --lr"),
                       (("--task", "all", "--train", "t.tsv"), "--train: the suite runs"),
                       (("--task", "all", "--devices", "a"), "--devices: CUDA device numbers"),
                       (("--task", "all", "--parallel", "0"), "--parallel must be 1 or more"),
