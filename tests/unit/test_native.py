@@ -169,12 +169,12 @@ def test_backend_native_where_it_cannot_run(tmp_path):
     assert not (tmp_path / "o.npy").exists()
 
 
-def test_auto_keeps_the_native_encoder_for_short_texts_only(tmp_path, monkeypatch, capsys):
-    """``auto`` on a GPU: the native encoder for texts of up to NATIVE_AUTO_TOKENS tokens weighted by length,
-    torch beyond (its attention is measured faster only on short texts); an explicit ``native`` keeps it.
-    The GPU is stood in for: the decision is the CPU's."""
-    assert backends.native_suits(np.array([20] * 1000 + [66])) and not backends.native_suits(np.array([80, 60, 70]))
-    assert backends.native_suits(np.array([64, 64])) and not backends.native_suits(np.array([65, 65]))
+def test_auto_on_a_gpu_takes_the_backend_predicted_faster(tmp_path, monkeypatch, capsys):
+    """``auto`` on a GPU: the native encoder where the cost model predicts it faster (short sentences and
+    ~180-token passages on a MiniLM-sized model both), torch where it predicts torch faster, and torch,
+    saying why, where the native encoder cannot run the model or does not start; an explicit ``native``
+    keeps it. The GPU is stood in for: the decision is the CPU's."""
+    from bertctl.inference import costs
 
     class Started:
         name = "native"
@@ -182,15 +182,34 @@ def test_auto_keeps_the_native_encoder_for_short_texts_only(tmp_path, monkeypatc
         def __init__(self, directory, device, precision):
             self.device, self.precision = device, precision
 
-    directory = random_model(tmp_path / "m", hidden=64, heads=2, layers=1)
+    directory = random_model(tmp_path / "m", hidden=384, heads=12, layers=6)
     monkeypatch.setattr(backends, "native_device", lambda config, onnx=None: "cuda:0")
     monkeypatch.setattr(native, "NativeEncoder", Started)
     monkeypatch.setattr(backends, "resolve_device", lambda name: "cpu")
-    short, long = (lambda: np.array([12, 30, 7])), (lambda: np.array([300, 120]))
-    assert isinstance(backends.open_encoder(directory, EmbedConfig(precision="fp16"), lengths=short), Started)
-    assert isinstance(backends.open_encoder(directory, EmbedConfig(precision="bf16"), lengths=long), TorchEncoder)
-    assert "texts longer than 64 tokens (weighted by length): embedding with torch" in capsys.readouterr().err
-    assert isinstance(backends.open_encoder(directory, EmbedConfig(backend="native"), lengths=long), Started)
+    rng = np.random.default_rng(0)
+    short, passages = (lambda: rng.integers(4, 30, 5000)), (lambda: rng.integers(150, 210, 2000))
+    for lengths in (short, passages):
+        assert isinstance(backends.open_encoder(directory, EmbedConfig(precision="fp16"), lengths=lengths), Started)
+        assert "--backend auto: native (predicted" in capsys.readouterr().err
+    table = {"cuda": {"native": dict.fromkeys(costs.TERMS, 1.0), "torch": dict.fromkeys(costs.TERMS, 0.0)}}
+    with monkeypatch.context() as m:
+        m.setattr(costs, "_table", lambda: table)
+        assert isinstance(backends.open_encoder(directory, EmbedConfig(precision="bf16"), lengths=short), TorchEncoder)
+        assert "--backend auto: torch (predicted" in capsys.readouterr().err
+
+    def fails(*a, **k):
+        raise BertctlError("cuda:0: the native encoder did not start (no device)")
+
+    with monkeypatch.context() as m:
+        m.setattr(native, "NativeEncoder", fails)
+        assert isinstance(backends.open_encoder(directory, EmbedConfig(precision="bf16"), lengths=short), TorchEncoder)
+        err = " ".join(capsys.readouterr().err.split())
+        assert "--backend auto: torch (the only backend that runs here; not onnxruntime: it runs on the CPU; " \
+               "native: cuda:0: the native encoder did not start" in err, err
+    assert isinstance(backends.open_encoder(directory, EmbedConfig(backend="native"), lengths=passages), Started)
+    odd = random_model(tmp_path / "odd", hidden=96, heads=2, layers=1)  # heads of 48: not the native encoder's
+    assert isinstance(backends.open_encoder(odd, EmbedConfig(precision="bf16"), lengths=short), TorchEncoder)
+    assert "not native: attention heads of 48" in " ".join(capsys.readouterr().err.split())
 
 
 def test_native_module_imports_no_torch():

@@ -4,10 +4,9 @@
 - ``torch`` (``torch.py``): ``BertModel`` on any device, in fp32, bf16 or fp16.
 - ``onnxruntime`` (``onnx.py``): an ONNX export of the encoder on the CPU, in fp32; imports no torch.
 
-``auto`` picks the native encoder on a GPU where it is built and runs the model, for short texts
-(``native_suits``); onnxruntime on the CPU in fp32 when installed (it is the faster there:
-``benchmarks/results/embed-backends-cpu.json``); torch otherwise. ``open_encoder`` says on stderr
-when it passes over the backend ``auto`` would have picked, and why.
+``auto`` takes, of the backends that can run the job here (``auto_candidates``), the one with the
+least predicted time for its texts (``bertctl.inference.costs``, a model fitted to measured runs),
+and says on stderr which one it chose and why.
 """
 from __future__ import annotations
 
@@ -20,11 +19,6 @@ from bertctl.progress import stderr
 from bertctl.runtime import device_index, resolve_device, resolve_precision
 
 BACKEND_CHOICES = ("auto", "torch", "onnxruntime", "native")
-#: ``auto`` keeps the native encoder for texts of at most this many tokens, weighted by their length
-#: (sum of squares over sum: attention's cost against the rest's). Its attention runs on CUDA cores, a
-#: thread a query, and was measured only on short texts, where it is the faster; longer texts go to
-#: torch's fused attention unless ``--backend native`` asks for it.
-NATIVE_AUTO_TOKENS = 64
 
 
 def device_type(device: str) -> str:
@@ -80,36 +74,90 @@ def native_device(config, onnx: Path | None = None) -> str | None:
     return None if why else f"cuda:{index}"
 
 
-def native_suits(lengths: np.ndarray) -> bool:
-    """Whether texts of these token counts are short enough for ``auto`` to run the native encoder."""
-    lengths = lengths.astype(np.float64)
-    return bool((lengths ** 2).sum() <= NATIVE_AUTO_TOKENS * lengths.sum())
+def auto_candidates(directory: str | Path, config, device: str, native_at: str | None) -> tuple[list[str], dict]:
+    """The backends ``auto`` may run ``config`` (an ``EmbedConfig``) on, for ``device``, told without
+    starting any (``native_at``: ``native_device``'s answer), and why each other one cannot."""
+    from bertctl.checkpoints.hf import WEIGHTS, load_config
+    from bertctl.inference import onnx_export
+    from bertctl.inference.backends import native
+
+    why: dict[str, str] = {}
+    out = []
+    if native_at is None:
+        why["native"] = "it runs on a GPU" if device_type(device) == "cpu" else "not built, or no GPU visible"
+    else:
+        reason = native.unsupported(load_config(directory))
+        if reason is None and not (Path(directory) / WEIGHTS).exists():
+            reason = f"no {WEIGHTS}"
+        if reason:
+            why["native"] = reason
+        else:
+            out.append("native")
+    if device_type(device) != "cpu":
+        why["onnxruntime"] = "it runs on the CPU"
+    elif resolve_precision(config.precision, "cpu") != "fp32":
+        why["onnxruntime"] = "it runs fp32"
+    elif onnx_export.onnx_missing(export=True):
+        why["onnxruntime"] = "not installed"
+    else:
+        out.append("onnxruntime")
+    return out + ["torch"], why
+
+
+def choose_auto(directory: str | Path, config, device: str, candidates: list[str], lengths=None,
+                why: dict | None = None) -> str:
+    """The backend ``auto`` runs, of ``candidates``: the least predicted time for texts of ``lengths``
+    tokens (``bertctl.inference.costs``; without ``lengths``, the first candidate); says which, and why,
+    in one stderr line (``why``: why the other backends cannot run)."""
+    from bertctl.checkpoints.hf import load_config
+    from bertctl.data.batching import BATCH_TOKENS
+    from bertctl.inference import costs
+
+    kind = device_type(device)
+    if len(candidates) == 1 or lengths is None:
+        chosen = candidates[0]
+        reason = "the only backend that runs here" if len(candidates) == 1 else "the first that runs here"
+    else:
+        model = load_config(directory)
+        work = costs.Workload.of(lengths, model.num_hidden_layers, model.hidden_size,
+                                 config.batch_tokens or BATCH_TOKENS.get(kind, BATCH_TOKENS["cuda"]), config.batch_size)
+        chosen, reason = costs.choose(candidates, work, kind)
+    others = "; ".join(f"{b}: {w}" for b, w in (why or {}).items())
+    stderr.print(f"[dim]--backend auto: {chosen} ({reason}{'; not ' + others if others else ''})")
+    return chosen
 
 
 def open_encoder(directory: str | Path, config, onnx: Path | None = None, lengths=None):
-    """The ``Encoder`` ``embed`` runs for ``config`` (an ``EmbedConfig``): the native encoder where it
-    serves (torch stays unloaded), else ``load_encoder`` on ``config.device`` with ``resolve_backend``'s
-    backend.  ``lengths``, a callable giving the texts' token counts (the tokenising's result, waited
-    for once the native encoder has started), lets ``auto`` send long texts to torch instead."""
+    """The ``Encoder`` ``embed`` runs for ``config`` (an ``EmbedConfig``): the backend asked for on
+    ``config.device``, or for ``auto`` (without ``--onnx``) the one ``choose_auto`` predicts fastest for
+    the texts. ``lengths``, a callable giving their token counts (the tokenising's result), is waited
+    for once the native encoder (where it may run) has begun its start, so that the two overlap; torch
+    stays unloaded when the native encoder runs."""
     where = native_device(config, onnx)
-    if where is not None:
+    if config.backend == "native":
+        from bertctl.inference.backends.native import NativeEncoder
+
+        return NativeEncoder(directory, where, resolve_precision(config.precision, "cuda"))
+    if config.backend != "auto" or onnx is not None:
+        device = resolve_device(config.device)
+        return load_encoder(directory, device, resolve_backend(config, device, onnx), onnx,
+                            precision=config.precision)
+    device = where or resolve_device(config.device)
+    candidates, why = auto_candidates(directory, config, device, where)
+    encoder = None
+    if "native" in candidates:
         from bertctl.inference.backends.native import NativeEncoder
 
         try:
             encoder = NativeEncoder(directory, where, resolve_precision(config.precision, "cuda"))
         except BertctlError as e:
-            if config.backend != "auto":
-                raise
-            stderr.print(f"[yellow]native backend unavailable ({e}); embedding with torch")
-        else:
-            if config.backend != "auto" or lengths is None or native_suits(lengths()):
-                return encoder
-            del encoder  # its GPU memory
-            stderr.print(f"[dim]texts longer than {NATIVE_AUTO_TOKENS} tokens (weighted by length): embedding with "
-                         "torch, whose attention is the faster there (--backend native runs them on bertctl's)")
-    device = resolve_device(config.device)
-    return load_encoder(directory, device, resolve_backend(config, device, onnx), onnx,
-                        fallback=config.backend == "auto", precision=config.precision)
+            candidates.remove("native")
+            why["native"] = str(e)
+    chosen = choose_auto(directory, config, device, candidates, None if lengths is None else lengths(), why)
+    if chosen == "native":
+        return encoder
+    del encoder  # its GPU memory
+    return load_encoder(directory, resolve_device(config.device), chosen, fallback=True, precision=config.precision)
 
 
 def load_encoder(directory: str | Path, device: str = "cpu", backend: str = "torch", onnx: Path | None = None,
