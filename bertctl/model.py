@@ -97,18 +97,24 @@ class BertEmbeddings(RuntimeModule):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+                packed: Packed | None = None) -> torch.Tensor:
+        """input_ids, token_type_ids (B, S) -> (B, S, H); with ``packed``, the real tokens' rows, (T, H)."""
         S = input_ids.shape[1]
         if S > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {S} exceeds max_position_embeddings {self.config.max_position_embeddings}")
-        positions = torch.arange(S, device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None]
+        if packed is None:
+            positions = torch.arange(S, device=input_ids.device)  # (S,), broadcast over the batch
+        else:  # each sequence's positions restart at 0
+            input_ids, positions = packed.pack(input_ids), packed.positions  # (T,) each
+            token_type_ids = None if token_type_ids is None else packed.pack(token_type_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]
         else:
             x = x + self.token_type_embeddings(token_type_ids)
         x = layer_norm(self.LayerNorm, x, None, self.runtime.fused)
-        return dropout(self.dropout, x, self.runtime.own_masks)  # (B, S, H)
+        return dropout(self.dropout, x, self.runtime.own_masks)  # (B, S, H), or (T, H) packed
 
 
 class BertSelfAttention(RuntimeModule):
@@ -280,17 +286,25 @@ class BertModel(BertPreTrainedModel):
         token_type_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        packing: torch.Tensor | None = None,
     ) -> BertOutput:
-        """input_ids, token_type_ids, attention_mask: (B, S); attention_mask 1 = token, 0 = padding."""
+        """input_ids, token_type_ids, attention_mask: (B, S); attention_mask 1 = token, 0 = padding.
+
+        ``packing``: the loader's packed layout of the batch (``bertctl.nn.packing.layout``; empty: run it
+        padded). Without one, a model whose runtime attention is ``unpadded`` packs the batch itself."""
         key_mask = None if attention_mask is None else attention_mask.bool()
-        x = self.embeddings(input_ids, token_type_ids)
-        if self.runtime.attn == "unpadded" and key_mask is not None and worth_packing(key_mask):
-            packed = Packed(key_mask)
-            x, states = self.encoder(packed.pack(x), packed, output_hidden_states)
+        packed = None
+        if packing is not None and packing.numel():
+            packed = Packed.from_layout(packing, key_mask)
+        elif packing is None and self.runtime.attn == "unpadded" and key_mask is not None and worth_packing(key_mask):
+            packed = Packed.from_mask(key_mask)
+        x = self.embeddings(input_ids, token_type_ids, packed)
+        if packed is None:
+            x, states = self.encoder(x, key_mask, output_hidden_states)
+        else:
+            x, states = self.encoder(x, packed, output_hidden_states)
             x = packed.unpack(x)
             states = None if states is None else tuple(packed.unpack(h) for h in states)
-        else:
-            x, states = self.encoder(x, key_mask, output_hidden_states)
         pooled = self.pooler(x) if self.pooler is not None else None
         return BertOutput(x, pooled, states)
 
@@ -360,11 +374,12 @@ class BertForPreTraining(BertPreTrainedModel):
         masked_lm_labels: torch.Tensor | None = None,
         next_sentence_label: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        packing: torch.Tensor | None = None,
     ) -> PreTrainingOutput:
         """masked_positions (B, P): where the MLM head runs (gathered before the V-way projection,
         so its cost is P rather than S per sequence); masked_lm_labels (B, P), or (B, S) without
         positions, with -100 in slots that carry no prediction; next_sentence_label (B,), 0 = IsNext."""
-        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states, packing)
         padded, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
         nsp_logits = self.cls.seq_relationship(out.pooler_output)
         nsp_loss = None
@@ -450,9 +465,10 @@ class BertForMaskedLM(BertPreTrainedModel):
         masked_positions: torch.Tensor | None = None,
         masked_lm_labels: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        packing: torch.Tensor | None = None,
     ) -> PreTrainingOutput:
         """As ``BertForPreTraining.forward`` without next-sentence prediction."""
-        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states, packing)
         padded, mlm_loss = _masked_lm(self.cls.predictions, out.last_hidden_state, masked_positions, masked_lm_labels)
         return PreTrainingOutput(mlm_loss, mlm_loss, None, _unpadded(padded, self.config.vocab_size), None,
                                  out.hidden_states, padded)
@@ -480,8 +496,9 @@ class BertForSequenceClassification(BertPreTrainedModel):
     def is_regression(self) -> bool:
         return self.config.problem_type == "regression" or self.config.num_labels == 1
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
-        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False,
+                packing=None):
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states, packing)
         logits = self.classifier(dropout(self.dropout, out.pooler_output, self.runtime.own_masks))  # (B, num_labels)
         loss = None
         if labels is not None:
@@ -507,8 +524,9 @@ class BertForTokenClassification(BertPreTrainedModel):
         self.init_weights()
         self.set_runtime(runtime)
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
-        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False,
+                packing=None):
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states, packing)
         logits = self.classifier(dropout(self.dropout, out.last_hidden_state, self.runtime.own_masks))  # (B, S, labels)
         loss = None
         if labels is not None:
@@ -535,9 +553,9 @@ class BertForQuestionAnswering(BertPreTrainedModel):
 
     def forward(
         self, input_ids, token_type_ids=None, attention_mask=None, start_positions=None, end_positions=None,
-        output_hidden_states=False,
+        output_hidden_states=False, packing=None,
     ) -> QAOutput:
-        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states)
+        out = self.bert(input_ids, token_type_ids, attention_mask, output_hidden_states, packing)
         start, end = self.qa_outputs(out.last_hidden_state).float().unbind(-1)  # (B, S) each
         if attention_mask is not None:
             # Padding is never an answer: out of the softmax over positions. Without this the loss would
@@ -570,11 +588,12 @@ class BertForMultipleChoice(BertPreTrainedModel):
         self.init_weights()
         self.set_runtime(runtime)
 
-    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False):
+    def forward(self, input_ids, token_type_ids=None, attention_mask=None, labels=None, output_hidden_states=False,
+                packing=None):
         """input_ids etc. (B, C, S); labels (B,) index of the right choice."""
         B, C, S = input_ids.shape
         flat = lambda t: None if t is None else t.reshape(B * C, S)  # noqa: E731
-        out = self.bert(flat(input_ids), flat(token_type_ids), flat(attention_mask), output_hidden_states)
+        out = self.bert(flat(input_ids), flat(token_type_ids), flat(attention_mask), output_hidden_states, packing)
         logits = self.classifier(dropout(self.dropout, out.pooler_output, self.runtime.own_masks)).view(B, C)
         loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
         return TaskOutput(loss, logits, out.hidden_states)

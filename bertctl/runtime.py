@@ -83,7 +83,7 @@ def resolve(device: str | None = "auto", precision: str = "auto", *, attn: str =
     name = resolve_device(device)
     kind = name.split(":")[0]
     prec = resolve_precision(precision, kind)
-    why = graphs_unsupported(device_type=kind, precision=prec, optimizer=optimizer, compile=compile, attn=attn)
+    why = graphs_unsupported(device_type=kind, precision=prec, optimizer=optimizer, compile=compile)
     graphs = graphs_wanted(cuda_graphs, why)
     if kernels not in KERNEL_CHOICES:
         raise BertctlError(f"kernels must be one of {KERNEL_CHOICES}, not {kernels!r}")
@@ -197,8 +197,8 @@ def resolve_attention(name: str, device_type: str, compiled: bool = False, packe
 # --------------------------------------------------------------------------- CUDA graphs
 
 
-def graphs_unsupported(*, device_type: str, precision: str, optimizer: str = "adamw", compile: bool = False,
-                       attn: str | None = None) -> str | None:
+def graphs_unsupported(*, device_type: str, precision: str, optimizer: str = "adamw",
+                       compile: bool = False) -> str | None:
     """Why whole-step CUDA graphs cannot run this job, or None when they can."""
     if device_type != "cuda":
         return "they need a CUDA device"
@@ -208,8 +208,6 @@ def graphs_unsupported(*, device_type: str, precision: str, optimizer: str = "ad
         return "only with AdamW"
     if compile:
         return "not with --compile"
-    if attn == "unpadded":
-        return "not with --attn unpadded (its sizes depend on the data)"
     return None
 
 

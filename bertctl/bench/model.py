@@ -8,12 +8,14 @@ LayerNorm), gradient clipping at 1.0:
   positions only (gathered before the vocabulary projection); batches trimmed to their longest
   sequence; loss sums normalised by host-side counts (no host sync in the step).
 - ``bertctl/unpadded``: the same with the ``unpadded`` attention: the encoder on the real
-  tokens only and FlashAttention's variable-length kernel (a batch with < 10% padding runs padded).
+  tokens only and FlashAttention's variable-length kernel, the batches packed on the host as the loader
+  packs them (``bertctl.nn.packing.layout``; a batch with < 10% padding runs padded).
 - ``bertctl/graphs`` (GPU): ``bertctl pretrain``'s own step, its default on a GPU: the one training
   engine and the pretraining objective (which also counts correct predictions), each step replayed as
   one CUDA graph (``bertctl.train.graphs``), inputs copied from pinned host memory as the loader
   gives them. The model and maths are ``bertctl``'s; the host issues one launch a step instead of
-  every kernel. Under torchrun the graph holds the gradient all-reduces too.
+  every kernel. Under torchrun the graph holds the gradient all-reduces too. ``bertctl/unpadded/graphs``:
+  the same step on packed batches (one graph per packed size).
 - ``hf``: ``transformers.BertForPreTraining(attn_implementation="sdpa")``, labels on all positions
   with -100 elsewhere (as HF's MLM collator makes them), the model's own loss.
 - ``+compile``: the same under ``torch.compile``; ``bertctl/torch-ops+compile`` compiles the model
@@ -134,7 +136,7 @@ def _train_step_fn(provider: str, model, opt, device_type: str = "cuda") -> Call
 
 
 def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dist,
-                    max_seq_length: int) -> Callable[[dict], None]:
+                    max_seq_length: int, pack: bool = False) -> Callable[[dict], None]:
     """``bertctl pretrain``'s step (the ``bertctl/graphs`` provider): the engine with the pretraining
     objective and whole-step CUDA graphs. The step of ``gpu_batches[i]`` trains on ``cpu_batches[i]``
     (pinned), which the engine copies into its graph's input buffers; under torchrun padded to
@@ -148,8 +150,8 @@ def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dis
     objective = PretrainingObjective()
     batch = int(cpu_batches[0]["input_ids"].shape[0])
     cfg = TrainConfig(batch_size=batch * dist.world_size, lr=1e-4, warmup_steps=0, show_progress=False)
-    engine = Engine(cfg, resolve(str(dist.device), "bf16", cuda_graphs=True), model, objective, dist=dist,
-                    max_steps=1 << 40)
+    engine = Engine(cfg, resolve(str(dist.device), "bf16", attn=model.runtime.attn, cuda_graphs=True), model,
+                    objective, dist=dist, max_steps=1 << 40)
     keys = ("input_ids", "token_type_ids", "attention_mask", "masked_positions", "masked_lm_labels",
             "next_sentence_label")
     one_length = dist.world_size > 1  # every rank captures and replays the same graphs: one length, as pretrain pads
@@ -160,7 +162,7 @@ def _engine_step_fn(model, cpu_batches: list[dict], gpu_batches: list[dict], dis
             for k in ("input_ids", "token_type_ids", "attention_mask"):
                 b[k] = torch.nn.functional.pad(b[k], (0, max_seq_length - b[k].shape[1]))
         steps[id(g)] = pretraining_step({k: v.pin_memory() for k, v in b.items()}, batch,
-                                        max_seq_length if one_length else PAD_MULTIPLE)
+                                        max_seq_length if one_length else PAD_MULTIPLE, pack and not one_length)
     stats = torch.zeros(len(objective.loss_terms) + len(objective.stat_names), device=dist.device)
 
     def step(b: dict) -> None:
@@ -176,7 +178,8 @@ def _infer_fn(provider: str, model, device_type: str = "cuda") -> Callable[[dict
     @torch.no_grad()
     def step(b: dict) -> None:
         with torch.autocast(device_type, dtype=torch.bfloat16):
-            fwd(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"])
+            fwd(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
+                packing=b.get("packing"))
 
     return step
 
@@ -258,8 +261,14 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                          else bertctl_model(conf, device, resolve(str(device), attn=attn, kernels=kernels)))
                 config = _config_of(model)
                 train_model = opt = None
-                if provider == "bertctl/graphs":
-                    step = _engine_step_fn(model, cpu_batches, gpu_batches, dist, seq)
+                batches = gpu_batches
+                if attn == "unpadded":  # packed on the host, as the loader packs them
+                    from bertctl.nn.packing import layout
+
+                    batches = [dict(g, packing=layout(c["attention_mask"]).to(device))
+                               for c, g in zip(cpu_batches, gpu_batches)]
+                if provider in ("bertctl/graphs", "bertctl/unpadded/graphs"):
+                    step = _engine_step_fn(model, cpu_batches, batches, dist, seq, pack=attn == "unpadded")
                 else:
                     train_model = model
                     if world > 1:
@@ -271,7 +280,7 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                 t0 = time.perf_counter()
-                sec = _time(step, gpu_batches, steps, warmup, device)
+                sec = _time(step, batches, steps, warmup, device)
                 mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
                 useful = statistics.mean(train_flops(config, *c) for c in counts)
                 n_params = sum(p.numel() for p in model.parameters())
@@ -289,10 +298,10 @@ def bench_model(cases: list[str] | None = None, providers: list[str] | None = No
                 log(f"train {case} {provider}: {row['seq_per_s']} seq/s, MFU {row['mfu']}, {row['peak_mem_gib']} GiB")
                 del opt, step, train_model
                 if inference and world == 1 and case == cases[0] and not provider.endswith("+compile") \
-                        and provider != "bertctl/graphs":
+                        and not provider.endswith("/graphs"):
                     model.eval()
                     f = _infer_fn(provider, model, device.type)
-                    sec = _time(f, gpu_batches, steps, warmup, device)
+                    sec = _time(f, batches, steps, warmup, device)
                     fl = statistics.mean(forward_flops(config, c[0], c[1], 0, c[3]) for c in counts)
                     irow = {"case": case, "provider": provider, "seq_per_s": round(batch / sec, 1),
                             "step_ms": round(sec * 1e3, 2), "model_tflops": round(fl / sec / 1e12, 1),

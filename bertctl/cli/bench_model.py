@@ -30,7 +30,8 @@ def bench_model_command(
 
     bertctl runs eagerly; bertctl/graphs is pretrain's own step (each step one CUDA graph, its GPU default).
 
-    bertctl/unpadded runs without padding; bertctl/explicit with explicit attention (matmuls, fused softmax).
+    bertctl/unpadded runs without padding, packed on the host; bertctl/unpadded/graphs is pretrain's step on
+    packed batches; bertctl/explicit runs explicit attention (matmuls, fused softmax).
 
     Under torchrun: bertctl in DistributedDataParallel (the case batch a GPU), bertctl/graphs with its all-reduces."""
     from bertctl.bench.model import CASES, bench_model
@@ -42,7 +43,8 @@ def bench_model_command(
         raise BertctlError(f"--cases: unknown {', '.join(bad)} (choose from {', '.join(CASES)})")
     if compare not in (None, "hf"):
         raise BertctlError(f"--compare: only 'hf' is supported, not {compare!r}")
-    providers = ["bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl/explicit"] + (["hf"] if compare else [])
+    providers = (["bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl/unpadded/graphs", "bertctl/explicit"]
+                 + (["hf"] if compare else []))
     if compile:
         providers += ["bertctl+compile", "bertctl/torch-ops+compile"] + (["hf+compile"] if compare else [])
     from bertctl.io import write_json

@@ -140,12 +140,19 @@ class Prefetcher:
 # --------------------------------------------------------------------------- pretraining
 
 
-def pretraining_step(batch: dict[str, torch.Tensor], micro_batch_size: int, multiple: int = PAD_MULTIPLE) -> StepBatch:
+def pretraining_step(batch: dict[str, torch.Tensor], micro_batch_size: int, multiple: int = PAD_MULTIPLE,
+                     pack: bool = False) -> StepBatch:
     """A rank batch of ``PretrainingData`` -> micro-batches and counts (``mlm`` = masked predictions,
-    ``nsp`` = sequences: the two loss terms' normalisers)."""
+    ``nsp`` = sequences: the two loss terms' normalisers); with ``pack``, each micro-batch with its packed
+    layout (``collate``)."""
     b = batch["input_ids"].shape[0]
     micro = [trim({k: v[start:start + micro_batch_size] for k, v in batch.items()}, multiple)
              for start in range(0, b, micro_batch_size)]
+    if pack:
+        from bertctl.nn.packing import layout
+
+        for m in micro:
+            m["packing"] = layout(m["attention_mask"])
     lengths = batch["attention_mask"].sum(dim=1).double()
     masked = float((batch["masked_lm_labels"] != IGNORE_INDEX).sum())
     counts = {"mlm": masked, "nsp": float(b), "sequences": float(b), "tokens": float(lengths.sum()),
@@ -238,9 +245,10 @@ def loss_count(feature: dict) -> int:
 
 
 def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTIPLE,
-            length: int | None = None) -> dict[str, torch.Tensor]:
+            length: int | None = None, pack: bool = False) -> dict[str, torch.Tensor]:
     """Stack task features into padded int64 tensors (padded to the longest, rounded up to ``multiple``,
-    or to ``length``).
+    or to ``length``); with ``pack``, plus the batch's packed layout (``packing``, ``bertctl.nn.packing``)
+    for a model whose attention is ``unpadded``.
 
     ``input_ids`` / ``token_type_ids`` are (S,) or (C, S) arrays (C choices); ``attention_mask``
     is derived from their lengths (``lengths`` per choice for multiple choice). ``labels`` may be a
@@ -275,7 +283,12 @@ def collate(features: Sequence[dict], pad_id: int = 0, multiple: int = PAD_MULTI
         else:
             dtype = np.float32 if isinstance(value, (float, np.floating)) else np.int64
             batch[key] = np.asarray([f[key] for f in features], dtype=dtype)
-    return {k: torch.from_numpy(v) for k, v in batch.items()}
+    out = {k: torch.from_numpy(v) for k, v in batch.items()}
+    if pack:
+        from bertctl.nn.packing import layout
+
+        out["packing"] = layout(out["attention_mask"])
+    return out
 
 
 def padded_ids(features: Sequence[dict], length: int, pad_id: int = 0) -> np.ndarray:
@@ -319,8 +332,14 @@ def median_step_length(features: Sequence[dict], batch_size: int, *, seed: int, 
                           for idx in epoch_batches(lengths, batch_size, seed, 0, group_by_length, world_size)]))
 
 
+def real_tokens(feature: dict) -> int:
+    """A feature's tokens that are not padding (a multiple-choice feature's over all its choices)."""
+    return int(sum(feature["lengths"])) if "lengths" in feature else feature_length(feature)
+
+
 def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_size: int, micro_batch_size: int | None,
-              pad_id: int = 0, pad_to: dict[int, int] | None = None) -> StepBatch:
+              pad_id: int = 0, pad_to: dict[int, int] | None = None, pack: bool = False,
+              pack_length: int | None = None) -> StepBatch:
     """One global batch ``idx`` of task features -> this rank's micro-batches and counts.
 
     Rank r takes the r-th of ``world_size`` near-equal contiguous slices. The loss term ``loss`` is
@@ -332,6 +351,10 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     normaliser (``global_counts``) and input ids (``every_ids``), so the step needs no collective to
     learn them. ``pad_to`` (from ``common_lengths``) pads a padded length further, to a longer one
     that more steps share.
+
+    ``pack``: each micro-batch carries its packed layout (``collate``), padded to ``pack_length`` when
+    given (the padding then costs no work, and one length keeps the CUDA graphs to one per packed size).
+    Several processes run padded (an empty layout), since every rank's graphs must take the same shapes.
     """
     import torch
 
@@ -347,7 +370,10 @@ def task_step(features: Sequence[dict], idx: np.ndarray, *, rank: int, world_siz
     totals = {"loss": float(sum(loss_count(features[i]) for i in idx))} if world_size > 1 else None
     for start in range(0, len(mine), micro_size):
         part = mine[start:start + micro_size]
-        mb = collate([features[i] for i in part], pad_id, length=length or _padded(lengths_of(features, part), pad_to))
+        own = pack_length if pack and world_size == 1 and pack_length else _padded(lengths_of(features, part), pad_to)
+        mb = collate([features[i] for i in part], pad_id, length=length or own, pack=pack and world_size == 1)
+        if pack and world_size > 1:
+            mb["packing"] = torch.empty(0, dtype=torch.int64)
         lengths = mb["attention_mask"].sum(dim=-1).double()
         counts["tokens"] += float(lengths.sum())
         counts["attn_pairs"] += float((lengths * lengths).sum())
@@ -368,14 +394,26 @@ def _padded(lengths: np.ndarray, pad_to: dict[int, int] | None) -> int:
 
 
 def shape_class(lengths: np.ndarray, idx: np.ndarray, world_size: int, micro_batch_size: int | None,
-                pad_to: dict[int, int] | None = None) -> tuple:
+                pad_to: dict[int, int] | None = None, real: np.ndarray | None = None,
+                pack_length: int | None = None, choices: int = 1) -> tuple:
     """What fixes the tensor shapes of the step ``task_step`` cuts from global batch ``idx``: several
     processes, the signature (the global longest, every rank's rows, the micro-batch size); one, each
-    micro-batch's rows and its own padded length. The same on every rank."""
+    micro-batch's rows and its own padded length, and packed (``real``: each feature's real tokens), its
+    packed row count. The same on every rank."""
+    from bertctl.nn.packing import packed_rows
+
     if world_size > 1:
         return (_padded(lengths[idx], pad_to), tuple(len(p) for p in np.array_split(idx, world_size)), micro_batch_size)
     size = micro_batch_size or len(idx)
-    return tuple((len(idx[s:s + size]), _padded(lengths[idx[s:s + size]], pad_to)) for s in range(0, len(idx), size))
+    shapes = []
+    for s in range(0, len(idx), size):
+        part = idx[s:s + size]
+        if real is None:
+            shapes.append((len(part), _padded(lengths[part], pad_to)))
+        else:
+            S = pack_length or _padded(lengths[part], pad_to)
+            shapes.append((len(part), S, packed_rows(int(real[part].sum()), len(part) * choices * S)))
+    return tuple(shapes)
 
 
 def common_lengths(counts: collections.Counter, min_steps: int) -> dict[int, int]:
@@ -417,29 +455,41 @@ def _global_batches(start_step: int, lengths: np.ndarray, batch_size: int, seed:
 
 def task_batches(features: Sequence[dict], batch_size: int, *, seed: int, start_step: int, steps_per_epoch: int,
                  group_by_length: bool, rank: int = 0, world_size: int = 1, micro_batch_size: int | None = None,
-                 max_steps: int | None = None, min_shape_steps: int | None = None) -> Iterator[StepBatch]:
+                 max_steps: int | None = None, min_shape_steps: int | None = None, pack: bool = False,
+                 fixed_length: bool = False) -> Iterator[StepBatch]:
     """Global step ``start_step`` onwards, epoch after epoch (seeking, never replaying). With ``max_steps``
     each step's ``shape_steps`` counts the steps from ``start_step`` to ``max_steps`` that share its
     shapes (``shape_class``), which tells the CUDA graphs which shapes are worth a capture; with
     ``min_shape_steps`` too, a padded length that fewer steps of the whole run share is padded further,
     to the next common one (``common_lengths``; decided from step 0, so a resumed run pads alike). Not
     with one process's micro-batches: each is padded to its own longest, and the step's shape is then
-    a combination of lengths that few steps share however the lengths are merged."""
+    a combination of lengths that few steps share however the lengths are merged.
+
+    ``pack`` (``task_step``): packed layouts, with ``fixed_length`` every micro-batch padded to the
+    task's longest feature, so that a step's shapes vary only with its packed row count (for the CUDA
+    graphs; the padding costs no work)."""
     lengths = np.asarray([feature_length(f) for f in features])
     args = (lengths, batch_size, seed, steps_per_epoch, group_by_length, world_size)
     plan = pad_to = None
+    packing = pack and world_size == 1
+    pack_length = round_up(int(lengths.max())) if packing and fixed_length else None
+    real = np.asarray([real_tokens(f) for f in features]) if packing else None
+    choices = int(features[0]["input_ids"].shape[0]) if features[0]["input_ids"].ndim == 2 else 1
     if max_steps is not None:
-        if min_shape_steps and min_shape_steps > 1 and (world_size > 1 or not micro_batch_size):
+        if not packing and min_shape_steps and min_shape_steps > 1 and (world_size > 1 or not micro_batch_size):
             pad_to = common_lengths(collections.Counter(  # one padded length a step: the global batch's
                 _padded(lengths[idx], None) for idx in itertools.islice(_global_batches(0, *args), max_steps)),
                 min_shape_steps)
-        plan = collections.Counter(shape_class(lengths, idx, world_size, micro_batch_size, pad_to)
+        plan = collections.Counter(shape_class(lengths, idx, world_size, micro_batch_size, pad_to, real, pack_length,
+                                               choices)
                                    for idx in itertools.islice(_global_batches(start_step, *args),
                                                                max(0, max_steps - start_step)))
     for idx in _global_batches(start_step, *args):
-        sb = task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size, pad_to=pad_to)
+        sb = task_step(features, idx, rank=rank, world_size=world_size, micro_batch_size=micro_batch_size, pad_to=pad_to,
+                       pack=pack, pack_length=pack_length)
         if plan is not None:
-            sb.shape_steps = plan[shape_class(lengths, idx, world_size, micro_batch_size, pad_to)]
+            sb.shape_steps = plan[shape_class(lengths, idx, world_size, micro_batch_size, pad_to, real, pack_length,
+                                              choices)]
         yield sb
 
 

@@ -20,7 +20,6 @@ last evaluation, so a signal there loses nothing (``fine_tune``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -83,7 +82,7 @@ def eager_ddp_note(runtime: Runtime, world_size: int, graphs_on: bool) -> str | 
     why = runtime.graphs_unsupported or "--no-cuda-graphs"
     return (f"note: {world_size} processes without CUDA graphs ({why}): each step waits on the host issuing its "
             f"kernels, and at a few dozen rows a GPU more GPUs can be slower than one (BERT-Large on SQuAD, 16 rows a "
-            f"GPU: 2 GPUs ran 0.74x one); CUDA graphs, the default, need bf16 or fp32, padded attention and no "
+            f"GPU: 2 GPUs ran 0.74x one); CUDA graphs, the default, need bf16 or fp32, AdamW and no "
             f"--compile")
 
 
@@ -95,6 +94,11 @@ def _dist(runtime: Runtime) -> distributed.Dist:
         dist.device = device
         torch.cuda.set_device(device)
     return dist
+
+
+def _unpadded(model: torch.nn.Module) -> bool:
+    """Whether the model runs the ``unpadded`` attention: its batches then come packed by the loader."""
+    return getattr(getattr(model, "runtime", None), "attn", None) == "unpadded"
 
 
 #: The batch fields a task's loss reads; the model's forward gets the rest, and returns logits only.
@@ -142,7 +146,7 @@ def predict(model: torch.nn.Module, features: Sequence[dict], *, outputs: Sequen
         batches = batches[shards.rank::shards.world_size]
     with track(description, len(features), disable=not progress) as advance, varied_shapes():
         for idx in batches:
-            batch = collate([features[i] for i in idx])
+            batch = collate([features[i] for i in idx], pack=_unpadded(model))
             if device.type == "cuda":  # pinned: the copy queues behind the GPU's work instead of waiting for it
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             batch = to_device(batch, device)
@@ -283,9 +287,6 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Finet
     steps = total_steps(len(train_features), cfg, W)
     run_dir = Path(output_dir) if output_dir is not None else None
     log = log if (log is not None and dist.is_main) else MetricsLog(None)
-    if runtime.cuda_graphs and not cfg.train.cuda_graphs \
-            and getattr(getattr(model, "runtime", None), "attn", None) == "unpadded":
-        runtime = dataclasses.replace(runtime, cuda_graphs=False)  # a model built unpadded: graphs by default only
     engine = Engine(cfg.train, runtime, model, TaskObjective(loss), dist=dist, max_steps=steps, run_dir=run_dir,
                     log=log, compile_dynamic=True, description="finetune")
     model = engine.model
@@ -381,7 +382,8 @@ def _fine_tune(engine: Engine, model, train_features, cfg: FinetuneConfig, *, ev
                                           start_step=engine.step, steps_per_epoch=per_epoch, group_by_length=cfg.group_by_length,
                                           rank=dist.rank, world_size=W, micro_batch_size=cfg.train.micro_batch_size,
                                           max_steps=steps,
-                                          min_shape_steps=cfg.train.graph_min_steps if runtime.cuda_graphs else None),
+                                          min_shape_steps=cfg.train.graph_min_steps if runtime.cuda_graphs else None,
+                                          pack=_unpadded(model), fixed_length=runtime.cuda_graphs),
                              lambda sb: sb, pin=pin)
         config = getattr(model, "config", None)
         long_steps = config is not None and cudnn_training_attention(

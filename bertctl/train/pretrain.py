@@ -83,7 +83,7 @@ def pretraining_sums(model, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     NSP head (``BertForMaskedLM``) gives no ``nsp_*`` entries.
     """
     out = model(mb["input_ids"], mb["token_type_ids"], mb["attention_mask"],
-                masked_positions=mb["masked_positions"])
+                masked_positions=mb["masked_positions"], packing=mb.get("packing"))
     logits = out.padded_prediction_logits.flatten(0, 1)              # (B·P, V' >= V), extra columns -inf
     labels = mb["masked_lm_labels"].flatten()                        # (B·P,)
     loss, predicted = masked_lm_cross_entropy(_runtime(model).fused, logits, labels)
@@ -490,7 +490,8 @@ class Trainer:
         multiple = 64 if cfg.train.compile or self.use_graphs else 8
         if self.use_graphs and self.dist.world_size > 1:
             multiple = self.data.max_seq_length
-        loader = Prefetcher(self._batches(self.step), lambda b: pretraining_step(b, self.micro, multiple),
+        pack = self.runtime.attn == "unpadded" and self.dist.world_size == 1  # the loader packs: no host sync
+        loader = Prefetcher(self._batches(self.step), lambda b: pretraining_step(b, self.micro, multiple, pack),
                             pin=self.device.type == "cuda")
         t_start = time.monotonic()
         start_step = self.step

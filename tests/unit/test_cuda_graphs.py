@@ -167,10 +167,10 @@ def test_no_memory_to_capture_is_one_clear_error_naming_the_way_out(monkeypatch)
 def test_where_graphs_do_not_apply():
     from bertctl.runtime import graphs_unsupported
 
-    ok = dict(device_type="cuda", precision="bf16", optimizer="adamw", compile=False, attn="sdpa")
+    ok = dict(device_type="cuda", precision="bf16", optimizer="adamw", compile=False)
     assert graphs_unsupported(**ok) is None
     for change, words in [({"device_type": "cpu"}, "CUDA"), ({"precision": "fp16"}, "fp16"), ({"optimizer": "lamb"}, "AdamW"),
-                          ({"compile": True}, "--compile"), ({"attn": "unpadded"}, "unpadded")]:
+                          ({"compile": True}, "--compile")]:
         assert words in graphs_unsupported(**{**ok, **change})
 
 

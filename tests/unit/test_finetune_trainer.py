@@ -279,7 +279,7 @@ def test_several_gpus_stepping_eagerly_get_a_note_naming_why():
 
     def on_gpu(precision="bf16", compile=False):  # the runtime resolve() gives on a GPU (this machine may have none)
         return Runtime(device="cuda:0", precision=precision, compile=compile, graphs_unsupported=graphs_unsupported(
-            device_type="cuda", precision=precision, compile=compile, attn="auto"))
+            device_type="cuda", precision=precision, compile=compile))
 
     compiled = on_gpu(compile=True)
     note = T.eager_ddp_note(compiled, 2, graphs_on=False)
