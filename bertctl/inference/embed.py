@@ -543,7 +543,7 @@ def run_embed(inputs: list[Path], model: Path, output: Path, *, field: str | Non
     except KeyboardInterrupt as e:
         terminated = isinstance(e, _Terminated)
         print(f"bertctl: {'terminated' if terminated else 'interrupted'}: {kept}", file=sys.stderr)
-        raise SystemExit(143 if terminated else 130) from None
+        raise SystemExit(130) from None  # as build-data ends on either: an interrupt, not a failure
     except OSError as e:
         what = describe_os_error(e) if e.filename is not None else f"{output}: {describe_os_error(e)}"
         raise BertctlError(f"{what}; {kept}") from None
