@@ -77,6 +77,47 @@ def require_onnx() -> None:
         raise BertctlError(f"ONNX export needs {', '.join(missing)}: pip install 'bertctl[onnx]'")
 
 
+def check_export(directory: Path, output: Path, architecture: str | None, attn_implementation: str,
+                 opset: int) -> str:
+    """Every check ``export_onnx`` can make before its work (and before torch loads): the flags, the
+    packages, the checkpoint's architecture, and the output (``probe_output``). Returns the architecture."""
+    require_onnx()
+    if attn_implementation not in EXPORTABLE_ATTENTION:
+        raise BertctlError(f"--attn must be one of {', '.join(EXPORTABLE_ATTENTION)} for an exported graph, "
+                           f"not {attn_implementation!r}")
+    if opset < 17:
+        raise BertctlError(f"--opset must be at least 17 (LayerNormalization), not {opset}")
+    architecture = resolve_architecture(directory, architecture)
+    probe_output(output, directory)
+    return architecture
+
+
+def export_bytes(config) -> int:
+    """About the bytes an fp32 export of a model of ``config`` (a ``BertConfig``) holds: its weights."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    embeddings = (config.vocab_size + config.max_position_embeddings + config.type_vocab_size) * h
+    return 4 * (embeddings + layers * (4 * h * h + 2 * h * config.intermediate_size) + h * h)
+
+
+def probe_output(output: Path, directory: Path) -> None:
+    """Refuse, before any work, an ``output`` that cannot be written (a real file created and removed
+    beside it) or whose file system has less free space than the export will take; the errors name
+    ``output``, the user's path."""
+    import shutil
+
+    from bertctl.checkpoints.hf import load_config
+    from bertctl.io import check_writable
+
+    check_writable(output)
+    base = output.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    need, free = export_bytes(load_config(directory)), shutil.disk_usage(base).free
+    if free < need:
+        raise BertctlError(f"{output}: no room for the export: about {need / 2 ** 20:,.0f} MiB, and {base} has "
+                           f"{free / 2 ** 20:,.0f} MiB free; free some space or write somewhere else")
+
+
 def resolve_architecture(directory: str | Path, architecture: str | None) -> str:
     """``architecture`` if given, else the first of config.json's ``architectures`` bertctl exports.
 
@@ -229,16 +270,10 @@ def export_onnx(directory: str | Path, output: str | Path, *, architecture: str 
 
     Nothing is written under ``output`` unless every output matches within ``tolerance``.
     """
-    require_onnx()
-    if attn_implementation not in EXPORTABLE_ATTENTION:
-        raise BertctlError(f"--attn must be one of {', '.join(EXPORTABLE_ATTENTION)} for an exported graph, "
-                           f"not {attn_implementation!r}")
-    if opset < 17:
-        raise BertctlError(f"--opset must be at least 17 (LayerNormalization), not {opset}")
+    directory, output = Path(directory), Path(output)
+    architecture = check_export(directory, output, architecture, attn_implementation, opset)
     import torch
 
-    directory, output = Path(directory), Path(output)
-    architecture = resolve_architecture(directory, architecture)
     module = load_for_export(directory, architecture, attn_implementation, hidden_states)
     config = module.model.config
     head = HEADS[architecture]
@@ -261,14 +296,17 @@ def export_onnx(directory: str | Path, output: str | Path, *, architecture: str 
     program.model.metadata_props.update({"bertctl.architecture": architecture, "bertctl.source": str(directory),
                                          "bertctl.attn_implementation": attn_implementation})
     with atomic_path(output) as tmp:
-        program.save(tmp, external_data=False)
+        try:
+            program.save(tmp, external_data=False)
+        except OSError as e:  # named by the user's path, not the temporary one it was written under
+            raise OSError(e.errno, e.strerror, str(output)) from None
         session = ort_session(tmp)
         check = sample_inputs(config, architecture, 3, min(13, config.max_position_embeddings), rng)
         diffs = compare(session, module, check)
         worst = max(diffs.values())
         if not worst <= tolerance:  # NaN fails too
             raise BertctlError(f"{directory}: the exported {architecture} differs from PyTorch under onnxruntime by "
-                               f"{worst:.3g} (> {tolerance:g}): {diffs}; nothing written")
+                               f"{worst:.3g} (> {tolerance:g}): {diffs}; nothing written to {output}")
     import onnxruntime
 
     return {
