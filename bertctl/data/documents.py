@@ -66,6 +66,7 @@ from bertctl.errors import BertctlError, where
 from .sentences import split_paragraphs
 
 FORMATS = ("lines", "text", "jsonl", "wikiextractor", "parquet", "arrow")
+FIRST_PLACES = 3  # places named in a note on skipped lines
 STDIN = "-"
 # A folder walked for these formats with the default pattern "*" yields only their files
 # (a datasets cache folder also holds dataset_info.json, state.json and lock files).
@@ -93,10 +94,18 @@ class ReadStats:
     cut_documents: int = 0  # documents cut at max_document_bytes (memory bound)
     lines_read: int = 0  # --format lines: non-blank lines, and those ending mid-sentence (prose wrapped across lines)
     lines_mid_sentence: int = 0
+    # For the notes on stderr, not the summary (whose layout stays): the first few places of each skip,
+    # the fields of the first JSON object that lacked the text field, and how the non-UTF-8 lines were decoded.
+    skipped_at: dict = field(default_factory=dict)  # reason -> [location, ...] (at most FIRST_PLACES)
+    fields_seen: list | None = None
+    decoded: dict = field(default_factory=dict)  # "cp1252" / "latin-1" -> lines
 
     def skip_line(self, reason: str, location: str) -> None:
         entry = self.skipped_lines.setdefault(reason, {"count": 0, "first": location})
         entry["count"] += 1
+        places = self.skipped_at.setdefault(reason, [])
+        if len(places) < FIRST_PLACES:
+            places.append(location)
 
     def to_dict(self) -> dict:
         return {
@@ -112,15 +121,25 @@ class ReadStats:
         """One line for each kind of input that was skipped or read otherwise than as given, for stderr."""
         out = []
         for reason, entry in self.skipped_lines.items():
-            out.append(f"skipped {entry['count']:,} line(s): {reason} (the first at {entry['first']})")
+            places = self.skipped_at.get(reason) or [entry["first"]]
+            more = entry["count"] - len(places)
+            where_ = (f"at {', '.join(places)}" if more <= 0 else f"the first at {', '.join(places)}")
+            note = f"skipped {entry['count']:,} line(s): {reason} ({where_})"
+            if reason.startswith("no string field") and self.fields_seen is not None:
+                shown = ", ".join(repr(k) for k in self.fields_seen[:8]) or "none"
+                note += f"; the first such object's fields: {shown} (choose the text's with --text-field)"
+            out.append(note)
         if self.skipped_inputs:
             first = ", ".join(f"{s['path']} ({s['reason']})" for s in self.skipped_inputs[:most])
             more = f" and {len(self.skipped_inputs) - most} more" if len(self.skipped_inputs) > most else ""
             out.append(f"skipped {len(self.skipped_inputs)} input file(s): {first}{more}")
         if self.non_utf8_files:
             more = f" and {len(self.non_utf8_files) - most} more" if len(self.non_utf8_files) > most else ""
-            out.append(f"{len(self.non_utf8_files)} file(s) not UTF-8, their other lines read as cp1252: "
-                       f"{', '.join(self.non_utf8_files[:most])}{more}")
+            how = f"{self.decoded.get('cp1252', 0):,} line(s) decoded as cp1252"
+            if self.decoded.get("latin-1"):
+                how += f" and {self.decoded['latin-1']:,} as latin-1 (bytes cp1252 leaves undefined)"
+            out.append(f"read {len(self.non_utf8_files)} file(s) that are not all UTF-8: {how}, every other line as "
+                       f"UTF-8, none skipped: {', '.join(self.non_utf8_files[:most])}{more}")
         if self.cut_documents:
             out.append(f"{self.cut_documents} document(s) cut where they outgrew the per-document memory bound")
         # Sentence-per-line text ends most lines with a sentence; wrapped prose ends most mid-sentence.
@@ -372,15 +391,15 @@ def display_name(path: str | os.PathLike) -> str:
     return "<stdin>" if str(path) == STDIN else str(path)
 
 
-def _decode(raw: bytes) -> tuple[str, bool]:
-    """Decode one line by the policy above; returns (text, was_utf8)."""
+def _decode(raw: bytes) -> tuple[str, str]:
+    """Decode one line by the policy above; returns (text, the encoding it was decoded as)."""
     try:
-        return raw.decode("utf-8"), True
+        return raw.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
         try:
-            return raw.decode("cp1252"), False
+            return raw.decode("cp1252"), "cp1252"
         except UnicodeDecodeError:
-            return raw.decode("latin-1"), False
+            return raw.decode("latin-1"), "latin-1"
 
 
 def _raw_lines(head: bytes, f: BinaryIO) -> Iterator[bytes]:
@@ -410,10 +429,12 @@ def _lines(path: Path, stats: ReadStats) -> Iterator[tuple[str, int]]:
         first = True
         for raw in _raw_lines(head, f):
             stats.bytes += len(raw)
-            text, ok = _decode(raw)
-            if not ok and utf8:
-                utf8 = False
-                stats.non_utf8_files.append(name)
+            text, encoding = _decode(raw)
+            if encoding != "utf-8":
+                stats.decoded[encoding] = stats.decoded.get(encoding, 0) + 1
+                if utf8:
+                    utf8 = False
+                    stats.non_utf8_files.append(name)
             if first:
                 text = text.lstrip("\ufeff")
                 first = False
@@ -555,7 +576,11 @@ def _jsonl_texts(path: Path, stats: ReadStats, text_field: str) -> Iterator[tupl
             continue
         text = obj.get(text_field) if isinstance(obj, dict) else None
         if not isinstance(text, str):
-            stats.skip_line(f"no string field {text_field!r}", where(display_name(path), lineno))
+            if isinstance(obj, dict) and stats.fields_seen is None:
+                stats.fields_seen = list(obj)
+            reason = (f"no string field {text_field!r}" if isinstance(obj, dict) else
+                      "not a JSON object")
+            stats.skip_line(reason, where(display_name(path), lineno))
             continue
         yield text, n
 

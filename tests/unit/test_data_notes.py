@@ -37,8 +37,22 @@ def test_invalid_jsonl_lines_are_counted_on_stderr(tmp_path, minilm_vocab):
     (tmp_path / "in.jsonl").write_text("\n".join(rows) + "\n")
     p = build(tmp_path, minilm_vocab, str(tmp_path / "in.jsonl"), "--format", "jsonl")
     assert p.returncode == 0, p.stderr
-    assert "skipped 2 line(s): not valid JSON (the first at" in p.stderr and "in.jsonl:3" in p.stderr
-    assert "skipped 1 line(s): no string field 'text'" in p.stderr and "in.jsonl:8" in p.stderr
+    src = tmp_path / "in.jsonl"
+    assert f"skipped 2 line(s): not valid JSON (at {src}:3, {src}:10)\n" in p.stderr
+    assert (f"skipped 1 line(s): no string field 'text' (at {src}:8); the first such object's fields: 'body' "
+            f"(choose the text's with --text-field)") in p.stderr
+
+
+def test_many_invalid_lines_name_the_first_three_and_count_all(tmp_path, minilm_vocab):
+    good = json.dumps({"text": "One sentence here. And another one there."})
+    bad = {4, 9, 11, 20, 31}  # line numbers, from 1
+    (tmp_path / "in.jsonl").write_text("\n".join("[1, 2" if n in bad else good for n in range(1, 41)) + "\n")
+    p = build(tmp_path, minilm_vocab, str(tmp_path / "in.jsonl"), "--format", "jsonl")
+    assert p.returncode == 0, p.stderr
+    src = tmp_path / "in.jsonl"
+    assert f"skipped 5 line(s): not valid JSON (the first at {src}:4, {src}:9, {src}:11)" in p.stderr
+    summary = json.loads(p.stdout)  # the summary keeps its layout: the count and the first place
+    assert summary["skipped"]["lines"]["not valid JSON"] == {"count": 5, "first": f"{src}:4"}
 
 
 def test_no_instances_names_what_was_skipped(tmp_path, minilm_vocab):
@@ -48,3 +62,21 @@ def test_no_instances_names_what_was_skipped(tmp_path, minilm_vocab):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, p.stderr
     assert "no instances" in lines[0] and "skipped 5 line(s): no string field 'text'" in lines[0]
+    assert "the first such object's fields: 'body' (choose the text's with --text-field)" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_utf8_files_say_how_they_were_decoded(tmp_path, minilm_vocab):
+    """Per line: UTF-8, else cp1252, else latin-1 (0x81 is one of the bytes cp1252 leaves undefined)."""
+    utf8 = "The caf\u00e9 opened. It was busy.\n\n"
+    (tmp_path / "a.txt").write_bytes((utf8 * 10).encode() + b"A caf\xe9 here. Two \x93quotes\x94 there.\n"
+                                     + b"Odd \x81 byte. Still read.\n")
+    (tmp_path / "b.txt").write_bytes(b"Plain caf\xe9 line one. And two.\n" * 3)
+    (tmp_path / "c.txt").write_bytes((utf8 * 5).encode())
+    p = build(tmp_path, minilm_vocab, str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), str(tmp_path / "c.txt"),
+              "--format", "lines")
+    assert p.returncode == 0, p.stderr
+    assert (f"read 2 file(s) that are not all UTF-8: 4 line(s) decoded as cp1252 and 1 as latin-1 (bytes cp1252 "
+            f"leaves undefined), every other line as UTF-8, none skipped: {tmp_path / 'a.txt'}, "
+            f"{tmp_path / 'b.txt'}") in p.stderr
+    assert json.loads(p.stdout)["non_utf8_files"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
