@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--separate", action="store_true", help="Run every seed alone too, not only the first.")
     ap.add_argument("--limit", type=int, help="Train on the first N rows only (a quick check).")
     ap.add_argument("--max-steps", type=int, help="Passed to each run (a quick check).")
+    ap.add_argument("--epochs", type=float, help="Passed to each run (default: the task's recipe).")
     ap.add_argument("--work", type=Path, help="Folder for the runs (default: a temporary one).")
     ap.add_argument("-o", "--output", type=Path, required=True)
     args = ap.parse_args()
@@ -61,6 +62,8 @@ def main() -> None:
             "--model", str(args.model), "--device", args.device, "--no-progress"]
     if args.max_steps:
         base += ["--max-steps", str(args.max_steps)]
+    if args.epochs:
+        base += ["--epochs", str(args.epochs)]
     seeds = [args.seed + i for i in range(args.restarts)]
     alone = {}
     for seed in seeds if args.separate else seeds[:1]:
@@ -87,7 +90,7 @@ def main() -> None:
     launched = next((line for line in (work / "suite.log").read_text().splitlines() if line.startswith("suite:")), "")
     result = {"environment": environment(args.device if args.device != "auto" else
                                          ("cuda" if __import__("torch").cuda.is_available() else "cpu")),
-              "task": args.task, "model": str(args.model), "restarts": args.restarts, "one_run_seconds": one,
+              "task": args.task, "model": str(args.model), "epochs": args.epochs, "restarts": args.restarts, "one_run_seconds": one,
               "suite_seconds": suite_seconds, "ratio": suite_seconds / one, "target_ratio": 1.5,
               "suite_plan": launched, "per_seed": per_seed,
               "mean": task["grid"][0]["mean"], "std": task["grid"][0]["std"], "chosen": task["chosen"]["run"]}

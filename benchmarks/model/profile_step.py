@@ -18,7 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bertctl.bench import harness
-from bertctl.bench.model import CASES, _train_step_fn, bertctl_model, synthetic_batches
+from bertctl.bench.model import CASES, MIXED_CASES, _train_step_fn, bertctl_model, synthetic_batches
+from bertctl.nn.packing import layout
 from bertctl.config import BertConfig
 from bertctl.runtime import resolve
 from bertctl.train.optim import build_optimizer
@@ -52,9 +53,11 @@ def main() -> None:
     config = BertConfig.preset(size)
     model = bertctl_model(config, "cuda", resolve("cuda", attn=args.attn, kernels=args.kernels))
     opt = build_optimizer(model, "adamw", lr=1e-4, fused=True)
-    batches = synthetic_batches(config.vocab_size, seq, batch, 4)
+    batches = synthetic_batches(config.vocab_size, seq, batch, 4, mixed=args.case in MIXED_CASES)
     dev = []
     for b in batches:
+        if args.attn == "unpadded":  # packed on the host, as the loader packs them
+            b["packing"] = layout(b["attention_mask"])
         d = {k: v.cuda() for k, v in b.items() if k != "hf_labels"}
         d["n_masked"] = float((b["masked_lm_labels"] != -100).sum())
         dev.append(d)

@@ -274,6 +274,7 @@ def test_a_packed_step_replays_as_a_cuda_graph_like_the_eager_step():
     """The engine's whole-step graph over packed batches: the same losses and weights as eager steps."""
     from bertctl.config import TrainConfig
     from bertctl.tasks.trainer import TaskObjective, label_loss
+    from bertctl.train import distributed
     from bertctl.train.engine import Engine
 
     conf = BertConfig(vocab_size=97, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
@@ -285,9 +286,9 @@ def test_a_packed_step_replays_as_a_cuda_graph_like_the_eager_step():
         torch.manual_seed(0)
         model = BertForSequenceClassification(conf, resolve("cuda", attn="unpadded"))
         cfg = TrainConfig(batch_size=16, lr=1e-3, warmup_steps=0, show_progress=False, device="cuda")
-        engine = Engine(cfg, resolve("cuda", "bf16", cuda_graphs=graphs), model, TaskObjective(label_loss), max_steps=12)
-        stats = torch.zeros(len(TaskObjective(label_loss).loss_terms) + len(TaskObjective(label_loss).stat_names),
-                            device="cuda")
+        engine = Engine(cfg, resolve("cuda", "bf16", cuda_graphs=graphs), model, TaskObjective(label_loss),
+                        dist=distributed.Dist(device=torch.device("cuda", torch.cuda.current_device())), max_steps=12)
+        stats = torch.zeros(1, device="cuda")
         steps = batching.task_batches(feats, 16, seed=0, start_step=0, steps_per_epoch=6, group_by_length=False,
                                       max_steps=12, pack=True, fixed_length=True)
         for _, sb in zip(range(12), steps):
