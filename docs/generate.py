@@ -60,11 +60,13 @@ def table(header: list[str], rows: list[list[str]], right_from: int = 1) -> list
 
 # --- the training step against transformers ---------------------------------------------------
 
-MODEL_FILES = ["model-h200-b401318.json", "model-h200-d2af69e.json", "model-h100.json"]
+MODEL_FILES = ["model-padding-free-h200-a259644.json", "model-h200-b401318.json", "model-h200-d2af69e.json",
+               "model-h100.json"]
 PROVIDERS = {
     "bertctl": "bertctl, eager",
     "bertctl/graphs": "bertctl, CUDA graphs",
     "bertctl/unpadded": "bertctl, unpadded",
+    "bertctl/unpadded/graphs": "bertctl, unpadded, CUDA graphs",
     "bertctl+compile": "bertctl, `torch.compile`",
     "hf": "transformers",
     "hf+compile": "transformers, `torch.compile`",
@@ -94,6 +96,27 @@ def model_step() -> list[str]:
         out += table(["case", "model", "sequences/s", "ms a step", "peak GiB", "against transformers"],
                      rows, right_from=2)
     return out
+
+
+def padding_free() -> list[str]:
+    """Real tokens a second on mixed lengths against full-length batches, in the same run (issue: padding-free)."""
+    name = MODEL_FILES[0]
+    d = load(name)
+    rows_by = {(r["case"], r["provider"]): r for r in d["train"] if "tokens_per_s" in r}
+    out = ["### Padding-free: real tokens a second", "",
+           "The same run as the first table above: real (non-padding) tokens a second, and each mixed-length "
+           "figure against the 128-token case in the same step mode (the padded step's for the unpadded "
+           f"providers) ({link(name)}).", ""]
+    full = {"bertctl": "bertctl", "bertctl/unpadded": "bertctl", "bertctl/graphs": "bertctl/graphs",
+            "bertctl/unpadded/graphs": "bertctl/graphs", "hf": "hf"}
+    rows = []
+    for (case, provider), r in rows_by.items():
+        if provider not in full:
+            continue
+        ref = rows_by.get(("base-128", full[provider]))
+        against = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}×" if ref and case == "base-mixed" else ""
+        rows.append([f"`{case}`", PROVIDERS[provider], num(r["tokens_per_s"]), against])
+    return out + table(["case", "model", "real tokens/s", "mixed against 128 tokens"], rows, right_from=2)
 
 
 def model_history() -> list[str]:
@@ -457,10 +480,10 @@ def readme_summary() -> list[str]:
     step = load(MODEL_FILES[0])
     hf = {r["case"]: r["seq_per_s"] for r in step["train"] if r["provider"] == "hf"}
     base = next(r for r in step["train"] if r["case"] == "base-128" and r["provider"] == "bertctl")
-    cases = load(MODEL_FILES[1])
+    cases = load(MODEL_FILES[0])
     hf_cases = {r["case"]: r["seq_per_s"] for r in cases["train"] if r["provider"] == "hf"}
     case_ratios = [r["seq_per_s"] / hf_cases[r["case"]] for r in cases["train"]
-                   if r["provider"] in ("bertctl", "bertctl/graphs", "bertctl/unpadded")]
+                   if r["provider"] in ("bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl/unpadded/graphs")]
     gpu_embed = load(EMBED_FILES[0])
     cpu_embed = [load(f)["speedup_median"] for f in EMBED_FILES if "-cpu-" in f]
     conv = load("convergence-seeds-h200-f29cc4e.json")
@@ -492,7 +515,7 @@ def readme_with_summary(readme: str) -> str:
     return readme[:start] + "\n".join(readme_summary()) + readme[end:]
 
 
-SECTIONS = [model_step, model_history, model_scaling, trajectory, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
+SECTIONS = [model_step, padding_free, model_history, model_scaling, trajectory, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
 
 
 def render() -> str:
