@@ -11,7 +11,7 @@ namespace encoder {
 
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 enum class Act : int { gelu = 0, gelu_tanh = 1, relu = 2 };
-// sentence-transformers' Pooling modes, bertctl.embed.pool's order.
+// sentence-transformers' Pooling modes, in bertctl.inference.pooling's order.
 enum class Pool : int { cls = 0, mean = 1, max = 2, mean_sqrt_len = 3, weighted_mean = 4, last = 5 };
 
 constexpr int kMaxHidden = 1024;  // one warp a LayerNorm row, 32 values a lane

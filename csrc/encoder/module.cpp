@@ -458,7 +458,7 @@ std::string device_name(int device) {
 }  // namespace
 
 PYBIND11_MODULE(_encoder, m) {
-    m.doc() = "A BERT encoder's inference forward pass and pooling on one GPU, without torch (bertctl/native.py).";
+    m.doc() = "A BERT encoder's inference forward pass and pooling on one GPU, without torch (bertctl/inference/backends/native.py).";
     m.def("device_count", &device_count, "CUDA devices visible (0 without a driver or a device).");
     m.def("device_name", &device_name, py::arg("device"));
     m.def("start_device", &start_device, py::arg("device"), py::call_guard<py::gil_scoped_release>(),
