@@ -335,3 +335,22 @@ def test_many_batches_and_chunks_match_torch(gpu_native, minilm_dir, shared_data
     got = embed_texts(encoder, tokenizer, texts, config, progress=False)
     assert got.shape == want.shape == (len(texts), 2 * 4 * 384)
     np.testing.assert_allclose(got, want, atol=3e-5 * np.abs(want).max(), rtol=0)
+
+
+@cuda
+@pytest.mark.parametrize("pooling", ["mean", "cls,max"])
+def test_long_texts_chunk_as_on_torch(gpu_native, minilm_dir, shared_data, pooling):
+    """--long chunk on the native encoder: the windows' vectors pooled into one a text, as the torch
+    backend pools them (tests/unit/test_embed_long.py checks torch's against windows embedded by hand)."""
+    from bertctl.inference.backends import load_encoder
+    from bertctl.inference.embed import embed
+    from bertctl.text import load_tokenizer
+
+    words = (shared_data / "corpus" / "gutenberg" / "austen-emma.txt").read_text(encoding="utf-8").split()
+    texts = [" ".join(words[i:i + n]) for i, n in zip(range(0, 40_000, 2_000), [5, 300, 900, 40, 2_000] * 4)]
+    tokenizer = load_tokenizer(minilm_dir)
+    config = EmbedConfig(pooling=pooling, normalize=True, max_length=128, long="chunk", stride=32)
+    want = embed(load_encoder(minilm_dir, torch.device("cuda")), tokenizer, texts, config, progress=False)
+    got = embed(native.NativeEncoder(minilm_dir, "cuda:0", "fp32"), tokenizer, texts, config, progress=False)
+    assert got.summary["chunked"] == want.summary["chunked"] >= 12 and got.summary["backend"] == "native"
+    np.testing.assert_allclose(got.vectors, want.vectors, atol=2e-5)
