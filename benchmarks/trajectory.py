@@ -142,13 +142,13 @@ def measure(args, log) -> dict:
     if "embed" in args.only:
         raw["embed"] = []
         cases = [("short", minilm, files["short"], None, ["auto"]),
-                 ("passages", minilm, files["passages"], 256, ["torch", "native"]),
-                 ("long", base, files["long"], 512, ["torch", "native"])]
+                 ("passages", minilm, files["passages"], 256, ["auto", "torch", "native"]),
+                 ("long", base, files["long"], 512, ["auto", "torch", "native"])]
         for name, model, path, max_len, backends in cases:
             n = sum(1 for _ in open(path))
             for backend in backends:
                 cmd = py + ["embed", "--model", str(model), "-o", str(work / "vectors.npy"), str(path), "--device", "cuda",
-                            "--precision", "fp16", "--backend", backend, "--no-progress"]
+                            "--precision", "fp16", "--backend", backend, "--no-progress", "--overwrite"]
                 if max_len:
                     cmd += ["--max-seq-length", str(max_len)]
                 walls = [run(cmd, tree, log)[0] for _ in range(args.repeats)]
