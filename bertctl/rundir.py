@@ -228,7 +228,7 @@ def _shown(value) -> str:
 
 def flag_name(name: str) -> str:
     """A parameter's flag, as the user types it (``compile_`` is ``--compile``)."""
-    return "--" + name.rstrip("_").replace("_", "-")
+    return name if name.startswith("--") else "--" + name.rstrip("_").replace("_", "-")
 
 
 def check_resume(saved: dict | None, given: dict, may_change: Iterable[str], *, folder: Path, command: str,

@@ -62,7 +62,12 @@ def pretrain_command(
     precision: str = opt.PRECISION,
     device: str = opt.DEVICE,
     # checkpoints
-    resume: bool = opt.RESUME,
+    resume: bool = opt.resume_option("--no-progress, --log-every, --tensorboard, --save-every, --save-minutes, "
+                                     "--keep, --device, --micro-batch-size, --compile, --cuda-graphs, --eval-every, "
+                                     "--eval-batches and --minutes; flags not given take the run's values, and "
+                                     "--max-steps may change with --extend-schedule"),
+    extend_schedule: bool = typer.Option(False, "--extend-schedule", help="With --resume and a larger --max-steps: "
+                                         "re-plan the lr decay from the step reached to end at the new last step."),
     overwrite: bool = opt.OVERWRITE,
     save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps.",
                                              show_default="by --save-minutes"),
@@ -79,13 +84,17 @@ def pretrain_command(
     tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Pretrain BERT with masked LM + next-sentence prediction; prints a JSON summary on stdout."""
-    options = _config_options(**locals())  # every flag above, by name
+    flags = dict(locals())
+    extend = flags.pop("extend_schedule")
+    if extend and not resume:
+        raise BertctlError("--extend-schedule continues a run: give it with --resume")
+    options = _config_options(**flags)  # every flag above, by name
     if data is None:
         from bertctl.default_job import run_default_job
 
         summary = run_default_job(output or Path("bertctl-default-run"), **options)
     else:
-        summary = _pretrain_on(data, output, options)
+        summary = _pretrain_on(data, output, options, extend)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 prints
         print(json.dumps(summary, indent=2, default=str))
 
@@ -120,12 +129,32 @@ def _str(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
 
-def _pretrain_on(data: Path, output: Path, options: dict) -> dict:
-    """Pretraining on ``data``'s shards, with this machine's defaults for what was not given."""
+#: The flags whose default is "not given" (None): a resumed run takes the run's own values for them.
+RUN_VALUES = ("model_size", "batch_size", "lr", "eval_every", "max_steps", "warmup_steps", "minutes", "micro_batch_size")
+
+
+def saved_options(output: Path) -> dict:
+    """The options of the run in ``output``, from its newest checkpoint's meta.json (read without torch)."""
+    steps = sorted((output / "checkpoints").glob("step-*/meta.json"))
+    for meta in reversed(steps):
+        if (meta.parent / "state.pt").is_file():
+            try:
+                return json.loads(meta.read_text())["configs"]["training"]
+            except (OSError, ValueError, KeyError):
+                return {}
+    return {}
+
+
+def _pretrain_on(data: Path, output: Path, options: dict, extend_schedule: bool = False) -> dict:
+    """Pretraining on ``data``'s shards, with this machine's defaults for what was not given (a resumed run:
+    the run's own values)."""
     from bertctl.config import PretrainConfig
     from bertctl.data.dataset import find_manifest
     from bertctl.train.pretrain import PRESET_LR, pretrain
 
+    if options["resume"]:
+        saved = saved_options(output)
+        options = {**options, **{k: saved[k] for k in RUN_VALUES if options[k] is None and saved.get(k) is not None}}
     find_manifest(data)  # a wrong --data fails before any note about the defaults
     size, batch = _size_and_batch(options["model_size"], options["batch_size"],
                                   options["model_config"] or options["init_from"], options["device"] or "auto")
@@ -134,7 +163,7 @@ def _pretrain_on(data: Path, output: Path, options: dict) -> dict:
     cfg = PretrainConfig.of(**{**options, **chosen}, output=str(output), data=str(data),
                             fit_to_minutes=options["minutes"] is not None and options["max_steps"] is None)
     with opt.run_output(output):
-        return pretrain(cfg)
+        return pretrain(cfg, extend_schedule=extend_schedule)
 
 
 def _size_and_batch(model_size: str | None, batch_size: int | None, model_given, device: str) -> tuple[str, int]:

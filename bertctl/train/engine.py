@@ -135,6 +135,7 @@ class StopSignal:
         self.kept = kept or (lambda: "the last complete checkpoint is kept")
         self.at_once = False
         self._raised = False
+        self._announced = False
         self._writing = 0
         self._abort_after_write = False
         self._lock = threading.Lock()
@@ -206,11 +207,22 @@ class StopSignal:
     def what_next(self) -> str:
         return self._what_next()
 
-    def _handle(self, signum, frame):  # main thread; the watcher has already reacted
+    def _handle(self, signum, frame):  # main thread; the watcher has usually reacted already
         if self.requested is None:
             self.requested = signal.Signals(signum).name
+        self._announce(signal.Signals(signum).name)
         if self.at_once and not self._writing:
             self._raise_pending()
+
+    def _announce(self, name: str) -> None:
+        """Say once, from whichever thread sees the first signal first, what it will do."""
+        with self._lock:
+            if self._announced:
+                return
+            self._announced = True
+        again = "once the write in progress is complete" if self._writing else "at once"
+        sys.stderr.write(f"\n{name}: {self._what_next()} (Ctrl-C again to abort {again})\n")
+        sys.stderr.flush()
 
     def _watch(self) -> None:
         read = self._sockets[0]
@@ -226,8 +238,7 @@ class StopSignal:
                 if signum not in (signal.SIGINT, signal.SIGTERM):
                     continue
                 name = signal.Signals(signum).name
-                first = self.requested is None
-                if first:
+                if self.requested is None:
                     self.requested = name
                 interrupts += signum == signal.SIGINT
                 if interrupts >= 2:
@@ -241,9 +252,7 @@ class StopSignal:
                     sys.stderr.write(f"\nsecond interrupt: aborting now; {self.kept()}\n")
                     sys.stderr.flush()
                     os._exit(130)
-                if first:
-                    sys.stderr.write(f"\n{name}: {self._what_next()} (Ctrl-C again to abort at once)\n")
-                    sys.stderr.flush()
+                self._announce(name)
 
     def __exit__(self, *exc):
         self._depth -= 1

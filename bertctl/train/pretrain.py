@@ -31,16 +31,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bertctl import rundir
+from bertctl import faults, rundir
 from bertctl.checkpoints import training
 from bertctl.config import IGNORE_INDEX, PretrainConfig
 from bertctl.data.batching import Prefetcher, bucketed_batches, pretraining_batches, pretraining_step, trim
-from bertctl.errors import BertctlError
+from bertctl.errors import BertctlError, Stopped
 from bertctl.model import masked_lm_cross_entropy
 from bertctl.progress import MetricsLog, stderr
 from bertctl.runtime import Runtime, resolve
 from bertctl.train import distributed
-from bertctl.train.engine import Engine, autocast, load_optimizer_state, to_device
+from bertctl.train.engine import Engine, Interrupted, StopSignal, autocast, load_optimizer_state, to_device
 from bertctl.train.metrics import plot_curves, train_flops_6nt
 from bertctl.train.optim import build_scheduler
 
@@ -199,8 +199,11 @@ def collapse_warning(previous: dict | None, ev: dict, step: int, warmup: int, ma
 class Trainer:
     """A pretraining run: data, model and evaluation around the one training engine."""
 
-    def __init__(self, cfg: PretrainConfig, dist: distributed.Dist, runtime: Runtime, tokenizer=None):
+    def __init__(self, cfg: PretrainConfig, dist: distributed.Dist, runtime: Runtime, tokenizer=None,
+                 stop: StopSignal | None = None, extend_schedule: bool = False):
         self.cfg, self.dist, self.runtime = cfg, dist, runtime
+        self.stop = stop if stop is not None else StopSignal(kept=lambda: kept_state(Path(cfg.output)))
+        self.extend_schedule = extend_schedule
         self.device = dist.device
         self.out = Path(cfg.output)
         self.precision = runtime.precision
@@ -232,6 +235,8 @@ class Trainer:
             self.eval_data = None
         # The objective is the data's (build-data --objective): NSP pairs or masked-LM-only instances.
         self.objective = self.data.objective
+        if self.eval_data is not None:
+            self._check_eval_vocabulary()
         if self.eval_data is not None and self.eval_data.objective != self.objective:
             raise BertctlError(f"--eval-data {self.cfg.eval_data}: built with --objective {self.eval_data.objective}, "
                                f"but --data {self.cfg.data} with --objective {self.objective}: evaluate on data "
@@ -253,6 +258,18 @@ class Trainer:
         self.max_steps = self.cfg.train.max_steps or self.steps_per_epoch
         if self.tokenizer is None:
             self.tokenizer = _data_tokenizer(Path(self.cfg.data), self.data.manifest)
+
+    def _check_eval_vocabulary(self) -> None:
+        """Held-out data's token ids must mean the data's tokens (another vocabulary gives nonsense figures, or
+        ids past the embedding table)."""
+        def vocab(d):
+            return d.manifest.get("tokenizer", {}).get("vocab_sha256"), d.vocab_size
+
+        (want, n_data), (have, n_eval) = vocab(self.data), vocab(self.eval_data)
+        if (want and have and want != have) or n_data != n_eval:
+            raise BertctlError(f"--eval-data {self.cfg.eval_data}: built with another vocabulary ({n_eval:,} tokens) "
+                               f"than --data {self.cfg.data} ({n_data:,} tokens), so its token ids mean other tokens; "
+                               f"build it with --vocab {Path(self.cfg.data) / 'vocab.txt'}")
 
     def _model_config(self, ckpt_state: dict | None):
         from bertctl.checkpoints.hf import load_config
@@ -353,10 +370,30 @@ class Trainer:
             if saved_batch != cfg.train.batch_size:
                 raise BertctlError(f"{resume_from.path}: checkpoint used --batch-size {saved_batch}, "
                                    f"not {cfg.train.batch_size}")
+            wanted = self.engine.max_steps
             self.engine.restore(init_state)
+            planned = self.engine.scheduler.lr_lambdas[0].total  # the saved plan: where its lr reaches 0
+            if not cfg.train.fit_to_minutes and planned != wanted:
+                self._extend(planned, wanted)
             self.max_steps = self.engine.max_steps
             self._say(f"resumed from {resume_from.path} at step {self.engine.step}")
         self.resumed_from = str(resume_from.path) if resume_from else None
+
+    def _extend(self, planned: int, wanted: int) -> None:
+        """A resumed run asked for another length than its schedule's: refused (its lr would sit at 0, or stop
+        mid-decay) unless ``extend_schedule``, which re-plans the decay to end at the new last step."""
+        step = self.engine.step
+        if not self.extend_schedule:
+            raise BertctlError(f"--max-steps {wanted}: the run in {self.out} was planned for {planned} steps (its lr "
+                               f"decays to 0 there); add --extend-schedule to re-plan the decay from step {step} to "
+                               f"end at step {wanted}, or resume with --max-steps {planned}")
+        if wanted <= step:
+            raise BertctlError(f"--max-steps {wanted}: the run in {self.out} is at step {step} already; give more")
+        # The lr keeps its value at this step and decays linearly to 0 at the new last step.
+        self.engine.scheduler.lr_lambdas[0].replan(step, wanted)
+        self.engine.max_steps = wanted
+        self._say(f"extending the schedule from {planned} to {wanted} steps: the lr decays from its value at step "
+                  f"{step} to 0 at step {wanted}")
 
     @property
     def step(self) -> int:
@@ -397,6 +434,7 @@ class Trainer:
         it = pretraining_batches(self.eval_data, G, seed=self.cfg.train.seed, epoch=0, start_step=0,
                                  rank=self.dist.rank, world_size=W)
         for _, batch in zip(range(n), it):
+            faults.point("eval")
             mb = to_device(trim(batch), self.device)
             with autocast(self.precision, self.device):
                 s = pretraining_sums(self.model, mb)
@@ -451,8 +489,11 @@ class Trainer:
         extra = {"data": {"epoch": epoch, "step_in_epoch": k, "global_step": self.step,
                           "sequences_seen": self.step * self.cfg.train.batch_size},
                  "configs": self._configs()}
-        return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"]}, reason,
-                                wait=reason != "periodic")  # periodic ones are written while training goes on
+        if reason == "periodic":  # written while training goes on (guarded in the writer's thread)
+            return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"]}, reason, wait=False)
+        with self.stop.writing():
+            return self.engine.save(extra, {"data": extra["data"], "configs": extra["configs"], "reason": reason},
+                                    reason, wait=True)
 
     def _configs(self) -> dict:
         return {"model": self.model_config.to_dict(), "objective": self.objective,
@@ -471,9 +512,26 @@ class Trainer:
     # ----------------------------------------------------------------- loop
 
     def run(self) -> dict[str, Any]:
+        with self.stop:
+            try:
+                return self._run()
+            except OSError as e:  # a full disk or a file-size limit while writing: one line, and what is kept
+                from bertctl.io import describe_os_error
+
+                raise BertctlError(f"{describe_os_error(e)}; {kept_state(self.out)}") from None
+
+    def _run(self) -> dict[str, Any]:
         cfg = self.cfg
-        self._load_data()
-        self._build()
+        stop = self.stop
+        try:
+            with stop.phase(lambda: "stopping now: training has not started", at_once=True):
+                faults.point("start")
+                self._load_data()
+                self._build()
+        except Interrupted as e:
+            self._say(f"stopped ({e.signal}) before training started: {kept_state(self.out)}")
+            raise Stopped() from None
+        self.engine.stop = stop
         self._say(f"objective {self.objective} (from the data's manifest): "
                   + ("masked LM + next-sentence prediction, BertForPreTraining" if self.data.nsp else
                      "masked LM only, no NSP (the paper's section 5.1 ablation), BertForMaskedLM"))
@@ -484,7 +542,11 @@ class Trainer:
                          precision=self.precision, parameters=self.n_params, device=str(self.device))
         eval_start = None
         if cfg.eval_at_start and self.step == 0:
-            eval_start = self._evaluate_and_log(0)
+            try:
+                with stop.phase(lambda: "stopping the evaluation at step 0 now, then saving", at_once=True):
+                    eval_start = self._evaluate_and_log(0)
+            except Interrupted:
+                pass  # the run stops before its first step, and checkpoints it
         # Fewer distinct shapes to compile or capture. With graphs under torchrun every rank must capture
         # and replay the same graphs at the same steps: no trimming (packed sequences are nearly full).
         multiple = 64 if cfg.train.compile or self.use_graphs else 8
@@ -498,23 +560,42 @@ class Trainer:
 
         def after_step(step: int) -> None:
             if cfg.eval_every and step % cfg.eval_every == 0 and step < self.engine.max_steps:
-                self._evaluate_and_log(step)
+                try:
+                    with stop.phase(lambda: f"stopping the evaluation at step {step} now, then saving", at_once=True):
+                        self._evaluate_and_log(step)
+                except Interrupted:
+                    pass  # the run stops before its next step, and checkpoints this one
 
         def checkpoint(reason: str) -> None:
             self.save(reason)
             self._curves()
 
         try:
-            result = self.engine.run(loader, after_step=after_step, checkpoint=checkpoint)
+            result = self.engine.run(loader, after_step=after_step, checkpoint=checkpoint, stop=stop)
         finally:
             loader.close()
         self.max_steps = self.engine.max_steps
         stop_reason = result.stopped
-        ckpt = self.save("interrupted" if stop_reason and stop_reason != "time limit" else "final")
-        eval_end = None
-        if stop_reason is None or stop_reason == "time limit":
-            eval_end = self._evaluate_and_log(self.step)
-        model_dir = self.export() if stop_reason is None or stop_reason == "time limit" else None
+        complete = stop_reason is None or stop_reason == "time limit"
+        with stop.phase(lambda: f"finishing the checkpoint at step {self.step}, then stopping"):
+            ckpt = self.save("final" if complete else "interrupted")
+        eval_end = model_dir = None
+        if complete and stop.requested is not None:  # asked while the final checkpoint was written
+            stop_reason = stop.requested
+        elif complete:
+            try:
+                with stop.phase(lambda: "stopping the final evaluation now", at_once=True):
+                    eval_end = self._evaluate_and_log(self.step)
+            except Interrupted as e:
+                stop_reason = e.signal
+            else:  # the last phase: a signal now lets the model's write finish, and the run is then complete
+                with stop.phase(lambda: f"finishing writing the model to {self.out / 'model'}: the run is then "
+                                        f"complete"), stop.writing():
+                    model_dir = self.export()
+                if stop.requested is not None:
+                    self._say(f"{stop.requested} came as the model was written: the run is complete ({model_dir})")
+        if stop_reason not in (None, "time limit"):
+            self._say(f"stopped ({stop_reason}) at step {self.step}/{self.max_steps}: {kept_state(self.out)}")
         png = self._curves()
         elapsed = time.monotonic() - t_start
         passes = self.text_passes()
@@ -575,6 +656,20 @@ def _data_tokenizer(data_dir: Path, manifest: dict):
 RUN_OUTPUTS = ("checkpoints", "model", "metrics.jsonl", "curves.png", "tensorboard")
 
 
+def kept_state(folder: Path) -> str:
+    """What a pretraining folder holds now, for a message after a stop or an abort."""
+    last = training.latest_checkpoint(folder)
+    if last is None:
+        return "no checkpoint was written yet, so nothing is kept (a rerun starts from the beginning)"
+    try:
+        final = json.loads((last.path / "meta.json").read_text()).get("reason") == "final"
+    except (OSError, ValueError):
+        final = False
+    if final and not (folder / "model" / "config.json").is_file():
+        return f"the final checkpoint (step {last.step}) is kept: --resume evaluates it and exports the model"
+    return f"the checkpoint at step {last.step} is kept: --resume continues from it"
+
+
 def unfinished_work(folder: Path) -> str | None:
     """What an unfinished pretraining run left in ``folder`` (its newest checkpoint), or None."""
     last = training.latest_checkpoint(folder)
@@ -599,8 +694,48 @@ def claim_output(cfg: PretrainConfig, main: bool = True) -> rundir.Claim:
                         main=main)
 
 
-def pretrain(cfg: PretrainConfig, tokenizer=None) -> dict[str, Any]:
-    """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``PretrainConfig``."""
+#: What a resumed run may give other values than it was made with: how it is shown, logged, checkpointed and
+#: evaluated, where and how its steps run (the same maths), and its time box. ``--max-steps`` may change with
+#: ``extend_schedule`` (``Trainer._extend``); every other option changes the run.
+MAY_CHANGE = ("show_progress", "log_every", "tensorboard", "save_every", "save_minutes", "keep", "device",
+              "micro_batch_size", "compile", "cuda_graphs", "eval_every", "eval_batches", "eval_batch_size", "minutes",
+              "graph_min_steps")
+#: Options that say how to run the command, not what the run is; ``max_steps`` has its own rule.
+NOT_THE_RUN = ("output", "resume", "overwrite", "fit_to_minutes", "max_steps")
+#: The flags of the options whose flag is not their name.
+FLAGS = {"model_overrides": "--dropout", "show_progress": "--no-progress", "model_config": "--config"}
+
+
+def saved_config(folder: Path) -> dict | None:
+    """The options the run in ``folder`` was made with (its newest checkpoint's), or None."""
+    last = training.latest_checkpoint(folder)
+    if last is None:
+        return None
+    try:
+        return json.loads((last.path / "meta.json").read_text())["configs"]["training"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def check_resume(cfg: PretrainConfig, saved: dict | None) -> None:
+    """A resumed run continues the run it was made as: each option that changes the run must be the saved one
+    (refused by flag, with both values); the ones that may change are said (``rundir.check_resume``)."""
+    if saved is None:
+        return
+    saved = PretrainConfig.from_dict(saved).to_dict()  # a checkpoint of an older version: its defaults filled in
+    given = {k: v for k, v in cfg.to_dict().items() if k not in NOT_THE_RUN}
+    for key in ("data", "eval_data", "init_from", "model_config"):  # the same files from any folder
+        for d in (given, saved):
+            if d.get(key):
+                d[key] = str(Path(d[key]).resolve())
+    renamed = {FLAGS.get(k, k): v for k, v in given.items()}
+    rundir.check_resume({FLAGS.get(k, k): v for k, v in saved.items()}, renamed,
+                        [FLAGS.get(k, k) for k in MAY_CHANGE], folder=Path(cfg.output), command="pretrain")
+
+
+def pretrain(cfg: PretrainConfig, tokenizer=None, *, extend_schedule: bool = False) -> dict[str, Any]:
+    """Run (or continue) a pretraining job; returns a JSON-able summary.  See ``PretrainConfig``.
+    ``extend_schedule``: a resumed run given a larger ``max_steps`` re-plans its lr decay to end there."""
     t = cfg.train
     runtime = resolve(t.device, t.precision, attn=t.attn, kernels=t.kernels, compile=t.compile,
                       cuda_graphs=t.cuda_graphs, optimizer=t.optimizer, packed_data=True)
@@ -609,8 +744,16 @@ def pretrain(cfg: PretrainConfig, tokenizer=None) -> dict[str, Any]:
     trainer = None
     claim = None
     try:
+        if cfg.resume and rundir.is_finished(Path(cfg.output), finished_before_marker) and t.max_steps:
+            saved = (saved_config(Path(cfg.output)) or {}).get("max_steps")
+            if saved and t.max_steps != saved:
+                raise BertctlError(f"--max-steps {t.max_steps}: the run in {cfg.output} finished its {saved}-step "
+                                   f"schedule (its lr decayed to 0), so there is nothing to extend; train on from it as "
+                                   f"a new phase: --init-from {cfg.output} --keep-optimizer --output NEW")
         claim = claim_output(cfg, main=dist.is_main)
-        trainer = Trainer(cfg, dist, runtime, tokenizer=tokenizer)
+        if claim.state == "resume":
+            check_resume(cfg, saved_config(Path(cfg.output)))
+        trainer = Trainer(cfg, dist, runtime, tokenizer=tokenizer, extend_schedule=extend_schedule)
         summary = trainer.run()
         if summary["model"] is not None and dist.is_main:
             claim.finish(steps=summary["steps"])
