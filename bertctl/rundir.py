@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from bertctl.errors import BertctlError
-from bertctl.io import make_parents, remove_empty
+from bertctl.io import check_writable, make_parents, remove_empty
 
 LOCK = ".bertctl.lock"
 MARKER = ".bertctl-run.json"
@@ -166,6 +166,11 @@ def claim(folder: str | os.PathLike, *, command: str, resume: bool = False, over
     if folder.exists() and not folder.is_dir():
         raise BertctlError(f"{folder}: exists and is not a folder")
     created = make_parents(folder)
+    try:
+        check_writable(folder, folder=True)  # a read-only, unwritable or full folder: refused before any work
+    except BaseException:
+        remove_empty(created)
+        raise
     try:
         lock = _take_lock(folder, command)
     except BaseException:

@@ -133,6 +133,14 @@ def _match(model: BertPreTrainedModel, state: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
+def summary(names: list[str], first: int = 4) -> str:
+    """A list for a one-line error: all of a short one, else the first few and how many (a foreign checkpoint can
+    miss every one of a model's hundreds of tensors)."""
+    if len(names) <= first + 1:
+        return ", ".join(names)
+    return f"{len(names)} tensors ({', '.join(names[:first])}, and {len(names) - first} more)"
+
+
 def load_state(model: M, state: dict[str, torch.Tensor], *, fresh_heads: bool = False, source: str = "checkpoint") -> M:
     """Copy ``state`` into ``model`` with full checking; one error lists every problem."""
     from bertctl.model import BertModel
@@ -160,11 +168,11 @@ def load_state(model: M, state: dict[str, torch.Tensor], *, fresh_heads: bool = 
     ]
     problems = []
     if missing:
-        problems.append(f"missing {', '.join(missing)}")
+        problems.append(f"missing {summary(missing)}")
     if unexpected:
-        problems.append(f"unexpected {', '.join(unexpected)}")
+        problems.append(f"unexpected {summary(unexpected)}")
     if misshaped:
-        problems.append(f"mis-shaped {', '.join(misshaped)}")
+        problems.append(f"mis-shaped {summary(misshaped)}")
     if problems:
         raise BertctlError(f"{source}: weights do not fit {type(model).__name__}: " + "; ".join(problems))
     loadable = {k: v for k, v in state.items() if k in own}

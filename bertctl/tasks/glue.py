@@ -368,6 +368,9 @@ def load_data(*, task: str | None, data_dir: str | Path | None, train: str | Pat
             normalise_labels(tr, spec, str(train))
             normalise_labels(dv, spec, str(dev))
         reports = [r for r in (rtr, rdv) if r is not None]
+        _nonempty(Path(dev), dv)
+        if need_train:
+            _nonempty(Path(train), tr)
         return GlueData(spec, tr, [("dev", Path(dev), dv)], reports)
     spec = task_spec(task)
     if data_dir is None:
@@ -379,9 +382,16 @@ def load_data(*, task: str | None, data_dir: str | Path | None, train: str | Pat
     devs, reports = [], [r for r in (rtr,) if r is not None]
     for name, path in zip(_dev_names(spec, dev_paths), dev_paths):
         ex, rep = read_glue_tsv(path, spec, skip_bad_rows=skip_bad_rows)
+        _nonempty(Path(path), ex)
         devs.append((name, path, ex))
         reports.append(rep)
     return GlueData(spec, tr, devs, reports)
+
+
+def _nonempty(path: Path, examples: Sequence[Example]) -> None:
+    """A set with no rows (a header only, or every row skipped) would fail after training: refused before it."""
+    if not examples:
+        raise BertctlError(f"{path}: no examples (only a header line, or every row skipped)")
 
 
 def _report_skips(reports: Sequence[ReadReport]) -> dict:

@@ -41,7 +41,9 @@ class NerData:
 
 
 def read_conll(path: str | Path) -> NerData:
-    """Sentences of a CoNLL file; a line with a token but no tag column is an error naming it."""
+    """Sentences of a CoNLL file. The tag is the last column, and every row has as many columns as the file's
+    first (CoNLL-2003: ``token POS chunk NER``), so a row that lost its NER column is an error naming it rather
+    than its chunk tag read as an entity."""
     path = Path(path)
     if not path.exists():
         raise BertctlError(f"{path}: file not found")
@@ -49,6 +51,7 @@ def read_conll(path: str | Path) -> NerData:
     words: list[str] = []
     tags: list[str] = []
     start = 1
+    width = None  # the file's column count, from its first row
 
     def flush():
         nonlocal words, tags
@@ -59,6 +62,9 @@ def read_conll(path: str | Path) -> NerData:
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             cells = line.split()
+            if cells and cells[0] == "-DOCSTART-":
+                flush()
+                continue
             if not cells:
                 flush()
                 continue
@@ -67,6 +73,10 @@ def read_conll(path: str | Path) -> NerData:
                 continue
             if len(cells) < 2:
                 raise BertctlError(f"{path}:{lineno}: expected 'token ... tag' columns, got {line.strip()!r}")
+            width = width or len(cells)
+            if len(cells) != width:
+                raise BertctlError(f"{path}:{lineno}: {len(cells)} columns, but the file's rows have {width} (the tag "
+                                   f"is the last column: CoNLL-2003 rows are 'token POS chunk NER')")
             tag = cells[-1]
             if tag != "O" and not (len(tag) > 2 and tag[1] == "-" and tag[0] in "BIES"):
                 raise BertctlError(f"{path}:{lineno}: tag {tag!r} is not O or B-/I-/E-/S-TYPE")
@@ -75,7 +85,20 @@ def read_conll(path: str | Path) -> NerData:
             words.append(cells[0])
             tags.append(tag)
     flush()
+    if not sentences:
+        raise BertctlError(f"{path}: no sentences")
     return NerData(str(path), sentences)
+
+
+def check_tags(train: NerData, *others: NerData) -> None:
+    """A tag the training file never has would be a class no step trains: refused, naming where it is first."""
+    known = {t for s in train.sentences for t in s.tags}
+    for d in others:
+        for s in d.sentences:
+            for i, t in enumerate(s.tags):
+                if t not in known:
+                    raise BertctlError(f"{d.path}: sentence at line {s.line}: tag {t!r} is not among {train.path}'s "
+                                       f"tags ({', '.join(label_list(train))}): no step would train it")
 
 
 def label_list(*datasets: NerData) -> list[str]:
@@ -193,7 +216,8 @@ class Ner(Task):
             train_path, valid_path, test_path = find_files(data_dir)
             self.train, self.valid = read_conll(train_path), read_conll(valid_path)
             self.test = read_conll(test_path) if test_path else None
-            self.labels = label_list(self.train, self.valid, *([self.test] if self.test else []))
+            check_tags(self.train, self.valid, *([self.test] if self.test else []))
+            self.labels = label_list(self.train)
             self.sets = [("valid", self.valid), ("test", self.test)]
         else:
             self.sets = [(None, read_conll(data_path))]

@@ -63,6 +63,7 @@ class SquadData:
     contexts: list[str]
     skipped: list[str] = field(default_factory=list)
     realigned: int = 0
+    realigned_examples: list[str] = field(default_factory=list)  # the first few, for the note on stderr
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -142,11 +143,16 @@ def read_squad(path: str | Path, *, articles: str | None = None, version_2: bool
                             out.skipped.append(f"{path}: question {qid}: answer {text!r} not found at "
                                                f"answer_start {start} nor elsewhere in the context")
                             continue
-                        start = min(hits, key=lambda i: abs(i - start))
+                        moved = min(hits, key=lambda i: abs(i - start))
                         out.realigned += 1
+                        if len(out.realigned_examples) < 3:
+                            out.realigned_examples.append(f"{qid} ({text!r} at {moved}, not {start})")
+                        start = moved
                         answers[0] = (text, start)
                 out.examples.append(SquadExample(qid, title, qa["question"], context, len(out.contexts) - 1,
                                                  answers, impossible))
+    if not out.examples:
+        raise BertctlError(f"{path}: no questions" + (f" in the articles of {articles}" if articles else ""))
     return out
 
 
@@ -391,8 +397,12 @@ def _report(data: SquadData) -> dict:
         for msg in data.skipped[:5]:
             stderr.print(f"skipped {msg}")
         info["skipped_questions"] = len(data.skipped)
+    if len(data.skipped) > 5:
+        stderr.print(f"... {len(data.skipped) - 5} more questions skipped in {data.path}")
     if data.realigned:
         info["realigned_answers"] = data.realigned
+        stderr.print(f"{data.path}: {data.realigned} answers were not at their answer_start and were moved to the "
+                     f"nearest place their text is (first: {', '.join(data.realigned_examples)})")
     return info
 
 
@@ -473,6 +483,7 @@ def score_files(data_path: str | Path, predictions_path: str | Path, *, version_
     bad = [q for q, v in preds.items() if not isinstance(v, str)]
     if bad:
         raise BertctlError(f"{predictions_path}: prediction for {bad[0]} is not a string")
+    _say_unmatched(preds, data, predictions_path, data_path)
     if not version_2:
         if any(e.is_impossible for e in data.examples):
             raise BertctlError(f"{data_path}: has unanswerable questions: score it with --version-2")
@@ -481,6 +492,20 @@ def score_files(data_path: str | Path, predictions_path: str | Path, *, version_
     if na_prob_path is not None:
         na = {k: float(v) for k, v in read_json_object(na_prob_path, "no-answer probabilities").items()}
     return squad_v2_evaluate(data.dataset, preds, na_probs=na, na_prob_thresh=na_prob_thresh)
+
+
+def _say_unmatched(preds: dict, data: SquadData, predictions_path, data_path) -> None:
+    """Predictions whose id is no question of the data are not scored, and questions without a prediction score 0:
+    say so on stderr, with counts and the first ids (scoring a file against the wrong split gives EM 0 otherwise)."""
+    questions = {e.qid for e in data.examples}
+    stray = [q for q in preds if q not in questions]
+    missing = [q for q in questions if q not in preds]
+    if stray:
+        stderr.print(f"{predictions_path}: {len(stray)} of {len(preds)} predictions match no question of {data_path} "
+                     f"and are not scored (first: {', '.join(stray[:3])})")
+    if missing:
+        stderr.print(f"{data_path}: {len(missing)} of {len(questions)} questions have no prediction in "
+                     f"{predictions_path} and score 0 (first: {', '.join(sorted(missing)[:3])})")
 
 
 def recover_answer(feature: dict, context: str, ctx: ContextTokens) -> str:
