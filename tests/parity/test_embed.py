@@ -218,8 +218,8 @@ def test_no_progress_hides_the_bar_and_keeps_the_summary(tmp_path, minilm_dir):
     (tmp_path / "in.txt").write_text("one text\nanother text here\n", encoding="utf-8")
     runs = {}
     for args in ((), ("--no-progress",)):
-        result = runner.invoke(app, ["embed", "--model", str(minilm_dir), "-o", str(tmp_path / "o.npy"), *args,
-                                     str(tmp_path / "in.txt")])
+        result = runner.invoke(app, ["embed", "--model", str(minilm_dir), "-o", str(tmp_path / f"o{len(args)}.npy"),
+                                     *args, str(tmp_path / "in.txt")])
         assert result.exit_code == 0, result.output
         runs[args] = result.stderr
     assert "embedded 2 texts" in runs[()] and "embedded 2 texts" in runs[("--no-progress",)]

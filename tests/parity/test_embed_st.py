@@ -60,7 +60,7 @@ def test_all_minilm_with_no_flags_gives_its_encode_vectors(tmp_path, minilm_dir,
                                  str(tmp_path / "in.txt")])
     assert result.exit_code == 0, result.output
     assert "mean pooling, L2-normalised, 256 tokens" in result.output
-    assert "1 filled the 256-token limit" in result.output  # the long text: cut at 256, not at 512
+    assert f"truncated 1 of the {len(texts)} texts to the 256-token limit" in " ".join(result.stderr.split())  # not 512
     reference = minilm_st.encode(texts, batch_size=32, convert_to_numpy=True)
     np.testing.assert_allclose(np.load(out), reference, atol=ATOL)
 
