@@ -232,9 +232,6 @@ def squad_command(
     tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Fine-tune span question answering on SQuAD v1.1 or v2.0 (windows of 384 tokens, stride 128)."""
-    from bertctl.tasks import squad as s
-    from bertctl.tasks.base import finetune
-
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
@@ -244,6 +241,10 @@ def squad_command(
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
+    # the flags are checked above, before the task's modules load torch
+    from bertctl.tasks import squad as s
+    from bertctl.tasks.base import finetune
+
     scfg = s.SquadConfig(max_seq_length, doc_stride, max_query_length, n_best_size, max_answer_length, version_2)
     train_data = s.read_squad(train, articles=train_articles, version_2=version_2, training=True)
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
@@ -270,9 +271,6 @@ def ner_command(
     tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Fine-tune NER on CoNLL-format data; the epoch is chosen on valid, scores reported on test."""
-    from bertctl.tasks import ner as n
-    from bertctl.tasks.base import finetune
-
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
@@ -282,6 +280,10 @@ def ner_command(
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
+    # the flags are checked above, before the task's modules load torch
+    from bertctl.tasks import ner as n
+    from bertctl.tasks.base import finetune
+
     with _processes(run.output):
         finetune(n.Ner(data_dir=data_dir, max_seq_length=max_seq_length), run.model, run.output, run.cfg,
                  resume=run.resume, overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))
@@ -306,9 +308,6 @@ def swag_command(
     tensorboard: Optional[bool] = opt.TENSORBOARD,
 ) -> None:
     """Fine-tune multiple choice (four endings, softmax over [CLS] scores) on SWAG."""
-    from bertctl.tasks import swag as w
-    from bertctl.tasks.base import finetune
-
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
@@ -318,6 +317,10 @@ def swag_command(
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
+    # the flags are checked above, before the task's modules load torch
+    from bertctl.tasks import swag as w
+    from bertctl.tasks.base import finetune
+
     with _processes(run.output):
         finetune(w.Swag(train, dev, max_seq_length), run.model, run.output, run.cfg, resume=run.resume,
                  overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))

@@ -68,3 +68,17 @@ def test_help_does_not_import_torch(args, shown):
     r = run_main(*args, "--help") if not args else run_main(*args)
     assert r["code"] == 0 and shown in r["stdout"], r["stderr"]
     assert not r["torch"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("finetune", "ner", "--data-dir", "D", "--model", "M", "-o", "O", "--lr", "-1"), "--lr must be greater than 0"),
+    (("finetune", "squad", "--train", "T", "--dev", "D", "--model", "M", "-o", "O", "--warmup-fraction", "2"),
+     "--warmup-fraction must be in [0, 1)"),
+    (("finetune", "swag", "--train", "T", "--dev", "D", "--model", "M", "-o", "O", "--precision", "fp8"),
+     "--precision must be one of"),
+    (("pretrain", "--data", "D", "-o", "O", "--model-size", "huge"), "--model-size must be one of"),
+    (("pretrain", "--data", "D", "-o", "O", "--extend-schedule"), "--extend-schedule continues a run")])
+def test_bad_training_flags_are_refused_before_torch_loads(args, message):
+    r = run_main(*args)
+    assert r["code"] == 2 and message in r["stderr"], r["stderr"]
+    assert not r["torch"]
