@@ -11,8 +11,9 @@ temporary name and not yet renamed). Each cell runs ``bertctl build-data`` in a 
   ``OUT/.replaced/`` while finished work units of the new one wait for ``--resume``), and the message
   says so.
 
-The reference is an uninterrupted build of the same tiny corpus in its own folder. One worker: a
-signal then reaches the process that writes (with a pool, ``write`` runs in a worker).
+The reference is an uninterrupted build of the same tiny corpus in its own folder. One worker, so that a
+``write`` fault reaches the process that writes (with a pool the workers write); a build with two workers
+is interrupted between units.
 """
 from __future__ import annotations
 
@@ -65,13 +66,13 @@ def corpus(tmp_path_factory) -> dict:
 
 
 def run(files, vocab, out: Path, *flags: str, fault: str | None = None, check: bool = True,
-        seed: str = "12345") -> subprocess.CompletedProcess:
+        seed: str = "12345", workers: int = 1) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "BERTCTL_FAULT"}
     if fault:
         env["BERTCTL_FAULT"] = fault
     p = subprocess.run([sys.executable, "-m", "bertctl", "build-data", "--vocab", str(vocab), "--max-seq-length", "32",
                         "--unit-mb", "0.005", "--dupe-factor", "2", "--seed", seed, "--holdout-fraction", "0.1",
-                        "--workers", "1", "--no-progress", "-o", str(out), *flags, *map(str, files)],
+                        "--workers", str(workers), "--no-progress", "-o", str(out), *flags, *map(str, files)],
                        env=env, capture_output=True, text=True, timeout=120)
     if check:
         assert p.returncode == 0, p.stderr
@@ -122,6 +123,19 @@ def test_a_new_build_resumes_to_the_uninterrupted_bytes(tmp_path, corpus, kind, 
     assert outputs(out) == outputs(corpus["reference"])
     assert not (out / ".build").exists() and not (out / ".bertctl.lock").exists()
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_parallel_build_resumes_to_the_uninterrupted_bytes(tmp_path, corpus, kind):
+    """Two worker processes: the fault reaches the main process between units while workers build the next
+    ones; the workers stop with it, and the units they finished count as finished."""
+    out = tmp_path / "data"
+    p = run(corpus["files"], corpus["vocab"], out, fault=f"shard@2:{kind}", check=False, workers=2)
+    assert p.returncode == EXIT[kind], p.stderr
+    if kind != "SIGKILL":
+        assert f"kept the partial build in {out} (" in p.stderr.splitlines()[0]
+    run(corpus["files"], corpus["vocab"], out, "--resume", workers=2)
+    assert outputs(out) == outputs(corpus["reference"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
