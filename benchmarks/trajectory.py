@@ -71,15 +71,18 @@ def make_model(directory: Path, vocab: Path, *, layers: int, hidden: int, heads:
 
 
 def texts(data: Path, work: Path) -> dict[str, Path]:
-    """Three text files: SST-2's training sentences four times over; gutenberg paragraphs cut into ~140-word
-    passages; and into ~260-word long texts (about 180 and 330 WordPiece tokens)."""
+    """Three text files: SST-2's training sentences four times over; 20,000 ~140-word passages and 10,000
+    ~260-word long texts (about 180 and 330 WordPiece tokens) cut from the gutenberg books, read round again
+    where they run out (runs before b3e74ec cut past their end: two thirds of their "passages" and "long"
+    texts were empty, so those figures are named apart from these)."""
     sst2 = [ln.split("\t")[0] for ln in (data / "glue" / "SST-2" / "train.tsv").read_text().splitlines()[1:]]
     words = " ".join(p.read_text(encoding="utf-8", errors="replace") for p in
                      sorted((data / "corpus" / "gutenberg").glob("*.txt"))).split()
     out = {"short": work / "short.txt", "passages": work / "passages.txt", "long": work / "long.txt"}
     out["short"].write_text("\n".join(sst2 * 4) + "\n")
     for name, n_words, count in (("passages", 140, 20_000), ("long", 260, 10_000)):
-        chunks = [" ".join(words[i:i + n_words]) for i in range(0, n_words * count, n_words)]
+        words_needed = words * -(-n_words * count // len(words))
+        chunks = [" ".join(words_needed[i:i + n_words]) for i in range(0, n_words * count, n_words)]
         out[name].write_text("\n".join(chunks) + "\n")
     return out
 
@@ -142,8 +145,8 @@ def measure(args, log) -> dict:
     if "embed" in args.only:
         raw["embed"] = []
         cases = [("short", minilm, files["short"], None, ["auto"]),
-                 ("passages", minilm, files["passages"], 256, ["auto", "torch", "native"]),
-                 ("long", base, files["long"], 512, ["auto", "torch", "native"])]
+                 ("passages-180tok", minilm, files["passages"], 256, ["auto", "torch", "native"]),
+                 ("long-330tok", base, files["long"], 512, ["auto", "torch", "native"])]
         for name, model, path, max_len, backends in cases:
             n = sum(1 for _ in open(path))
             for backend in backends:
