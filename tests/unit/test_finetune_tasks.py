@@ -183,8 +183,8 @@ def test_ner_refuses_no_epoch_evals(tiny, tmp_path):
     """NER keeps the epoch with the best validation F1, so it needs an evaluation every epoch: one line, exit 2."""
     d = tmp_path / "conll"
     d.mkdir()
-    for name in ("train", "valid", "test"):
-        conll_slice(data_path("conll2003", f"{name}.txt"), d / f"{name}.txt", 8)
+    for name in ("train", "valid", "test"):  # every set from train's sentences: no tag is unseen in training
+        conll_slice(data_path("conll2003", "train.txt"), d / f"{name}.txt", 8)
     r = runner.invoke(app, ["finetune", "ner", "--data-dir", str(d), "--model", str(tiny), "--output",
                             str(tmp_path / "out"), "--no-epoch-evals", "--no-progress", "--device", "cpu"])
     assert r.exit_code == 2 and "--no-epoch-evals" in r.output and len(r.output.strip().splitlines()) == 1, r.output
