@@ -194,7 +194,8 @@ def environment(tree: Path) -> dict:
 
 
 def reference(gpu: str, spec: str) -> Path | None:
-    """The run to compare with: a file, none, or the newest committed trajectory of this GPU kind."""
+    """The run to compare with: a file, none, or the newest committed trajectory of this GPU kind that may serve
+    as one."""
     if spec == "none":
         return None
     if spec != "auto":
@@ -209,7 +210,8 @@ def reference(gpu: str, spec: str) -> Path | None:
         runs = sorted(RESULTS.glob(f"trajectory-{gpu}-*.json"), key=lambda f: json.loads(f.read_text()).get("date", ""))
         names = [str(f.relative_to(ROOT)) for f in reversed(runs)]
     for name in names:
-        if (ROOT / name).exists():
+        # A run marked "reference": false (its note says why, e.g. a slower host) is kept but never compared with.
+        if (ROOT / name).exists() and json.loads((ROOT / name).read_text()).get("reference", True):
             return ROOT / name
     return None
 

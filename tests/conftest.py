@@ -10,17 +10,14 @@ it. Only CUDA tests skip, on a machine without a GPU (``-m "not cuda"`` deselect
 """
 from __future__ import annotations
 
-import collections
 import importlib.resources
 import os
-import re
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import PRETRAIN_FILES, small_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 EXHAUSTIVE = ROOT / "tests" / "exhaustive"
@@ -74,21 +71,6 @@ def minilm_vocab(minilm_dir) -> Path:
     return minilm_dir / "vocab.txt"
 
 
-# Pretraining shards (tests/parity/test_pretrain.py, tests/gpu/test_pretrain_cuda.py): a tiny BERT's worth
-# of real text, a few inaugural addresses, with a small WordPiece vocabulary made here from the same text.
-PRETRAIN_FILES = ("1789-Washington", "1861-Lincoln", "1933-Roosevelt", "1961-Kennedy", "1801-Jefferson",
-                  "1913-Wilson", "1981-Reagan", "1865-Lincoln")
-
-
-def small_vocab(texts: list[str], n_words: int = 600) -> list[str]:
-    """A WordPiece vocabulary: specials, every character (alone and as ##suffix), the commonest words."""
-    low = " ".join(texts).lower()
-    chars = sorted({c for c in low if not c.isspace()})
-    words = collections.Counter(re.findall(r"[a-z]+", low))
-    common = [w for w, _ in words.most_common(n_words) if len(w) > 1]
-    return ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + chars + [f"##{c}" for c in chars] + common
-
-
 @pytest.fixture(scope="session")
 def data_dir(shared_data, tmp_path_factory) -> Path:
     from bertctl.data import DataConfig, build_data
@@ -102,22 +84,6 @@ def data_dir(shared_data, tmp_path_factory) -> Path:
                           short_seq_prob=0.5),  # varied lengths: ranks hold different masked counts,
                progress=False)
     return out
-
-
-def kill_at_checkpoint(cmd: list[str], run_dir: Path, step: int, env: dict, timeout: float = 300) -> int:
-    """Start the pretraining command ``cmd``, SIGKILL it once ``run_dir`` holds a checkpoint of at
-    least ``step``, and return the newest checkpoint's step (what a resume starts from)."""
-    from bertctl.checkpoints import training
-
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout
-    while training.latest_checkpoint(run_dir) is None or training.latest_checkpoint(run_dir).step < step:
-        assert p.poll() is None, "the run ended before it could be killed"
-        assert time.time() < deadline
-        time.sleep(0.01)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    return training.latest_checkpoint(run_dir).step
 
 
 def _names(config, folder: Path) -> bool:
@@ -163,18 +129,3 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _skip_is_a_failure(outcome.get_result())
-
-
-def whole_word_masks(ids, masked, cont, tokenizer) -> int:
-    """Assert each word (a start piece and its "##" pieces; [CLS] and [SEP] end one) is masked whole or not at
-    all; return how many masked words had several pieces (so a test can see whole-word masking was exercised)."""
-    import numpy as np
-
-    starts = ~cont[ids]
-    starts[1:] |= np.isin(ids[:-1], [tokenizer.cls_token_id, tokenizer.sep_token_id])
-    word = np.cumsum(starts)
-    multi_piece = 0
-    for w in np.unique(word[masked]):
-        assert masked[word == w].all()
-        multi_piece += (word == w).sum() > 1
-    return multi_piece

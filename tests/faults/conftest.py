@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_finetune_support, conftest's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_finetune_support, helpers
 from harness import final_results, point_counts, shared  # noqa: E402
 from test_finetune_support import conll_slice, data_path, head_lines, make_tiny_model_dir, squad_slice  # noqa: E402
 
@@ -43,17 +43,12 @@ def inputs(shared_root) -> Path:
 
 
 def _pretraining_data(out: Path) -> None:
-    import importlib.util
-
     from bertctl.data import DataConfig, build_data
     from bertctl.text.wordpiece import BertTokenizer
+    from helpers import PRETRAIN_FILES, SHARED_DATA, small_vocab
 
-    # tests/conftest.py's corpus and vocabulary helpers (as a module of its own: "conftest" here is this file)
-    spec = importlib.util.spec_from_file_location("tests_conftest", Path(__file__).resolve().parents[1] / "conftest.py")
-    top = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(top)
-    files = [top.SHARED_DATA / "corpus" / "inaugural" / f"{n}.txt" for n in top.PRETRAIN_FILES]
-    tok = BertTokenizer(top.small_vocab([f.read_text(encoding="utf-8", errors="replace") for f in files]))
+    files = [SHARED_DATA / "corpus" / "inaugural" / f"{n}.txt" for n in PRETRAIN_FILES]
+    tok = BertTokenizer(small_vocab([f.read_text(encoding="utf-8", errors="replace") for f in files]))
     build_data([str(f) for f in files], out, tok, DataConfig(format="text", max_seq_length=32, dupe_factor=1,
                holdout_fraction=0.25, seed=3, short_seq_prob=0.5), progress=False)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bertctl.checkpoints import training
-from conftest import kill_at_checkpoint
+from helpers import kill_at_checkpoint
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

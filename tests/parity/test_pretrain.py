@@ -20,7 +20,7 @@ import torch
 
 from bertctl.checkpoints import training
 from bertctl.data.batching import pretraining_batches
-from conftest import kill_at_checkpoint
+from helpers import kill_at_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -338,7 +338,7 @@ def minilm_data_dir(shared_data, minilm_dir, tmp_path_factory) -> Path:
     from bertctl.data import DataConfig, build_data
     from bertctl.text.wordpiece import BertTokenizer
 
-    from conftest import PRETRAIN_FILES
+    from helpers import PRETRAIN_FILES
 
     files = [str(shared_data / "corpus" / "inaugural" / f"{n}.txt") for n in PRETRAIN_FILES[:3]]
     out = tmp_path_factory.mktemp("minilm-data") / "data"

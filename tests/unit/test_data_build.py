@@ -25,7 +25,7 @@ from bertctl.data.dataset import PretrainingData
 from bertctl.data.sentences import split_sentences
 from bertctl.errors import BertctlError
 from bertctl.text.wordpiece import BertTokenizer
-from conftest import whole_word_masks
+from helpers import whole_word_masks
 
 NON_UTF8 = ["1970-Nixon.txt", "1971-Nixon.txt", "1972-Nixon.txt", "1973-Nixon.txt", "1974-Nixon.txt"]
 

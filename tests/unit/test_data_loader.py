@@ -15,7 +15,7 @@ from bertctl.data.config import DataConfig
 from bertctl.data.dataset import PretrainingData
 from bertctl.errors import BertctlError
 from bertctl.text.wordpiece import BertTokenizer
-from conftest import whole_word_masks
+from helpers import whole_word_masks
 
 
 @pytest.fixture(scope="module")

@@ -575,7 +575,7 @@ def test_the_output_folder_rule_keeps_every_run(tiny, sst2, tmp_path):
     assert r.exit_code == 0, r.output
     assert not (out / rundir.REPLACED).exists() and rundir.is_finished(out)
     # An interrupted run (killed after a checkpoint): a plain rerun is refused, and the checkpoint stays.
-    from conftest import kill_at_checkpoint
+    from helpers import kill_at_checkpoint
 
     cut = tmp_path / "cut"
     long = [a if a != str(out) else str(cut) for a in args]

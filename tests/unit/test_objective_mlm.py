@@ -33,7 +33,7 @@ from bertctl.data.documents import ReadStats, list_inputs, read_documents
 from bertctl.data.sentences import split_sentences
 from bertctl.errors import BertctlError
 from bertctl.text.wordpiece import BertTokenizer
-from conftest import PRETRAIN_FILES, small_vocab
+from helpers import PRETRAIN_FILES, small_vocab
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 MAX = 64

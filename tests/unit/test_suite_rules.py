@@ -49,6 +49,7 @@ def test_skips_fail_and_exhaustive_runs_only_when_named(tmp_path):
     # The copied conftest looks for tmp_path/../shared/data, which is not there.
     (tmp_path / "tests").mkdir()
     shutil.copy(HERE / "conftest.py", tmp_path / "tests" / "conftest.py")
+    shutil.copy(HERE / "helpers.py", tmp_path / "tests" / "helpers.py")  # what the conftest imports
     (tmp_path / "tests" / "test_scratch.py").write_text(SCRATCH)
     (tmp_path / "tests" / "exhaustive").mkdir()
     (tmp_path / "tests" / "exhaustive" / "test_sweeps.py").write_text(SWEEPS)
