@@ -177,14 +177,14 @@ def glue_command(
 ) -> None:
     """Fine-tune a sentence(-pair) classifier or regressor on a GLUE task or your own data; or run the paper's
     protocol (--task all, --restarts, --grid, lists): every run, the best on dev, summary.md as Table 1."""
-    from bertctl.tasks import glue as g
-    from bertctl.tasks import suite
-    from bertctl.tasks.base import finetune
+    from bertctl.tasks import grid as lists
 
-    if suite.wanted(task, lr, batch_size, epochs, restarts, grid):
+    if lists.wanted(task, lr, batch_size, epochs, restarts, grid):
+        from bertctl.tasks import suite
+
         suite.from_cli(ctx)
         return
-    lr, batch_size, epochs = suite.one_setting(lr, batch_size, epochs)
+    lr, batch_size, epochs = lists.one_setting(lr, batch_size, epochs)
     run = finetune_run(
         model=model, from_scratch=from_scratch, output=output, epochs=epochs, lr=lr, 
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
@@ -194,6 +194,10 @@ def glue_command(
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
+    # the flags are checked above, before the task's modules load torch
+    from bertctl.tasks import glue as g
+    from bertctl.tasks.base import finetune
+
     data = g.load_data(task=task, data_dir=data_dir, train=train, dev=dev, text_column=text_column,
                        text_pair_column=text_pair_column, label_column=label_column, regression=regression,
                        skip_bad_rows=skip_bad_rows)

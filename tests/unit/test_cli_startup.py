@@ -72,6 +72,10 @@ def test_help_does_not_import_torch(args, shown):
 
 @pytest.mark.parametrize("args, message", [
     (("finetune", "ner", "--data-dir", "D", "--model", "M", "-o", "O", "--lr", "-1"), "--lr must be greater than 0"),
+    (("finetune", "glue", "--task", "sst2", "--data-dir", "D", "--model", "M", "-o", "O", "--lr", "0"),
+     "--lr must be greater than 0"),
+    (("finetune", "glue", "--task", "sst2", "--data-dir", "D", "--model", "M", "-o", "O", "--batch-size", "x"),
+     "--batch-size: 'x' is not an integer"),
     (("finetune", "squad", "--train", "T", "--dev", "D", "--model", "M", "-o", "O", "--warmup-fraction", "2"),
      "--warmup-fraction must be in [0, 1)"),
     (("finetune", "swag", "--train", "T", "--dev", "D", "--model", "M", "-o", "O", "--precision", "fp8"),
