@@ -220,6 +220,9 @@ def train(
         sample_bytes=sample_bytes, max_sentences=max_sentences, seed=seed,
         format=fmt, text_field=text_field, pattern=pattern, character_coverage=character_coverage,
     )
+    from bertctl.data.documents import ReadStats
+
+    read = ReadStats()  # what the reader skipped or decoded otherwise, said as build-data says it
     if algorithm != "wordpiece":
         from bertctl.io import atomic_open
         from bertctl.text.sentencepiece import SentencePieceTokenizer
@@ -232,7 +235,8 @@ def train(
             raise BertctlError(f"{', '.join(wordpiece_only)} applies to --algorithm wordpiece only")
         if output.suffix != ".model":
             raise BertctlError(f"--output {output}: a SentencePiece model file must end in .model")
-        model = train_sentencepiece(inputs, config, algorithm, progress=not no_progress)
+        model = train_sentencepiece(inputs, config, algorithm, progress=not no_progress, stats=read)
+        _say_skips(read, fmt)
         tokenizer = SentencePieceTokenizer(model, filename=output.name)  # checks that the specials are in place
         with atomic_open(output, "wb") as f:
             f.write(model)
@@ -242,7 +246,8 @@ def train(
         return
     if character_coverage != 0.9995:
         raise BertctlError("--character-coverage applies to --algorithm unigram or bpe only")
-    tokens = train_vocab(inputs, config, progress=not no_progress, workers=workers or usable_cpus())
+    tokens = train_vocab(inputs, config, progress=not no_progress, workers=workers or usable_cpus(), stats=read)
+    _say_skips(read, fmt)
     write_vocab(tokens, output)
     if save_dir is not None:
         from bertctl.text.wordpiece import BertTokenizer
@@ -250,3 +255,11 @@ def train(
         BertTokenizer(tokens, do_lower_case=config.do_lower_case, strip_accents=config.strip_accents).save_pretrained(
             save_dir)
     typer.echo(json.dumps({"output": str(output), "vocab_size": len(tokens)}))
+
+
+def _say_skips(read, fmt: str) -> None:
+    """Every line the vocabulary's reader skipped or decoded otherwise, on stderr (``ReadStats.notes``)."""
+    from bertctl.progress import stderr
+
+    for note in read.notes(fmt):
+        stderr.print(f"tokenize train: {note}", markup=False, highlight=False, soft_wrap=True)

@@ -86,21 +86,24 @@ def iter_text_lines(path: str | os.PathLike) -> Iterator[tuple[str, int]]:
 
 
 def sample_lines(files: Sequence[Path], config: VocabConfig, *, progress: bool = False,
-                 description: str = "read lines") -> Iterator[str]:
+                 description: str = "read lines", stats=None) -> Iterator[str]:
     """The non-blank lines of text of ``files`` in ``config.format``, streamed, sampled at
-    ``config.sample_bytes`` and stopped at ``config.max_sentences`` (both with ``config.seed``)."""
+    ``config.sample_bytes`` and stopped at ``config.max_sentences`` (both with ``config.seed``). ``stats``
+    (a ``bertctl.data.documents.ReadStats``) counts what was skipped or decoded otherwise, as build-data's."""
     from bertctl.data.documents import STDIN, ReadStats, known_text_bytes, read_lines
     from bertctl.progress import track
 
-    def lines() -> Iterator[tuple[str, int]]:
-        return read_lines(files, config.format, ReadStats(), text_field=config.text_field)
+    stats = stats if stats is not None else ReadStats()
+
+    def lines(into=stats) -> Iterator[tuple[str, int]]:
+        return read_lines(files, config.format, into, text_field=config.text_field)
 
     total = known_text_bytes(files, config.format)
     if config.sample_bytes and total is None:  # compressed or columnar: one pass to size the input
         if any(str(f) == STDIN for f in files):
             raise BertctlError("--sample-bytes: stdin ('-') cannot be sized before it is read; "
                                "use --max-sentences instead")
-        total = sum(size for _, size in lines())
+        total = sum(size for _, size in lines(ReadStats()))  # a sizing pass: its skips are counted below
     rate = 1.0 if not config.sample_bytes or config.sample_bytes >= total else config.sample_bytes / total
     rng = random.Random(config.seed)
     taken = 0
@@ -121,7 +124,7 @@ def sample_lines(files: Sequence[Path], config: VocabConfig, *, progress: bool =
 
 
 def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertTokenizer, progress: bool = False,
-                *, workers: int = 1) -> Counter:
+                *, workers: int = 1, stats=None) -> Counter:
     """Word counts after BERT basic tokenisation, streamed and (optionally) sampled.
 
     Lines are counted in batches (``BATCH_CHARS``), by ``workers`` processes when there are more than
@@ -148,7 +151,7 @@ def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertToken
         pool = worker_pool(workers, _init_counter, (tokenizer,))
     try:
         in_flight: deque = deque()  # (lines, their pending counts), oldest first
-        for lines in _batches(sample_lines(files, config, progress=progress, description="count words")):
+        for lines in _batches(sample_lines(files, config, progress=progress, description="count words", stats=stats)):
             if pool is None:
                 add(lines, _count_lines(tokenizer, lines))
                 continue
@@ -211,15 +214,16 @@ def train_vocab(
     *,
     progress: bool = False,
     workers: int = 1,
+    stats=None,
 ) -> list[str]:
     """Learn a WordPiece vocabulary from text files or folders; returns the tokens in id order.
 
-    ``workers``: processes counting words (the vocabulary does not depend on it).
+    ``workers``: processes counting words (the vocabulary does not depend on it); ``stats``: see ``sample_lines``.
     """
     config = config or VocabConfig()
     paths = collect_files(files, config)
     tokenizer = _pretokenizer(config)
-    counts = count_words(paths, config, tokenizer, progress=progress, workers=workers)
+    counts = count_words(paths, config, tokenizer, progress=progress, workers=workers, stats=stats)
     if not counts:
         raise BertctlError(f"no words found in {len(paths)} input file(s) ({paths[0]}{', ...' if len(paths) > 1 else ''})")
     return train_from_counts(counts, config, progress=progress)
@@ -391,6 +395,7 @@ def train_sentencepiece(
     algorithm: str = "unigram",
     *,
     progress: bool = False,
+    stats=None,
 ) -> bytes:
     """Train a SentencePiece model with sentencepiece's own trainer; returns the ``.model`` file's bytes.
 
@@ -413,7 +418,7 @@ def train_sentencepiece(
 
     def sentences() -> Iterator[str]:
         nonlocal lines
-        for line in sample_lines(paths, config, progress=progress):
+        for line in sample_lines(paths, config, progress=progress, stats=stats):
             line = line.strip()
             if line:
                 lines += 1

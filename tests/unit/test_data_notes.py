@@ -80,3 +80,26 @@ def test_non_utf8_files_say_how_they_were_decoded(tmp_path, minilm_vocab):
             f"leaves undefined), every other line as UTF-8, none skipped: {tmp_path / 'a.txt'}, "
             f"{tmp_path / 'b.txt'}") in p.stderr
     assert json.loads(p.stdout)["non_utf8_files"] == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]
+
+
+@pytest.mark.parametrize("algorithm", ["wordpiece", "unigram"])
+def test_tokenize_train_says_what_it_skipped_as_build_data_does(tmp_path, algorithm):
+    """The vocabulary's reader is build-data's: its skips and decodings reach stderr with the same counts and places."""
+    rows = [json.dumps({"text": f"Sentence number {i} about words and more words here."}) for i in range(60)]
+    rows[4] = "{not json"
+    rows[11] = json.dumps({"body": "no text field"})
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(rows) + "\n")
+    (tmp_path / "old.txt").write_bytes(b"A caf\xe9 line to learn from. And more text.\n" * 20)
+    out = tmp_path / ("v.txt" if algorithm == "wordpiece" else "v.model")
+    p = subprocess.run([sys.executable, "-m", "bertctl", "tokenize", "train", "--algorithm", algorithm,
+                        "--vocab-size", "80" if algorithm == "wordpiece" else "38", "--format", "jsonl", "-o",
+                        str(out), str(src), "--no-progress"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert f"tokenize train: skipped 1 line(s): not valid JSON (at {src}:5)\n" in p.stderr
+    assert f"tokenize train: skipped 1 line(s): no string field 'text' (at {src}:12)" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "bertctl", "tokenize", "train", "--vocab-size", "60", "-o",
+                        str(tmp_path / "w.txt"), str(tmp_path / "old.txt"), "--no-progress"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert ("read 1 file(s) that are not all UTF-8: 20 line(s) decoded as cp1252, every other line as UTF-8, none "
+            f"skipped: {tmp_path / 'old.txt'}") in p.stderr
