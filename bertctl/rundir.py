@@ -255,9 +255,44 @@ def check_resume(saved: dict | None, given: dict, may_change: Iterable[str], *, 
         if name in may_change:
             say(f"resuming with {flag} {_shown(value)} (the run had {_shown(saved[name])})")
             continue
+        if _moved(saved[name], value):
+            say(f"resuming with {flag} {_shown(value)}: the run's {_shown(saved[name])} is gone or holds the same")
+            continue
         raise BertctlError(f"{flag} {_shown(value)}: the {command} run in {folder} was made with {flag} "
                            f"{_shown(saved[name])}, and a resumed run cannot change it; resume with {flag} "
                            f"{_shown(saved[name])}, or start again with --overwrite")
+
+
+def _fingerprint(path: Path) -> tuple:
+    """What a file or folder holds, cheaply: a folder's manifest.json where it has one, else its files' names and
+    sizes; a file's size and first and last MiB."""
+    if path.is_dir():
+        manifest = path / "manifest.json"
+        if manifest.is_file():
+            return ("manifest", manifest.read_bytes())
+        return ("files", tuple(sorted((str(p.relative_to(path)), p.stat().st_size) for p in path.rglob("*") if p.is_file())))
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        f.seek(max(0, size - (1 << 20)))
+        tail = f.read()
+    return ("file", size, head, tail)
+
+
+def _moved(saved, given) -> bool:
+    """Whether a path flag names the run's input moved or copied elsewhere: the saved path is gone and the given
+    one exists, or both hold the same (``_fingerprint``); a moved data folder is not another run's data."""
+    if not (isinstance(saved, str) and isinstance(given, str) and os.path.isabs(saved) and os.path.isabs(given)):
+        return False
+    a, b = Path(saved), Path(given)
+    if not b.exists():
+        return False
+    if not a.exists():
+        return True
+    try:
+        return _fingerprint(a) == _fingerprint(b)
+    except OSError:
+        return False
 
 
 def flag_values(params: dict) -> dict:

@@ -174,7 +174,8 @@ def test_a_finished_run_is_refused_without_overwrite_and_resume_says_it_is_finis
     r = _cli(*_args(data_dir, out, "--max-steps", "2"))
     assert r.returncode == 2 and "finished pretrain run; pass --overwrite" in " ".join(r.stderr.split())
     r = _cli(*_args(data_dir, out, "--max-steps", "50", "--resume"))
-    assert r.returncode == 2 and "nothing to resume" in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "finished its 40" in said and "--init-from" in said and "Traceback" not in r.stderr
     assert (out / "model" / "model.safetensors").read_bytes() == before
 
 
@@ -224,9 +225,9 @@ def test_kill_during_checkpoint_write_keeps_previous(data_dir, tmp_path):
     from bertctl.train.pretrain import pretrain
 
     summary = pretrain(PretrainConfig.of(output=str(out), data=str(data_dir), model_size="tiny", batch_size=16, lr=2e-3,
-                                   max_steps=4, device="cpu", resume=True, show_progress=False,
-                                   eval_batches=1, save_minutes=1000))
-    assert summary["start_step"] == 3 and summary["steps"] == 4
+                                   max_steps=8, device="cpu", resume=True, show_progress=False,
+                                   eval_batches=1, save_minutes=1000, save_every=3))
+    assert summary["start_step"] == 3 and summary["steps"] == 8
 
 
 def test_sigterm_checkpoints_and_exits_zero(data_dir, tmp_path):
@@ -250,7 +251,7 @@ def test_sigterm_checkpoints_and_exits_zero(data_dir, tmp_path):
 
 
 def test_ctrl_c_says_what_happens_and_a_second_aborts_at_once(data_dir, tmp_path):
-    """The first SIGINT is answered at once ("finishing step N, then saving"); a second one ends the
+    """The first SIGINT is answered at once ("stopping at step N, then saving"); a second one ends the
     process at once (exit 130) and the newest complete checkpoint stays loadable."""
     import threading
 
@@ -271,10 +272,10 @@ def test_ctrl_c_says_what_happens_and_a_second_aborts_at_once(data_dir, tmp_path
         time.sleep(0.05)
     first = time.monotonic()
     p.send_signal(signal.SIGINT)
-    while not any("finishing step" in ln for _, ln in lines):
+    while not any("then saving" in ln for _, ln in lines):
         assert time.monotonic() - first < 10, "".join(ln for _, ln in lines)
         time.sleep(0.01)
-    said = next(t for t, ln in lines if "finishing step" in ln)
+    said = next(t for t, ln in lines if "then saving" in ln)
     assert said - first < 2.0  # at once, not after the step (on a loaded machine: within 2 s)
     second = time.monotonic()
     p.send_signal(signal.SIGINT)

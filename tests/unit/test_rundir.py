@@ -128,3 +128,24 @@ def test_a_lock_from_another_host_is_left_to_the_user(tmp_path):
 def test_only_the_main_process_claims(tmp_path):
     c = claim(tmp_path, main=False)
     assert c.lock is None and not (tmp_path / rundir.LOCK).exists()
+
+
+def test_resume_takes_the_runs_input_moved_or_copied_but_refuses_other_input(tmp_path):
+    """A path flag differs only in what it names: the saved folder gone (moved) or holding the same manifest is the
+    run's input; a folder with another manifest is another run's, refused naming both."""
+    from bertctl.errors import BertctlError
+
+    def data(name: str, manifest: str) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(manifest)
+        return str(tmp_path / name)
+
+    said = []
+    a, copy, other = data("a", '{"shards": 3}'), data("copy", '{"shards": 3}'), data("other", '{"shards": 4}')
+    check = lambda saved, given: rundir.check_resume({"data": saved}, {"data": given}, (), folder=tmp_path,  # noqa: E731
+                                                     command="pretrain", say=said.append)
+    check(a, copy)
+    check(str(tmp_path / "gone"), other)
+    assert len(said) == 2 and "--data" in said[0] and "holds the same" in said[0]
+    with pytest.raises(BertctlError, match=r"--data .*other: the pretrain run in .* was made with --data .*a, and"):
+        check(a, other)
