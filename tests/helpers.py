@@ -57,3 +57,22 @@ def whole_word_masks(ids, masked, cont, tokenizer) -> int:
         assert masked[word == w].all()
         multi_piece += (word == w).sum() > 1
     return multi_piece
+
+
+def read_only_folder(folder: Path, monkeypatch) -> Path:
+    """``folder``, made to behave as a read-only mount: creating a temporary file in it fails with EROFS (the tests
+    run as root, where permission bits would not stop a write)."""
+    import errno
+    import os
+    import tempfile
+
+    folder.mkdir()
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir).resolve().is_relative_to(folder.resolve()):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(Path(dir) / "x.tmp"))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    return folder

@@ -10,7 +10,6 @@ import os
 import stat
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 
 from bertctl.cli.app import app
 from bertctl.errors import BertctlError
+from helpers import read_only_folder
 from test_cli import all_command_paths
 from test_finetune_support import data_path
 
@@ -115,16 +115,7 @@ def test_read_only_output_is_one_line(tmp_path, texts, monkeypatch):
     """A read-only mount (simulated: creating a file there fails with EROFS; the tests run as root,
     where permission bits would not stop a write)."""
     model = tiny_model(tmp_path / "model")
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    real_mkstemp = tempfile.mkstemp
-
-    def mkstemp(*args, dir=None, **kwargs):
-        if dir is not None and Path(dir).resolve().is_relative_to(ro.resolve()):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(Path(dir) / "x.tmp"))
-        return real_mkstemp(*args, dir=dir, **kwargs)
-
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    ro = read_only_folder(tmp_path / "ro", monkeypatch)
     for args in [("tokenize", "encode", "--model", model, "-o", ro / "out.npy", texts),
                  ("embed", "--model", model, "-o", ro / "out.npy", texts),
                  ("build-data", "--vocab", model, "--no-progress", "-o", ro / "data", texts)]:

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections import namedtuple
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from typer.testing import CliRunner
 
 from bertctl.cli.app import app
 from bertctl.inference import onnx_export
+from helpers import read_only_folder
 
 
 @pytest.fixture
@@ -51,16 +51,7 @@ def export(model: Path, output: Path, *flags: str):
 
 def test_an_unwritable_output_is_refused_before_the_work(model, tmp_path, monkeypatch, no_work):
     """A read-only mount (simulated, as the tests run as root: creating a file there fails with EROFS)."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    real_mkstemp = tempfile.mkstemp
-
-    def mkstemp(*args, dir=None, **kwargs):
-        if dir is not None and Path(dir).resolve().is_relative_to(ro.resolve()):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(Path(dir) / "x.tmp"))
-        return real_mkstemp(*args, dir=dir, **kwargs)
-
-    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    ro = read_only_folder(tmp_path / "ro", monkeypatch)
     err = one_line(export(model, ro / "model.onnx"), str(ro / "model.onnx"), "read-only file system")
     assert ".tmp" not in err and list(ro.iterdir()) == []
     blocker = tmp_path / "file"
