@@ -2,7 +2,8 @@
 selection on dev, the Table 1 summary and the GLUE server's submission files.
 
 Each fine-tuning run is its own ``bertctl finetune glue`` process writing its own folder, so one engine
-trains every run, runs go side by side (several on a GPU, one per slot) and an interrupted suite resumes
+trains every run, runs go side by side (several on a GPU, one per slot, together through CUDA MPS:
+``bertctl.tasks.mps``) and an interrupted suite resumes
 run by run: a finished run is skipped, an unfinished one continues from its checkpoint. The output folder
 follows ``bertctl.rundir``'s rule with one difference: a suite is never marked finished as a whole (its runs
 are), so ``--resume`` on a complete suite rewrites the summary and runs only what a larger grid adds.
@@ -24,6 +25,7 @@ whole grid).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import json
@@ -42,6 +44,7 @@ from bertctl import rundir
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
 from bertctl.progress import stderr
+from bertctl.tasks import mps
 from bertctl.tasks.glue import GLUE_TASKS, GlueTask, task_spec
 from bertctl.tasks.grid import parse_list
 
@@ -150,9 +153,10 @@ def _out_of_memory(log: Path) -> bool:
 
 
 def run_jobs(jobs: Sequence[Job], slots: Sequence[Slot], *, on_done: Callable[[Job], None] | None = None,
-             poll: float = 0.2) -> None:
-    """Run ``jobs`` in order, each slot holding up to its capacity at once. A GPU process that runs out of
-    memory beside others is tried again once fewer share its GPU (the slot's capacity drops by one)."""
+             poll: float = 0.2, gpu_env: dict[str, str] | None = None) -> None:
+    """Run ``jobs`` in order, each slot holding up to its capacity at once, GPU processes with ``gpu_env``
+    added to their environment (``mps.sharing``'s). A GPU process that runs out of memory beside others is
+    tried again once fewer share its GPU (the slot's capacity drops by one)."""
     pending = list(jobs)
     running: list[tuple[Job, Slot, subprocess.Popen, float]] = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -167,6 +171,7 @@ def run_jobs(jobs: Sequence[Job], slots: Sequence[Slot], *, on_done: Callable[[J
                         env["CUDA_VISIBLE_DEVICES"] = ids[int(slot.device)] if ids else slot.device
                         threads = max(1, (os.cpu_count() or 1) // max(1, sum(s.capacity for s in slots)))
                         env.setdefault("OMP_NUM_THREADS", str(threads))
+                        env.update(gpu_env or {})
                     argv = job.argv + (["--resume"] if job.resume_dir is not None and job.resume_dir.exists() else [])
                     job.log.parent.mkdir(parents=True, exist_ok=True)
                     with open(job.log, "ab") as log:
@@ -368,7 +373,8 @@ def run_suite(cfg: SuiteConfig) -> dict:
     check_finetune_args(cfg.finetune_args)
     specs = find_tasks(cfg.data_dir, cfg.tasks)
     points = grid_points(cfg.lrs, cfg.batch_sizes, cfg.epochs, cfg.restarts, cfg.seed)
-    with rundir.claim(cfg.output, command=COMMAND, resume=cfg.resume, started=_started):
+    with rundir.claim(cfg.output, command=COMMAND, resume=cfg.resume, started=_started), \
+            contextlib.ExitStack() as stack:
         plans = [TaskPlan(s, cfg.output / s.folder, list(points)) for s in specs]
         slots = plan_slots(cfg.device, cfg.devices, cfg.parallel, cfg.model, max(cfg.batch_sizes),
                            cfg.max_seq_length, len(plans) * len(points))
@@ -397,7 +403,9 @@ def run_suite(cfg: SuiteConfig) -> dict:
                 plan.failed[point.name] = why
                 stderr.print(f"{job.name}: failed ({why}); see {job.log}")
 
-        run_jobs(jobs, slots, on_done=done)
+        shared = [s.device for s in slots if s.device != "cpu" and s.capacity > 1 and len(jobs) > 1]
+        gpu_env = stack.enter_context(mps.sharing(shared))
+        run_jobs(jobs, slots, on_done=done, gpu_env=gpu_env)
         results = [collect_task(plan) for plan in plans]
         predict_jobs = []
         for plan, result in zip(plans, results):
@@ -411,7 +419,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
             if job.returncode != 0:
                 stderr.print(f"{job.name}: failed ({_tail(job.log)}); see {job.log}")
 
-        run_jobs(predict_jobs, slots, on_done=predicted)
+        run_jobs(predict_jobs, slots, on_done=predicted, gpu_env=gpu_env)
         submission = leaderboard.write_submission(cfg.output, [(p.spec, p.folder) for p in plans])
         summary = summarise(cfg, results, submission)
         summary["seconds"] = round(time.monotonic() - started, 1)  # this invocation's wall time, runs skipped too
