@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from bertctl.cli import options as opt
+from bertctl.errors import BertctlError
 
 if TYPE_CHECKING:  # the config module loads only when a command runs
     from bertctl.config import FinetuneConfig
@@ -35,7 +36,8 @@ SQUAD_EPOCHS = typer.Option(3.0, "--epochs", help="Training epochs (the paper: 3
 LR = typer.Option(5e-5, "--lr", help="Peak learning rate (AdamW).")
 RESUME = opt.resume_option("--no-progress, --log-every, --tensorboard, --save-every, --device, "
                            "--micro-batch-size, --compile, --cuda-graphs, --graph-min-steps, --eval-batch-size, "
-                           "--eval-batch-tokens and (squad) --write-nbest")
+                           "--eval-batch-tokens and (squad) --write-nbest; --max-steps and --epochs may change with "
+                           "--extend-schedule")
 BATCH = typer.Option(32, "--batch-size", help="Global training batch (examples per optimizer step, all processes).")
 EVAL_BATCH = typer.Option(128, "--eval-batch-size", help="Evaluation batch size.")
 EVAL_TOKENS = typer.Option(None, "--eval-batch-tokens", help="Padded tokens (examples x longest) per evaluation "
@@ -91,6 +93,7 @@ class Run:
     resume: bool
     overwrite: bool
     dropout: Optional[float]
+    extend_schedule: bool = False
 
 
 def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float, lr: float,
@@ -98,7 +101,7 @@ def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float
                  eval_batch_tokens: Optional[int], warmup_fraction: float, weight_decay: float, max_grad_norm: float,
                  dropout: Optional[float], seed: int, device: str, precision: str, group_by_length: bool,
                  compile_: bool, max_steps: Optional[int], save_every: int, resume: bool, overwrite: bool, no_progress: bool,
-                 log_every: int, epoch_evals: bool, kernels: str, dropout_masks: str, attn: str,
+                 extend_schedule: bool, log_every: int, epoch_evals: bool, kernels: str, dropout_masks: str, attn: str,
                  cuda_graphs: Optional[bool], graph_min_steps: int, tensorboard: Optional[bool]) -> Run:
     """The shared options, every number checked, as the task's ``Run`` (its ``FinetuneConfig``)."""
     from bertctl.config import FinetuneConfig, finetuning_defaults
@@ -109,6 +112,8 @@ def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float
                        attn=attn, kernels=kernels, dropout_masks=dropout_masks, dropout=dropout,
                        eval_batch_size=eval_batch_size, eval_batch_tokens=eval_batch_tokens)
     opt.positive("--graph-min-steps", graph_min_steps)
+    if extend_schedule and not resume:
+        raise BertctlError("--extend-schedule continues a run: give it with --resume")
     train = dataclasses.replace(  # the recipe's other fields (optimizer, schedule, checkpoints kept) as they are
         finetuning_defaults(), batch_size=batch_size, micro_batch_size=micro_batch_size, max_steps=max_steps, lr=lr,
         weight_decay=weight_decay, max_grad_norm=max_grad_norm, warmup_fraction=warmup_fraction, device=device,
@@ -119,7 +124,7 @@ def finetune_run(*, model: Path, from_scratch: bool, output: Path, epochs: float
                          group_by_length=group_by_length, from_scratch=from_scratch, epoch_evals=epoch_evals,
                          train=train)
     return Run(model=model, output=output, cfg=cfg, resume=resume, overwrite=overwrite,
-               dropout=dropout)
+               dropout=dropout, extend_schedule=extend_schedule)
 
 
 def run_flags(ctx: typer.Context, **parsed) -> dict:
@@ -170,7 +175,7 @@ def glue_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, extend_schedule: bool = opt.EXTEND_SCHEDULE, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -190,7 +195,7 @@ def glue_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite, extend_schedule=extend_schedule,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
@@ -203,7 +208,7 @@ def glue_command(
                        skip_bad_rows=skip_bad_rows)
     with _processes(run.output):
         finetune(g.Glue(data, max_seq_length), run.model, run.output, run.cfg, resume=run.resume,
-                 overwrite=run.overwrite, dropout=run.dropout,
+                 overwrite=run.overwrite, dropout=run.dropout, extend_schedule=run.extend_schedule,
                  flags=run_flags(ctx, lr=run.cfg.train.lr, batch_size=run.cfg.train.batch_size, epochs=run.cfg.epochs))
 
 
@@ -230,7 +235,7 @@ def squad_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, extend_schedule: bool = opt.EXTEND_SCHEDULE, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = SQUAD_EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -241,7 +246,7 @@ def squad_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite, extend_schedule=extend_schedule,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
@@ -254,7 +259,7 @@ def squad_command(
     dev_data = s.read_squad(dev, articles=dev_articles, version_2=version_2)
     with _processes(run.output):
         finetune(s.Squad(train_data, dev_data, scfg, write_nbest=write_nbest), run.model, run.output, run.cfg,
-                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))
+                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout, extend_schedule=run.extend_schedule, flags=run_flags(ctx))
 
 
 def ner_command(
@@ -269,7 +274,7 @@ def ner_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, extend_schedule: bool = opt.EXTEND_SCHEDULE, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -280,7 +285,7 @@ def ner_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite, extend_schedule=extend_schedule,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
@@ -290,7 +295,7 @@ def ner_command(
 
     with _processes(run.output):
         finetune(n.Ner(data_dir=data_dir, max_seq_length=max_seq_length), run.model, run.output, run.cfg,
-                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))
+                 resume=run.resume, overwrite=run.overwrite, dropout=run.dropout, extend_schedule=run.extend_schedule, flags=run_flags(ctx))
 
 
 def swag_command(
@@ -306,7 +311,7 @@ def swag_command(
     max_grad_norm: float = opt.MAX_GRAD_NORM, dropout: Optional[float] = opt.DROPOUT, seed: int = SEED,
     device: str = opt.DEVICE, precision: str = opt.PRECISION, group_by_length: bool = GROUP,
     compile_: bool = opt.COMPILE, max_steps: Optional[int] = MAX_STEPS, save_every: int = SAVE_EVERY,
-    resume: bool = RESUME, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
+    resume: bool = RESUME, extend_schedule: bool = opt.EXTEND_SCHEDULE, overwrite: bool = opt.OVERWRITE, no_progress: bool = opt.NO_PROGRESS, log_every: int = LOG_EVERY,
     epoch_evals: bool = EPOCH_EVALS, kernels: str = opt.KERNELS, dropout_masks: str = opt.DROPOUT_MASKS,
     attn: str = opt.ATTN, cuda_graphs: Optional[bool] = opt.CUDA_GRAPHS, graph_min_steps: int = GRAPH_MIN_STEPS,
     tensorboard: Optional[bool] = opt.TENSORBOARD,
@@ -317,7 +322,7 @@ def swag_command(
         batch_size=batch_size, micro_batch_size=micro_batch_size, eval_batch_size=eval_batch_size,
         eval_batch_tokens=eval_batch_tokens, warmup_fraction=warmup_fraction, weight_decay=weight_decay,
         max_grad_norm=max_grad_norm, dropout=dropout, seed=seed, device=device, precision=precision,
-        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite,
+        group_by_length=group_by_length, compile_=compile_, max_steps=max_steps, save_every=save_every, resume=resume, overwrite=overwrite, extend_schedule=extend_schedule,
         no_progress=no_progress, log_every=log_every, epoch_evals=epoch_evals, kernels=kernels,
         dropout_masks=dropout_masks, attn=attn, cuda_graphs=cuda_graphs, graph_min_steps=graph_min_steps,
         tensorboard=tensorboard)
@@ -327,7 +332,7 @@ def swag_command(
 
     with _processes(run.output):
         finetune(w.Swag(train, dev, max_seq_length), run.model, run.output, run.cfg, resume=run.resume,
-                 overwrite=run.overwrite, dropout=run.dropout, flags=run_flags(ctx))
+                 overwrite=run.overwrite, dropout=run.dropout, extend_schedule=run.extend_schedule, flags=run_flags(ctx))
 
 
 finetune_app.command("glue")(glue_command)

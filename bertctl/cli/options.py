@@ -49,6 +49,8 @@ def resume_option(may_change: str) -> typer.Option:
     return typer.Option(False, "--resume", help="Continue the unfinished run in --output from its newest "
                         f"checkpoint. Every flag must be as the run was made, except {may_change}, which may "
                         "change (the run says when one does).")
+EXTEND_SCHEDULE = typer.Option(False, "--extend-schedule", help="With --resume and another --max-steps (finetune: or "
+                               "--epochs): re-plan the lr decay from the step reached to end at the new last step.")
 OVERWRITE = typer.Option(False, "--overwrite", help="Replace the run in --output (its files are kept in "
                          "OUT/.replaced/ until the new run finishes).")
 TENSORBOARD = typer.Option(None, "--tensorboard/--no-tensorboard", help="TensorBoard event files in "

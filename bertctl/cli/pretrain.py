@@ -66,8 +66,7 @@ def pretrain_command(
                                      "--keep, --device, --micro-batch-size, --compile, --cuda-graphs, --eval-every, "
                                      "--eval-batches and --minutes; flags not given take the run's values, and "
                                      "--max-steps may change with --extend-schedule"),
-    extend_schedule: bool = typer.Option(False, "--extend-schedule", help="With --resume and a larger --max-steps: "
-                                         "re-plan the lr decay from the step reached to end at the new last step."),
+    extend_schedule: bool = opt.EXTEND_SCHEDULE,
     overwrite: bool = opt.OVERWRITE,
     save_every: Optional[int] = typer.Option(None, "--save-every", help="Checkpoint every N steps.",
                                              show_default="by --save-minutes"),

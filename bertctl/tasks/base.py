@@ -135,17 +135,21 @@ def finished_before_marker(folder: Path) -> bool:
 #: and checkpointed, and where and how its steps run (the same maths); every other flag changes the run.
 MAY_CHANGE = ("no_progress", "log_every", "tensorboard", "save_every", "device", "micro_batch_size", "compile_",
               "cuda_graphs", "graph_min_steps", "eval_batch_size", "eval_batch_tokens", "write_nbest")
+#: The run's length, which a resumed run may change with ``extend_schedule`` (its lr decay re-planned).
+SCHEDULE = ("max_steps", "epochs")
 #: Flags that say where and how to run the command, not what the run is.
-NOT_THE_RUN = ("output", "resume", "overwrite", "restarts", "grid", "devices", "parallel")
+NOT_THE_RUN = ("output", "resume", "overwrite", "extend_schedule", "restarts", "grid", "devices", "parallel")
 
 
 def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: FinetuneConfig, *, resume: bool = False,
-             overwrite: bool = False, dropout: float | None = None, flags: dict | None = None) -> dict:
+             overwrite: bool = False, dropout: float | None = None, flags: dict | None = None,
+             extend_schedule: bool = False) -> dict:
     """Fine-tune ``task``'s head on its training set, evaluating on dev after every epoch; write the model
     (``OUT/model``), the predictions and the metrics (``OUT/metrics.json``, also on stdout). The output folder
     follows bertctl.rundir's rule: an unfinished run needs ``resume``, a finished one ``overwrite``. ``flags``:
     the command's flags by name, saved with every checkpoint; a resumed run must give the same values, except
-    ``MAY_CHANGE``'s (``rundir.check_resume``)."""
+    ``MAY_CHANGE``'s (``rundir.check_resume``), and ``SCHEDULE``'s with ``extend_schedule``, which re-plans the
+    lr decay to end at the new last step."""
     from bertctl.tasks.trainer import kept_state
     from bertctl.train.engine import Interrupted, StopSignal
 
@@ -156,7 +160,11 @@ def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: Finetun
                       started=unfinished_work, finished_before=finished_before_marker, outputs=RUN_OUTPUTS,
                       main=is_main_process()) as claim:
         if claim.state == "resume" and flags:
-            rundir.check_resume(_saved_flags(output), flags, MAY_CHANGE, folder=output, command="finetune")
+            saved = _saved_flags(output)
+            if not extend_schedule:
+                _check_schedule(saved, flags, output)
+            rundir.check_resume(saved, flags, MAY_CHANGE + SCHEDULE * extend_schedule, folder=output,
+                                command="finetune")
         with StopSignal(kept=lambda: kept_state(output)) as stop:
             try:
                 with stop.phase(lambda: "stopping now: training has not started", at_once=True):
@@ -167,7 +175,7 @@ def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: Finetun
                 raise Stopped() from None
             try:
                 result = _finetune(task, prepared, output, cfg, resume=resume and unfinished_work(output) is not None,
-                                   stop=stop, meta={"flags": flags} if flags else {})
+                                   stop=stop, meta={"flags": flags} if flags else {}, extend_schedule=extend_schedule)
             except OSError as e:
                 raise BertctlError(disk_error(e, kept_state(output))) from None
         if result:
@@ -184,6 +192,17 @@ def disk_error(e: OSError, kept: str) -> str:
     from bertctl.io import describe_os_error
 
     return f"{describe_os_error(e)}; {kept}"
+
+
+def _check_schedule(saved: dict | None, given: dict, output: Path) -> None:
+    """A resumed run given another length is refused, pointing at ``--extend-schedule``: its lr would stop
+    mid-decay, or sit at 0."""
+    for name in SCHEDULE:
+        if saved and name in saved and name in given and saved[name] != given[name]:
+            flag = rundir.flag_name(name)
+            raise BertctlError(f"{flag} {given[name]}: the finetune run in {output} was planned with {flag} "
+                               f"{saved[name]} (its lr decays to 0 there); add --extend-schedule to re-plan the decay "
+                               f"to the new end, or resume with {flag} {saved[name]}")
 
 
 def _saved_flags(output: Path) -> dict | None:
@@ -220,7 +239,7 @@ def _prepare(task: Task, model_dir: str | Path, cfg: FinetuneConfig, dropout: fl
 
 
 def _finetune(task: Task, prepared: Prepared, output: Path, cfg: FinetuneConfig, *, resume: bool, stop,
-              meta: dict) -> dict:
+              meta: dict, extend_schedule: bool = False) -> dict:
     from bertctl.checkpoints.hf import save_pretrained
 
     tokenizer = prepared.tokenizer
@@ -260,7 +279,8 @@ def _finetune(task: Task, prepared: Prepared, output: Path, cfg: FinetuneConfig,
 
         result = fine_tune(prepared.model, task.train_features, cfg, evaluate=evaluate, main_metric=task.main_metric,
                            output_dir=output, resume=resume, log=log, runtime=prepared.runtime, loss=task.loss,
-                           save_model=save_model, finish=finish, stop=stop, meta=meta)
+                           save_model=save_model, finish=finish, stop=stop, meta=meta,
+                           extend_schedule=extend_schedule)
     return result.outcome or {}
 
 

@@ -328,7 +328,7 @@ def find_tasks(data_dir: Path, tasks: Sequence[str] | None) -> list[GlueTask]:
 
 # The flags the suite sets on each run itself; ``finetune_args`` holds the others.
 OWN_FLAGS = ("--task", "--data-dir", "--model", "--output", "-o", "--lr", "--batch-size", "--epochs",
-             "--seed", "--max-seq-length", "--device", "--no-progress", "--resume")
+             "--seed", "--max-seq-length", "--device", "--no-progress", "--resume", "--extend-schedule")
 
 
 def check_finetune_args(args: Sequence[str]) -> None:

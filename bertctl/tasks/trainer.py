@@ -258,7 +258,7 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Finet
               log: MetricsLog | None = None, runtime: Runtime | None = None, loss: Callable = label_loss,
               save_model: Callable[[torch.nn.Module], None] | None = None,
               finish: Callable[["TrainResult"], Any] | None = None, stop: StopSignal | None = None,
-              meta: dict | None = None) -> TrainResult:
+              meta: dict | None = None, extend_schedule: bool = False) -> TrainResult:
     """Fine-tune ``model`` on ``train_features`` with the task's ``loss`` (``label_loss``, ``span_loss``);
     evaluate after every epoch (shared by the processes).
 
@@ -297,12 +297,33 @@ def fine_tune(model: torch.nn.Module, train_features: Sequence[dict], cfg: Finet
         engine.stop = stop
         return _fine_tune(engine, model, train_features, cfg, evaluate=evaluate, main_metric=main_metric,
                           run_dir=run_dir, resume=resume, log=log, runtime=runtime, save_model=save_model,
-                          finish=finish, stop=stop, meta=meta or {}, per_epoch=per_epoch, steps=steps)
+                          finish=finish, stop=stop, meta=meta or {}, per_epoch=per_epoch, steps=steps,
+                          extend_schedule=extend_schedule)
+
+
+def _replan(engine: Engine, steps: int, extend_schedule: bool, run_dir, say) -> None:
+    """A resumed run of another length than its schedule's: its lr decay re-planned from the step reached to
+    end at ``steps`` (``extend_schedule``), else refused (the lr would stop mid-decay, or sit at 0)."""
+    schedule = engine.scheduler.lr_lambdas[0]
+    planned, step = schedule.total, engine.step
+    if planned == steps:
+        return
+    if not extend_schedule:
+        raise BertctlError(f"the run in {run_dir} was planned for {planned} steps (its lr decays to 0 there), not "
+                           f"{steps}; add --extend-schedule to re-plan the decay, or resume with its --max-steps "
+                           f"and --epochs")
+    if steps <= step:
+        raise BertctlError(f"the run in {run_dir} is at step {step} already, and these flags end it at step {steps}; "
+                           f"give more steps or epochs")
+    schedule.replan(step, steps)
+    engine.max_steps = steps
+    say(f"extending the schedule from {planned} to {steps} steps: the lr decays from its value at step {step} to "
+        f"0 at step {steps}")
 
 
 def _fine_tune(engine: Engine, model, train_features, cfg: FinetuneConfig, *, evaluate, main_metric, run_dir, resume,
                log, runtime, save_model, finish, stop: StopSignal, meta: dict, per_epoch: int,
-               steps: int) -> TrainResult:
+               steps: int, extend_schedule: bool = False) -> TrainResult:
     dist, W = engine.dist, engine.dist.world_size
     say = stderr.print if dist.is_main else (lambda *a, **k: None)
     history: list[dict] = []
@@ -327,6 +348,7 @@ def _fine_tune(engine: Engine, model, train_features, cfg: FinetuneConfig, *, ev
                 f"{run_dir / MODEL_SUBDIR}")
         else:
             engine.restore(blob)
+            _replan(engine, steps, extend_schedule, run_dir, say)
             pending_eval = bool(blob.get("pending_eval"))
             say(f"resuming at step {engine.step}/{steps} (epoch {engine.step // per_epoch + 1})"
                 + (", its evaluation first" if pending_eval else ""))

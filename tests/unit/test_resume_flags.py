@@ -77,3 +77,37 @@ def test_pretrain_resume_refuses_another_model_size_and_extends_only_when_asked(
     lrs = [json.loads(l)["lr"] for l in (out / "metrics.jsonl").read_text().splitlines()
            if json.loads(l).get("event") == "train" and json.loads(l)["step"] > 6]
     assert lrs and all(lr > 0 for lr in lrs[:-1])  # the extra steps train: no step at lr 0 before the last
+
+
+def test_finetune_resume_extends_its_schedule_only_when_asked(tmp_path, fault, monkeypatch):
+    tiny = make_tiny_model_dir(tmp_path / "tiny")
+    sst2 = tmp_path / "sst2"
+    sst2.mkdir()
+    head_lines(data_path("glue", "SST-2", "train.tsv"), sst2 / "train.tsv", 33)
+    head_lines(data_path("glue", "SST-2", "dev.tsv"), sst2 / "dev.tsv", 9)
+    out = tmp_path / "out"
+    args = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "-o", str(out),
+            "--batch-size", "8", "--no-progress", "--no-tensorboard", "--log-every", "1"]
+    r = runner.invoke(app, [*args, "--extend-schedule"])
+    assert r.exit_code == 2 and "--extend-schedule continues a run: give it with --resume" in one_line(r)
+    fault("step@3:SIGINT")
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "stopped (SIGINT) at step 3/12" in one_line(r), r.output
+    monkeypatch.delenv(faults.ENV)
+    r = runner.invoke(app, [*args, "--resume", "--epochs", "4"])
+    assert r.exit_code == 2 and "--epochs 4.0: the finetune run" in one_line(r), r.output
+    assert "planned with --epochs 3.0" in one_line(r) and "--extend-schedule" in one_line(r)
+    r = runner.invoke(app, [*args, "--resume", "--epochs", "4", "--extend-schedule"])
+    assert r.exit_code == 0, r.output
+    assert "extending the schedule from 12 to 16 steps" in one_line(r)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["epochs"] == 4.0
+    train = {json.loads(l)["step"]: json.loads(l)["lr"] for l in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(l).get("event") == "train"}
+    assert max(train) == 16
+    later = [train[s] for s in sorted(train) if s > 3]
+    # From step 3 the lr decays linearly to 0 at step 16: equal decrements, none at 0 before the end.
+    steps = [s for s in sorted(train) if s > 3]
+    assert all(lr > 0 for lr in later[:-1])
+    per_step = [(a - b) / (t - s) for (s, a), (t, b) in zip(zip(steps, later), zip(steps[1:], later[1:]))]
+    assert max(per_step) == pytest.approx(min(per_step), rel=1e-6)
