@@ -26,7 +26,7 @@ from typing import Sequence
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
 from bertctl.progress import stderr
-from bertctl.tasks.glue import GlueTask, find_task_files
+from bertctl.tasks.glue_tasks import GlueTask, find_task_files
 
 # The submission's files, in the server's order: (file name, task, test file in the task's folder).
 SUBMISSION = (("CoLA", "cola", "test.tsv"), ("SST-2", "sst2", "test.tsv"), ("MRPC", "mrpc", "test.tsv"),

@@ -45,7 +45,7 @@ from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
 from bertctl.progress import stderr
 from bertctl.tasks import mps
-from bertctl.tasks.glue import GLUE_TASKS, GlueTask, task_spec
+from bertctl.tasks.glue_tasks import GLUE_TASKS, GlueTask, task_spec
 from bertctl.tasks.grid import parse_list
 
 COMMAND = "finetune glue suite"

@@ -86,3 +86,15 @@ def test_bad_training_flags_are_refused_before_torch_loads(args, message):
     r = run_main(*args)
     assert r["code"] == 2 and message in r["stderr"], r["stderr"]
     assert not r["torch"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--task", "all", "--data-dir", "NO-SUCH-DIR", "--restarts", "2"), "NO-SUCH-DIR"),
+    (("--task", "sst2", "--data-dir", ".", "--grid", "wide"), "--grid: 'paper'"),
+    (("--task", "sst2", "--data-dir", ".", "--lr", "5e-5,x"), "--lr"),
+    (("--task", "sst2", "--data-dir", ".", "--restarts", "2", "--extend-schedule"), "--extend-schedule"),
+])
+def test_suite_refuses_bad_flags_before_torch(tmp_path, args, message):
+    r = run_main("finetune", "glue", "--model", str(tmp_path), "-o", str(tmp_path / "out"), *args)
+    assert r["code"] == 2 and message in r["stderr"], r["stderr"]
+    assert not r["torch"]
