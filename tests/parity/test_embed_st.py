@@ -184,9 +184,11 @@ def test_a_pipeline_embed_cannot_compute_is_one_line(tmp_path, minilm_dir, modul
     line = result.output.strip()
     assert "\n" not in line and message in line, line
     assert not out.exists()
-    # --pooling asks for the encoder's own pooled vectors: the pipeline after it is not needed.
-    result = runner.invoke(app, ["embed", "--model", str(root), "--pooling", "mean", "--no-normalize", "-o", str(out),
-                                 str(tmp_path / "in.txt")])
+    # --pooling asks for the encoder's own pooled vectors: the pipeline after it is not needed. --backend torch, the
+    # reference's: auto takes onnxruntime on the CPU, and exporting each case's copy of MiniLM cost it a quarter of a
+    # minute (test_all_minilm_with_no_flags_gives_its_encode_vectors runs embed on onnxruntime).
+    result = runner.invoke(app, ["embed", "--model", str(root), "--pooling", "mean", "--no-normalize", "--backend",
+                                 "torch", "-o", str(out), str(tmp_path / "in.txt")])
     assert result.exit_code == 0, result.output
     np.testing.assert_allclose(np.load(out), bertctl_embed(minilm_dir, ["a text"], normalize=False), atol=1e-6)
 

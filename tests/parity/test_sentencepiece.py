@@ -122,6 +122,17 @@ def check_ids(tok: SentencePieceTokenizer, sp, texts: list[str]) -> None:
         assert tok.encode(text).input_ids == [cls, *want, sep], text
 
 
+class _Where:
+    """Where an offset check failed: the text, the piece, its offsets and sentencepiece's (an assertion's message)."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __repr__(self) -> str:
+        text, piece, a, b, a0, b0 = self.args
+        return f"{text!r}: piece {piece!r} at ({a}, {b}), sentencepiece ({a0}, {b0})"
+
+
 def check_offsets(tok: SentencePieceTokenizer, sp, texts: list[str]) -> int:
     """Offsets are sentencepiece's character offsets less the white space a ``▁`` stands for, and
     each piece's text is the normalised text of its slice. Returns the pieces checked."""
@@ -132,7 +143,8 @@ def check_offsets(tok: SentencePieceTokenizer, sp, texts: list[str]) -> int:
         assert tok.convert_tokens_to_ids(tokens) == ref["ids"], text
         prev_end = 0
         for i, piece, (a, b), (a0, b0) in zip(ref["ids"], ref["pieces"], offsets, ref["offsets"]):
-            where = f"{text!r}: piece {piece!r} at ({a}, {b}), sentencepiece ({a0}, {b0})"
+            # The message is made only for a failure (a line's repr for each of its pieces was most of the time here).
+            where = _Where(text, piece, a, b, a0, b0)
             assert b == b0 and a0 <= a <= b and a >= prev_end, where
             if piece.startswith("\u2581"):
                 assert not text[a0:a].strip(), where  # only white space is left out

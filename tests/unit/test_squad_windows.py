@@ -48,20 +48,24 @@ def test_max_context_picks_the_most_centred_window():
 
 
 def _max_context_loop(spans):
-    """run_squad.py's _check_is_max_context, token by token: the reference for the vectorised mask."""
-    out = []
-    for w, (start, length) in enumerate(spans):
-        mask = []
-        for pos in range(start, start + length):
+    """run_squad.py's _check_is_max_context, token by token: the reference for the vectorised mask. Its answer
+    for a token depends on the token's position alone (it scans every window), so each position is scanned once
+    and every window holding it reads that answer."""
+    best_window = {}
+
+    def check_is_max_context(pos):
+        if pos not in best_window:
             best_score, best_w = None, None
             for v, (s, n) in enumerate(spans):
                 if s <= pos < s + n:
                     score = min(pos - s, s + n - 1 - pos) + 0.01 * n
                     if best_score is None or score > best_score:
                         best_score, best_w = score, v
-            mask.append(best_w == w)
-        out.append(mask)
-    return out
+            best_window[pos] = best_w
+        return best_window[pos]
+
+    return [[check_is_max_context(pos) == w for pos in range(start, start + length)]
+            for w, (start, length) in enumerate(spans)]
 
 
 def test_max_context_mask_matches_the_token_by_token_rule():
