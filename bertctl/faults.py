@@ -6,6 +6,7 @@ reaches ``point(POINT)``, the process gets ``KIND``:
 
 - ``SIGINT``, ``SIGTERM``, ``SIGKILL``: that signal, sent to the process itself (its handlers then run as
   they would for a user's Ctrl-C, a scheduler's TERM or an OOM killer's KILL);
+- ``SIGINT2``: two SIGINTs, the second once the first's handler has run (a user pressing Ctrl-C twice);
 - ``ENOSPC``: ``point`` raises the OSError a full disk gives, as the write at that point would.
 
 Points (each command reaches those of its phases):
@@ -28,9 +29,10 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 
 ENV = "BERTCTL_FAULT"
-KINDS = ("SIGINT", "SIGTERM", "SIGKILL", "ENOSPC")
+KINDS = ("SIGINT", "SIGTERM", "SIGKILL", "SIGINT2", "ENOSPC")
 POINTS = ("start", "step", "checkpoint", "eval", "final-save", "shard", "write", "batch")
 
 _hits: dict[str, int] = {}
@@ -58,4 +60,9 @@ def point(name: str) -> None:
         return
     if kind == "ENOSPC":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if kind == "SIGINT2":
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the first signal's handler runs in the main thread meanwhile
+        os.kill(os.getpid(), signal.SIGINT)
+        return
     os.kill(os.getpid(), getattr(signal, kind))

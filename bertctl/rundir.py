@@ -9,9 +9,10 @@ second run into the same folder.
 - A lock file (``.bertctl.lock``: the holder's process id, host and start time) refuses a second run while
   the first is alive. It is freed when the run ends, and taken over only when its process is gone.
 
-A run is finished when the command has written its results and called ``Claim.finish``, which writes
-``.bertctl-run.json``. Folders written before that marker existed are recognised by each command's own files
-(``finished_before``).
+A run is finished when the command has written its results and called ``Claim.finish``, which marks
+``.bertctl-run.json`` finished. The claim of a command that calls ``finish`` writes that marker unfinished first, so a run stopped between its last
+write and ``finish`` (a second Ctrl-C as the model is written) resumes to its end; folders written before the
+marker existed are recognised by each command's own files (``finished_before``).
 """
 from __future__ import annotations
 
@@ -74,11 +75,19 @@ class Claim:
         shutil.rmtree(self.folder / REPLACED, ignore_errors=True)  # a finished run supersedes a replaced one
         self.replaced = None
 
+    def begin(self) -> None:
+        """Mark the folder as holding a run of this version in progress: never taken for a finished old one."""
+        from bertctl.io import write_json
+
+        write_json(self.folder / MARKER, {"command": self.command, "finished": False,
+                                          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
     def release(self) -> None:
-        """Free the lock (if this process still holds it)."""
+        """Free the lock (if this process still holds it); a run that wrote nothing leaves no marker."""
         if self._released or self.lock is None:
             return
         self._released = True
+        _drop_bare_marker(self.folder)
         key = self.lock.resolve()
         if _held.get(key, 0) > 1:
             _held[key] -= 1
@@ -97,6 +106,17 @@ class Claim:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _drop_bare_marker(folder: Path) -> None:
+    """An unfinished marker beside nothing but the lock: the run wrote no work, so the folder holds none."""
+    marker = folder / MARKER
+    try:
+        if json.loads(marker.read_text()).get("finished") is False and \
+                {p.name for p in folder.iterdir()} <= {MARKER, LOCK}:
+            marker.unlink()
+    except (OSError, ValueError):
+        pass
 
 
 def is_finished(folder: Path, finished_before: Callable[[Path], bool] | None = None) -> bool:
@@ -152,12 +172,13 @@ def _take_lock(folder: Path, command: str) -> Path:
 
 def claim(folder: str | os.PathLike, *, command: str, resume: bool = False, overwrite: bool = False,
           started: Callable[[Path], str | None], finished_before: Callable[[Path], bool] | None = None,
-          outputs: Iterable[str] = (), main: bool = True) -> Claim:
+          outputs: Iterable[str] = (), main: bool = True, marks: bool = False) -> Claim:
     """Apply the rule to ``folder`` for ``command`` and lock it; the caller calls ``finish`` and ``release``.
 
     ``started(folder)`` says what unfinished work the folder holds (e.g. "a checkpoint at step 400"), or None;
     ``finished_before`` recognises a finished run written before the marker; ``outputs`` are the names
-    (globs) that ``--overwrite`` moves aside. Only the ``main`` process of a distributed run claims."""
+    (globs) that ``--overwrite`` moves aside; ``marks``: the command calls ``finish`` when done, so its run is
+    marked unfinished now (``Claim.begin``). Only the ``main`` process of a distributed run claims."""
     folder = Path(folder)
     if not main:
         return Claim(folder, command, "resume" if resume else "new")
@@ -184,6 +205,8 @@ def claim(folder: str | os.PathLike, *, command: str, resume: bool = False, over
         raise
     c = Claim(folder, command, state, lock, replaced, created)
     atexit.register(c.release)
+    if marks and not (folder / MARKER).is_file():  # (a resumed run keeps the marker it has)
+        c.begin()
     return c
 
 

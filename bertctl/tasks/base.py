@@ -158,7 +158,7 @@ def finetune(task: Task, model_dir: str | Path, output: str | Path, cfg: Finetun
     flags = {k: v for k, v in (flags or {}).items() if k not in NOT_THE_RUN}
     with rundir.claim(output, command=f"finetune {task.name}", resume=resume, overwrite=overwrite,
                       started=unfinished_work, finished_before=finished_before_marker, outputs=RUN_OUTPUTS,
-                      main=is_main_process()) as claim:
+                      main=is_main_process(), marks=True) as claim:
         if claim.state == "resume" and flags:
             saved = _saved_flags(output)
             if not extend_schedule:

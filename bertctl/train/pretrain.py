@@ -691,7 +691,7 @@ def claim_output(cfg: PretrainConfig, main: bool = True) -> rundir.Claim:
     """The output folder rule (bertctl.rundir) for a pretraining run."""
     return rundir.claim(cfg.output, command="pretrain", resume=cfg.resume, overwrite=cfg.overwrite,
                         started=unfinished_work, finished_before=finished_before_marker, outputs=RUN_OUTPUTS,
-                        main=main)
+                        main=main, marks=True)
 
 
 #: What a resumed run may give other values than it was made with: how it is shown, logged, checkpointed and
