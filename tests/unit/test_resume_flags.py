@@ -27,15 +27,21 @@ def fault(monkeypatch):
     yield set_fault
 
 
-def test_finetune_resume_refuses_another_lr_and_says_a_changed_log_cadence(tmp_path, fault, monkeypatch):
+def sst2_run(tmp_path):
+    """A tiny model and 32 SST-2 rows (4 steps an epoch at batch 8): the output folder and the run's flags."""
     tiny = make_tiny_model_dir(tmp_path / "tiny")
     sst2 = tmp_path / "sst2"
     sst2.mkdir()
     head_lines(data_path("glue", "SST-2", "train.tsv"), sst2 / "train.tsv", 33)
     head_lines(data_path("glue", "SST-2", "dev.tsv"), sst2 / "dev.tsv", 9)
     out = tmp_path / "out"
-    args = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "-o", str(out),
-            "--batch-size", "8", "--no-progress", "--no-tensorboard", "--lr", "5e-5"]
+    return out, ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "-o", str(out),
+                 "--batch-size", "8", "--no-progress", "--no-tensorboard"]
+
+
+def test_finetune_resume_refuses_another_lr_and_says_a_changed_log_cadence(tmp_path, fault, monkeypatch):
+    out, args = sst2_run(tmp_path)
+    args += ["--lr", "5e-5"]
     fault("step@3:SIGINT")
     r = runner.invoke(app, args)
     assert r.exit_code == 0 and "stopped (SIGINT) at step 3/12" in one_line(r), r.output
@@ -80,14 +86,8 @@ def test_pretrain_resume_refuses_another_model_size_and_extends_only_when_asked(
 
 
 def test_finetune_resume_extends_its_schedule_only_when_asked(tmp_path, fault, monkeypatch):
-    tiny = make_tiny_model_dir(tmp_path / "tiny")
-    sst2 = tmp_path / "sst2"
-    sst2.mkdir()
-    head_lines(data_path("glue", "SST-2", "train.tsv"), sst2 / "train.tsv", 33)
-    head_lines(data_path("glue", "SST-2", "dev.tsv"), sst2 / "dev.tsv", 9)
-    out = tmp_path / "out"
-    args = ["finetune", "glue", "--task", "sst2", "--data-dir", str(sst2), "--model", str(tiny), "-o", str(out),
-            "--batch-size", "8", "--no-progress", "--no-tensorboard", "--log-every", "1"]
+    out, args = sst2_run(tmp_path)
+    args += ["--log-every", "1"]
     r = runner.invoke(app, [*args, "--extend-schedule"])
     assert r.exit_code == 2 and "--extend-schedule continues a run: give it with --resume" in one_line(r)
     fault("step@3:SIGINT")
