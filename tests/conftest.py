@@ -33,8 +33,12 @@ torch.set_num_threads(max(1, int(os.environ.get("BERTCTL_TEST_THREADS", "1"))))
 
 @pytest.fixture(scope="session", autouse=True)
 def onnx_cache(tmp_path_factory):
-    """``embed``'s ONNX exports (XDG_CACHE_HOME/bertctl/onnx) go to one folder per test session, not ~/.cache."""
-    path = tmp_path_factory.mktemp("xdg-cache")
+    """``embed``'s ONNX exports (XDG_CACHE_HOME/bertctl/onnx) go to one folder per test session, not ~/.cache; its
+    xdist workers share it (an export is written under a temporary name and renamed, and keyed by the model's
+    path and weights), so MiniLM is exported once a session, not once a worker (a quarter of a minute each)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xdg-cache"
+    path.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(path))
         yield path

@@ -111,10 +111,10 @@ def test_a_job_killed_with_its_nodes_resumes_to_the_same_weights(data_dir, tmp_p
     tears a multi-node job down); started again on both nodes, it resumes and ends as the uninterrupted run."""
     from bertctl.checkpoints import training
 
-    one_process(data_dir, tmp_path / "one", "--max-steps", "40", "--micro-batch-size", "8")
+    one_process(data_dir, tmp_path / "one", "--max-steps", "20", "--micro-batch-size", "8")
     out = tmp_path / "run"
     # Every node runs the same command; --resume starts a new run in an empty folder and resumes otherwise.
-    args = ["pretrain", "--data", str(data_dir), "--output", str(out), *COMMON, "--max-steps", "40",
+    args = ["pretrain", "--data", str(data_dir), "--output", str(out), *COMMON, "--max-steps", "20",
             "--save-every", "2", "--resume"]
     port = free_port()
     first, second = node(port, "before", args, host=True), node(port, "before", args, host=False)
@@ -125,14 +125,14 @@ def test_a_job_killed_with_its_nodes_resumes_to_the_same_weights(data_dir, tmp_p
     for p in (second, first):
         kill_node(p)
     killed_at = training.latest_checkpoint(out).step
-    assert killed_at < 40, "the run ended before it was killed"
+    assert killed_at < 20, "the run ended before it was killed"
     port = free_port()
     first, second = node(port, "after", args, host=True), node(port, "after", args, host=False)
     results = [finish(first), finish(second)]
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
     summary = json.loads(next(o for _, o, _ in results if o.strip()))
-    assert summary["world_size"] == 4 and summary["start_step"] == killed_at and summary["steps"] == 40
+    assert summary["world_size"] == 4 and summary["start_step"] == killed_at and summary["steps"] == 20
     w1, w4 = weights(tmp_path / "one"), weights(out)
     for k in w1:
         torch.testing.assert_close(w4[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -277,34 +277,14 @@ def test_one_flat_buffer_holds_every_gradient_and_backward_fills_it():
         distributed.flat_gradients(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))
 
 
-def _broadcast_worker(rank: int, init: str, out: str) -> None:
-    import torch.distributed as tdist
-
+def _broadcast_case(rank: int, out: str) -> None:
     from bertctl.train import distributed
 
-    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     torch.manual_seed(rank)  # each rank draws other weights, as separate processes do
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     model[1].running_mean.add_(rank + 1.0)
     distributed.broadcast_parameters(model, distributed.Dist(rank=rank, world_size=2))
-    torch.save(model.state_dict(), f"{out}/rank{rank}.pt")
-    tdist.destroy_process_group()
-
-
-def test_parameters_and_buffers_start_as_rank_zeros():
-    """Without DDP (graphs under torchrun), rank 0's weights and buffers reach every rank, as DDP's wrap does."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_broadcast_worker, args=(f"file://{d}/init", d), nprocs=2)
-        zero, one = (torch.load(f"{d}/rank{r}.pt") for r in (0, 1))
-    torch.manual_seed(0)
-    expected = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).state_dict()
-    expected["1.running_mean"] += 1.0
-    for k in expected:
-        assert torch.equal(zero[k], expected[k]) and torch.equal(one[k], expected[k]), k
+    torch.save(model.state_dict(), f"{out}/broadcast-rank{rank}.pt")
 
 
 class _Tiny(torch.nn.Module):
@@ -331,12 +311,16 @@ def _data(step: int, rank: int) -> list[torch.Tensor]:
     return [torch.randint(1, 20, (r, 5), generator=g) for r in rows]
 
 
-def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool, wire: str) -> None:
-    import torch.distributed as tdist
+#: The reducer's cases: (bucket_mb, tied, wire).
+REDUCER_CASES = {"one-bucket": (25.0, False, "fp32"), "bucket-per-parameter": (1e-4, False, "fp32"),
+                 "no-overlap": (0.0, False, "fp32"), "tied-embeddings": (1e-4, True, "fp32"),
+                 "one-bucket-bf16": (25.0, False, "bf16"), "no-overlap-bf16": (0.0, False, "bf16"),
+                 "tied-embeddings-bf16": (1e-4, True, "bf16")}
 
+
+def _reducer_case(rank: int, out: str, name: str, bucket_mb: float, tied: bool, wire: str) -> None:
     from bertctl.train import distributed
 
-    tdist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     torch.manual_seed(0)
     model = _Tiny(tied)
     flat = distributed.flat_gradients(model)
@@ -355,29 +339,68 @@ def _reducer_worker(rank: int, init: str, out: str, bucket_mb: float, tied: bool
         grads.append(flat.clone())
         flat.zero_()
     torch.save({"grads": grads, "rows": reducer.rows is not None, "buckets": len(reducer.buckets), "launched": launched},
-               f"{out}/rank{rank}.pt")
-    tdist.destroy_process_group()
+               f"{out}/{name}-rank{rank}.pt")
 
 
-@pytest.mark.parametrize("bucket_mb,tied,wire", [(25.0, False, "fp32"), (1e-4, False, "fp32"), (0.0, False, "fp32"),
-                                                 (1e-4, True, "fp32"), (25.0, False, "bf16"), (0.0, False, "bf16"),
-                                                 (1e-4, True, "bf16")],
-                         ids=["one-bucket", "bucket-per-parameter", "no-overlap", "tied-embeddings", "one-bucket-bf16",
-                              "no-overlap-bf16", "tied-embeddings-bf16"])
-def test_the_reducer_averages_gradients_over_ranks(bucket_mb, tied, wire):
+def _gloo_worker(rank: int, out: str) -> None:
+    """Every case in one pair of processes (two fresh interpreters cost more than all the cases), each case in a
+    process group of its own."""
+    import torch.distributed as tdist
+
+    cases = [("broadcast", lambda: _broadcast_case(rank, out))] + [
+        (name, lambda name=name, case=case: _reducer_case(rank, out, name, *case)) for name, case in REDUCER_CASES.items()]
+    for name, run in cases:
+        tdist.init_process_group("gloo", init_method=f"file://{out}/init-{name}", rank=rank, world_size=2)
+        run()
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    """The cases' results from two gloo processes, by case and rank; a case a process failed at (and the cases
+    after it) hold the error."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("gloo")
+    try:
+        mp.spawn(_gloo_worker, args=(str(out),), nprocs=2)
+        error = None
+    except Exception as e:  # the failing process's traceback
+        error = e
+    results = {}
+    for name in ["broadcast", *REDUCER_CASES]:
+        files = [out / f"{name}-rank{r}.pt" for r in (0, 1)]
+        results[name] = [torch.load(f) for f in files] if all(f.exists() for f in files) else error
+    return results
+
+
+def _gloo_result(results: dict, name: str) -> list:
+    got = results[name]
+    if isinstance(got, BaseException) or got is None:
+        pytest.fail(f"the gloo processes failed at or before the case {name}: {got}")
+    return got
+
+
+def test_parameters_and_buffers_start_as_rank_zeros(gloo_results):
+    """Without DDP (graphs under torchrun), rank 0's weights and buffers reach every rank, as DDP's wrap does."""
+    zero, one = _gloo_result(gloo_results, "broadcast")
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).state_dict()
+    expected["1.running_mean"] += 1.0
+    for k in expected:
+        assert torch.equal(zero[k], expected[k]) and torch.equal(one[k], expected[k]), k
+
+
+@pytest.mark.parametrize("name", list(REDUCER_CASES))
+def test_the_reducer_averages_gradients_over_ranks(gloo_results, name):
     """Buckets started by backward hooks, the embedding's touched rows alone, accumulation, a parameter
     without gradient: every rank ends with the sum of the ranks' gradients (2 gloo processes; the
     engine's loss scales make it the mean). Sent in bf16, each rank's gradient is rounded to bf16 once
     and their sum once."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     from bertctl.train import distributed
 
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_reducer_worker, args=(f"file://{d}/init", d, bucket_mb, tied, wire), nprocs=2)
-        got = [torch.load(f"{d}/rank{r}.pt") for r in (0, 1)]
+    bucket_mb, tied, wire = REDUCER_CASES[name]
+    got = _gloo_result(gloo_results, name)
     torch.manual_seed(0)
     model = _Tiny(tied)
     flat = distributed.flat_gradients(model)
