@@ -73,6 +73,14 @@ class Task:
         """The model's predictions on the evaluation sets (``final``: the sets reported after training)."""
         raise NotImplementedError
 
+    def final_outputs(self, model: torch.nn.Module, cfg: FinetuneConfig, *, progress: bool = False,
+                      last: Any = None) -> Any:
+        """The final report's outputs (``predict(final=True)``'s); ``last``: the last dev evaluation's outputs
+        when the reported model is the one it evaluated (else None), taken as they are with ``reuse_last``."""
+        if self.reuse_last and last is not None:
+            return last
+        return self.predict(model, cfg, progress=progress, final=True)
+
     def score(self, outputs: Any, *, final: bool = False) -> dict:
         """Metrics of ``outputs``: at an epoch end the dev metrics, ``final`` the reported ones."""
         raise NotImplementedError
@@ -257,9 +265,7 @@ def _finetune(task: Task, prepared: Prepared, output: Path, cfg: FinetuneConfig,
             if not is_main_process():  # under torchrun rank 0 writes the outputs
                 return {}
             model = result.model
-            outputs = last.reuse(result) if task.reuse_last else None
-            if outputs is None:
-                outputs = task.predict(model, cfg, progress=cfg.train.show_progress, final=True)
+            outputs = task.final_outputs(model, cfg, progress=cfg.train.show_progress, last=last.reuse(result))
             metrics = task.score(outputs, final=True)
             before = model.config.to_dict()
             task.annotate(model)

@@ -205,7 +205,7 @@ class Ner(Task):
 
     main_metric = "valid_f1"
     select_best = True
-    reuse_last = False  # the final report predicts test too
+    reuse_last = False  # the final report predicts test too (``final_outputs`` reuses valid's)
 
     def __init__(self, *, data_dir: str | Path | None = None, data_path: str | Path | None = None,
                  max_seq_length: int = 128):
@@ -257,6 +257,14 @@ class Ner(Task):
         feats = {"valid": self.valid_feats}
         return {name: _predict_tags(model, d, self.tokenizer, self.labels, cfg, self.max_seq_length, progress,
                                     feats.get(name)) for name, d in self.sets if d is not None}
+
+    def final_outputs(self, model, cfg: FinetuneConfig, *, progress=False, last=None):
+        if last is None:
+            return super().final_outputs(model, cfg, progress=progress)
+        # The last evaluation's valid tags are those of this model: predicting valid again would repeat them.
+        return {name: (last, self.valid_feats) if name == "valid" else
+                _predict_tags(model, d, self.tokenizer, self.labels, cfg, self.max_seq_length, progress)
+                for name, d in self.sets if d is not None}
 
     def score(self, outputs, *, final=False) -> dict:
         if not final:
