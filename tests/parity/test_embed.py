@@ -37,11 +37,15 @@ def reference(minilm_dir):
 
 
 def reference_features(reference, texts, layers="last", pooling="mean", normalize=True):
+    """transformers' hidden states pooled here, in batches of 128 texts of similar length (less padding to
+    compute; the rows come back in the texts' order)."""
     tok, model = reference
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     rows = []
     with torch.no_grad():
         for i in range(0, len(texts), 128):
-            enc = tok(texts[i : i + 128], padding=True, truncation=True, max_length=512, return_tensors="pt")
+            enc = tok([texts[k] for k in order[i : i + 128]], padding=True, truncation=True, max_length=512,
+                      return_tensors="pt")
             hs = model(**enc, output_hidden_states=True).hidden_states
             x = {"last": hs[-1], "second-to-last": hs[-2], "embeddings": hs[0],
                  "sum-last-4": hs[-1] + hs[-2] + hs[-3] + hs[-4],
@@ -54,7 +58,9 @@ def reference_features(reference, texts, layers="last", pooling="mean", normaliz
             else:
                 f = x[:, 0]
             rows.append(torch.nn.functional.normalize(f, dim=-1) if normalize else f)
-    return torch.cat(rows).numpy().astype(np.float64)
+    features = torch.empty_like(torch.cat(rows))
+    features[order] = torch.cat(rows)
+    return features.numpy().astype(np.float64)
 
 
 def cosine(a, b):

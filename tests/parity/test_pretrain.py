@@ -37,6 +37,19 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
                           timeout=300, **kw)
 
 
+def _in_process(*args: str) -> subprocess.CompletedProcess:
+    """``bertctl ARGS`` run in this process through the CLI (its checks and one-line errors) without a fresh
+    interpreter's start-up, for the refusals and short runs; a bug's exception is raised here."""
+    from typer.testing import CliRunner
+
+    from bertctl.cli.app import app
+
+    r = CliRunner().invoke(app, list(args))
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return subprocess.CompletedProcess(list(args), r.exit_code, r.stdout, r.stderr)
+
+
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -159,10 +172,10 @@ def test_sigkill_then_resume_is_bit_identical(data_dir, tmp_path):
 
 
 def test_cuda_graphs_are_off_on_the_cpu_and_asking_there_is_one_clear_error(data_dir, tmp_path):
-    r = _cli(*_args(data_dir, tmp_path / "g", "--max-steps", "2", "--cuda-graphs"))
+    r = _in_process(*_args(data_dir, tmp_path / "g", "--max-steps", "2", "--cuda-graphs"))
     assert r.returncode == 2 and "--cuda-graphs: they need a CUDA device" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "g" / "checkpoints").exists()
-    r = _cli(*_args(data_dir, tmp_path / "auto", "--max-steps", "2"))  # the default: eager on the CPU
+    r = _in_process(*_args(data_dir, tmp_path / "auto", "--max-steps", "2"))  # the default: eager on the CPU
     assert r.returncode == 0, r.stderr[-2000:]
     assert not any(json.loads(x).get("event") == "cuda_graphs"
                    for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines())
@@ -171,9 +184,9 @@ def test_cuda_graphs_are_off_on_the_cpu_and_asking_there_is_one_clear_error(data
 def test_a_finished_run_is_refused_without_overwrite_and_resume_says_it_is_finished(trained, data_dir):
     out, _ = trained
     before = (out / "model" / "model.safetensors").read_bytes()
-    r = _cli(*_args(data_dir, out, "--max-steps", "2"))
+    r = _in_process(*_args(data_dir, out, "--max-steps", "2"))
     assert r.returncode == 2 and "finished pretrain run; pass --overwrite" in " ".join(r.stderr.split())
-    r = _cli(*_args(data_dir, out, "--max-steps", "50", "--resume"))
+    r = _in_process(*_args(data_dir, out, "--max-steps", "50", "--resume"))
     said = " ".join(r.stderr.split())
     assert r.returncode == 2 and "finished its 40" in said and "--init-from" in said and "Traceback" not in r.stderr
     assert (out / "model" / "model.safetensors").read_bytes() == before
@@ -183,10 +196,10 @@ def test_an_unfinished_run_needs_resume_and_overwrite_replaces_a_finished_one(da
     out = tmp_path / "run"
     killed_at = kill_at_checkpoint([sys.executable, "-m", "bertctl", *_args(data_dir, out, "--max-steps", "200",
                                                                             "--save-every", "2")], out, 2, ENV)
-    r = _cli(*_args(data_dir, out, "--max-steps", "200", "--save-every", "2"))
+    r = _in_process(*_args(data_dir, out, "--max-steps", "200", "--save-every", "2"))
     assert r.returncode == 2 and f"unfinished pretrain run (a checkpoint at step {killed_at})" in " ".join(r.stderr.split())
     assert training.latest_checkpoint(out).step == killed_at  # nothing was touched
-    done = _cli(*_args(data_dir, out, "--max-steps", "3", "--overwrite"))
+    done = _in_process(*_args(data_dir, out, "--max-steps", "3", "--overwrite"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["steps"] == 3 and not (out / ".replaced").exists()
     assert training.latest_checkpoint(out).step == 3
@@ -358,7 +371,7 @@ def test_init_from_a_model_with_another_vocabulary_is_refused(minilm_dir, data_d
         pretrain(PretrainConfig.of(output=str(tmp_path / "x"), data=str(data_dir), init_from=str(minilm_dir),
                              batch_size=8, max_steps=1, device="cpu", show_progress=False))
     assert not (tmp_path / "x").exists()
-    r = _cli(*_args(data_dir, tmp_path / "cli", "--init-from", str(minilm_dir), "--max-steps", "1"))
+    r = _in_process(*_args(data_dir, tmp_path / "cli", "--init-from", str(minilm_dir), "--max-steps", "1"))
     assert r.returncode == 2 and "build-data --vocab" in r.stderr
     assert not (tmp_path / "cli").exists()  # a failed run leaves no half-made folder
 
@@ -399,7 +412,7 @@ def test_default_job_runs_end_to_end(tmp_path):
 
 
 def test_pretrain_help():
-    r = _cli("pretrain", "--help")
+    r = _in_process("pretrain", "--help")
     assert r.returncode == 0 and "--resume" in r.stdout and "--init-from" in r.stdout
 
 
