@@ -96,7 +96,14 @@ def _names(config, folder: Path) -> bool:
     return any(path == folder or folder in path.parents for path in paths)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: a test of minutes, started before the others (nothing is skipped or "
+                                       "deselected), so that the workers of pytest -n 2 end together")
+
+
 def pytest_collection_modifyitems(config, items):
+    # The longest tests first (a stable sort: the rest keep their order), rather than one started last on a worker.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if "exhaustive" not in (config.getoption("markexpr") or "") and not _names(config, EXHAUSTIVE):
         sweeps = [item for item in items if item.get_closest_marker("exhaustive")]
         if sweeps:

@@ -88,6 +88,7 @@ def one_process(data_dir: Path, out: Path, *extra: str) -> dict:
     return json.loads(p.stdout)
 
 
+@pytest.mark.long
 def test_two_nodes_of_two_processes_equal_one_process(data_dir, tmp_path):
     """Global batch 16: one process in 2 micro-batches of 8; 4 ranks on 2 nodes with 4 rows each."""
     ref = one_process(data_dir, tmp_path / "one", "--max-steps", "3", "--micro-batch-size", "8")
@@ -106,6 +107,7 @@ def test_two_nodes_of_two_processes_equal_one_process(data_dir, tmp_path):
         torch.testing.assert_close(w4[k], w1[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.long
 def test_a_job_killed_with_its_nodes_resumes_to_the_same_weights(data_dir, tmp_path):
     """A node dies after the step-2 checkpoint and the job goes down with it (both nodes killed, as a scheduler
     tears a multi-node job down); started again on both nodes, it resumes and ends as the uninterrupted run."""

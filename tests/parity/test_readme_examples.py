@@ -50,6 +50,7 @@ def test_the_blocks_are_found():
     assert "GLUE/SST-2" not in commands  # a placeholder path fails as pasted
 
 
+@pytest.mark.long
 def test_every_worked_example_runs_as_pasted(tmp_path):
     blocks = bash_blocks(README.read_text(encoding="utf-8"))
     bin_dir = Path(sys.executable).parent  # the bertctl and python of this environment

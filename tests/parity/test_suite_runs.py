@@ -65,6 +65,7 @@ def glue_folder(root: Path, *, tasks=("SST-2", "CoLA", "RTE"), broken_mrpc: bool
     return root
 
 
+@pytest.mark.long
 def test_suite_over_every_task_present(tiny, tmp_path):
     data = glue_folder(tmp_path / "GLUE", broken_mrpc=True)
     out = tmp_path / "out"
@@ -129,6 +130,7 @@ def _gone(pid: int) -> bool:
 
 
 
+@pytest.mark.long
 def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     """``finetune glue --task all --restarts 2`` killed once its first run has finished and its second has a
     checkpoint: the rerun refuses without --resume, then skips the finished run and continues the other from its
