@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: test_finetune_support, helpers
 from harness import final_results, point_counts, shared  # noqa: E402
 from test_finetune_support import conll_slice, data_path, head_lines, make_tiny_model_dir, squad_slice  # noqa: E402
+
+# A shell starts a background job with SIGINT ignored, and an ignored signal stays ignored across exec: every command
+# started from here would then sit through its SIGINT cells. Python's own handler here is reset to the default there.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 @pytest.fixture(scope="session")
 def shared_root(tmp_path_factory) -> Path:
