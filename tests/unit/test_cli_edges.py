@@ -61,6 +61,13 @@ def tiny_model(directory: Path, extra_tokens: int = 0) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def embed_model(tmp_path_factory) -> Path:
+    """``tiny_model``, one for the tests that only read it: embed's first run exports it to ONNX (auto takes
+    onnxruntime on the CPU), the others on the same worker find the export in the session's cache."""
+    return tiny_model(tmp_path_factory.mktemp("embed-model") / "model")
+
+
 @pytest.fixture
 def texts(tmp_path) -> Path:
     path = tmp_path / "in.txt"
@@ -123,11 +130,11 @@ def test_read_only_output_is_one_line(tmp_path, texts, monkeypatch):
     assert list(ro.iterdir()) == []
 
 
-def test_late_os_errors_are_one_line_naming_the_path(tmp_path, texts, monkeypatch):
+def test_late_os_errors_are_one_line_naming_the_path(tmp_path, texts, monkeypatch, embed_model):
     """Past the early check (the disk fills, the folder goes away): the general handler names the path."""
     import bertctl.io
 
-    model = tiny_model(tmp_path / "model")
+    model = embed_model
     monkeypatch.setattr(bertctl.io, "check_writable", lambda *a, **k: None, raising=False)
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -222,9 +229,9 @@ def test_embed_max_seq_length_below_two_is_refused_by_name(tmp_path, texts, valu
                    "--max-seq-length", value)
 
 
-def test_embed_max_seq_length_truncates(tmp_path, texts, flag="--max-seq-length"):
+def test_embed_max_seq_length_truncates(tmp_path, texts, embed_model, flag="--max-seq-length"):
     """--max-seq-length 3 keeps [CLS] the [SEP] of the first text: the same row as embedding "the" alone."""
-    model = tiny_model(tmp_path / "model")
+    model = embed_model
     (tmp_path / "the.txt").write_text("the\n", encoding="utf-8")
     for args, out in [((flag, "3"), "cut.npy"), ((), "the.npy")]:
         src = texts if out == "cut.npy" else tmp_path / "the.txt"
