@@ -1,10 +1,10 @@
 // Kernels of bertctl._encoder (kernels.h), for inference on packed tokens (no padding):
 // - LayerNorm (after the embeddings' sum, or a residual add): a warp a row, the row in registers (32
 //   values a lane: hidden sizes up to 1024), mean and variance in fp32 over two passes, BERT's eps 1e-12.
-// - attention: a thread a query over its own text's keys, online softmax in fp32 over key tiles staged in
-//   shared memory as fp32; short texts (<= 32 tokens) a warp a head, four heads a block; head sizes 32,
-//   64, 128. Its work grows with the square of the length on CUDA cores, so `embed --backend auto` keeps
-//   it for short texts (NATIVE_AUTO_TOKENS, beside embed's backend choice).
+// - attention, head sizes 32, 64 and 128, online softmax in fp32: in fp16 and bf16 past 32 tokens, on the
+//   tensor cores (mma.sync, a warp 16 queries, key tiles of 64 in shared memory), since its work grows
+//   with the square of the length; otherwise a thread a query on CUDA cores over key tiles staged as
+//   fp32, short texts (<= 32 tokens) a warp a head, four heads a block.
 // - GELU (erf, or tanh for the gelu_new family) and ReLU in place, 16 bytes a thread.
 // - pooling: a thread a feature of a text, fp32 sums; every mode writes its own column block of a row.
 // - normalisation: a warp a row; conversion between fp32, fp16 and bf16 (round to nearest even).
@@ -16,6 +16,7 @@
 
 #include <cfloat>
 #include <stdexcept>
+#include <type_traits>
 
 namespace encoder {
 namespace {
@@ -215,6 +216,173 @@ __global__ void __launch_bounds__(QT * HPB, D <= 32 ? 512 / (QT * HPB) : 1) atte
     }
 }
 
+// Tensor-core attention (fp16, bf16), the FlashAttention-2 scheme: one block of four warps per (sequence,
+// head, 64 queries), each warp 16 queries whose fragments stay in registers; key and value tiles of 64
+// rows are staged in shared memory, rows padded by 16 bytes so that ldmatrix's eight rows fall in distinct
+// banks. S = Q K^T and O += P V run mma.sync m16n8k16 with fp32 accumulators; the softmax is online in
+// fp32 (base 2), and P goes from S's accumulator layout to the A operand without shared memory.
+template <typename T> __device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <typename T> __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                                uint32_t b1);
+template <> __device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                              uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                                     uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <bool Transpose>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* shared) {
+    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+    if constexpr (Transpose)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+constexpr int kMmaRows = 64;  // queries a block (16 a warp) and keys a tile
+constexpr int kMmaThreads = 128;
+
+// rows (first, first + kMmaRows) of one head's D columns at column offset `column` of qkv into tile,
+// zeros past `last` (so that masked keys' values are 0, not stale, and P V stays finite).
+template <typename T, int D>
+__device__ __forceinline__ void stage_rows(T (*tile)[D + 8], const T* qkv, int64_t row, int column, int first,
+                                           int last) {
+    constexpr int kVectors = D / 8;  // 16 bytes each
+    for (int e = threadIdx.x; e < kMmaRows * kVectors; e += kMmaThreads) {
+        const int r = e / kVectors, c = (e % kVectors) * 8;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (first + r < last) v = *reinterpret_cast<const uint4*>(qkv + (first + r) * row + column + c);
+        *reinterpret_cast<uint4*>(&tile[r][c]) = v;
+    }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads) attention_mma_kernel(const T* qkv, const int32_t* cu_seqlens, T* out,
+                                                                    int heads, float scale_log2) {
+    const int start = cu_seqlens[blockIdx.x];
+    const int end = cu_seqlens[blockIdx.x + 1];
+    const int q0 = start + blockIdx.z * kMmaRows;
+    if (q0 >= end) return;
+    const int head = blockIdx.y, hidden = heads * D;
+    const int64_t row = 3 * static_cast<int64_t>(hidden);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __shared__ __align__(16) T keys[kMmaRows][D + 8];
+    __shared__ __align__(16) T values[kMmaRows][D + 8];
+
+    // The queries pass through the key tile into registers: A fragments of 16 x 16, D / 16 of them.
+    stage_rows<T, D>(keys, qkv, row, head * D, q0, end);
+    __syncthreads();
+    uint32_t q[D / 16][4];
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+        ldmatrix_x4<false>(q[k], &keys[warp * 16 + lane % 8 + 8 * (lane / 8 % 2)][16 * k + 8 * (lane / 16)]);
+
+    float o[D / 8][4] = {};
+    float running_max[2] = {-INFINITY, -INFINITY}, denominator[2] = {0.f, 0.f};  // rows lane / 4 and + 8
+    for (int k0 = start; k0 < end; k0 += kMmaRows) {
+        __syncthreads();  // the last tile (or the queries) read
+        stage_rows<T, D>(keys, qkv, row, hidden + head * D, k0, end);
+        stage_rows<T, D>(values, qkv, row, 2 * hidden + head * D, k0, end);
+        __syncthreads();
+
+        float s[kMmaRows / 8][4] = {};  // 8 keys an accumulator tile
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+#pragma unroll
+            for (int j = 0; j < kMmaRows / 8; j += 2) {
+                uint32_t b[4];
+                ldmatrix_x4<false>(b, &keys[8 * j + lane % 8 + 8 * (lane / 16)][16 * k + 8 * (lane / 8 % 2)]);
+                mma_16816<T>(s[j], q[k], b[0], b[1]);
+                mma_16816<T>(s[j + 1], q[k], b[2], b[3]);
+            }
+        }
+        const int valid = end - k0;
+        float tile_max[2] = {running_max[0], running_max[1]};
+#pragma unroll
+        for (int j = 0; j < kMmaRows / 8; ++j) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int key = 8 * j + 2 * (lane % 4) + i % 2;
+                s[j][i] = key < valid ? s[j][i] * scale_log2 : -INFINITY;
+                tile_max[i / 2] = fmaxf(tile_max[i / 2], s[j][i]);
+            }
+        }
+        float correction[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // the four lanes of a row hold its 64 keys between them
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+            tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+            correction[r] = exp2f(running_max[r] - tile_max[r]);
+            running_max[r] = tile_max[r];
+            denominator[r] *= correction[r];
+        }
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) {
+            o[d][0] *= correction[0];
+            o[d][1] *= correction[0];
+            o[d][2] *= correction[1];
+            o[d][3] *= correction[1];
+        }
+        // P in the A operand's layout: keys 16k .. 16k + 15 are accumulator tiles 2k and 2k + 1.
+        uint32_t p[kMmaRows / 16][4];
+#pragma unroll
+        for (int j = 0; j < kMmaRows / 8; ++j) {
+            const float p0 = exp2f(s[j][0] - running_max[0]), p1 = exp2f(s[j][1] - running_max[0]);
+            const float p2 = exp2f(s[j][2] - running_max[1]), p3 = exp2f(s[j][3] - running_max[1]);
+            denominator[0] += p0 + p1;
+            denominator[1] += p2 + p3;
+            p[j / 2][2 * (j % 2)] = pack_pair<T>(p0, p1);
+            p[j / 2][2 * (j % 2) + 1] = pack_pair<T>(p2, p3);
+        }
+#pragma unroll
+        for (int k = 0; k < kMmaRows / 16; ++k) {
+#pragma unroll
+            for (int d = 0; d < D / 8; d += 2) {
+                uint32_t b[4];
+                ldmatrix_x4<true>(b, &values[16 * k + lane % 8 + 8 * (lane / 8 % 2)][8 * d + 8 * (lane / 16)]);
+                mma_16816<T>(o[d], p[k], b[0], b[1]);
+                mma_16816<T>(o[d + 1], p[k], b[2], b[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        denominator[r] += __shfl_xor_sync(0xffffffffu, denominator[r], 1);
+        denominator[r] += __shfl_xor_sync(0xffffffffu, denominator[r], 2);
+        denominator[r] = 1.f / denominator[r];
+    }
+    const int query = q0 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) {
+        T* dst = out + static_cast<int64_t>(query) * hidden + head * D + 8 * d + 2 * (lane % 4);
+        if (query < end)
+            *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(o[d][0] * denominator[0], o[d][1] * denominator[0]);
+        if (query + 8 < end)
+            *reinterpret_cast<uint32_t*>(dst + 8 * static_cast<int64_t>(hidden)) =
+                pack_pair<T>(o[d][2] * denominator[1], o[d][3] * denominator[1]);
+    }
+}
+
 template <typename From, typename To>
 __global__ void convert_kernel(const From* src, To* dst, int64_t n) {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -292,6 +460,14 @@ void launch_attention(const T* qkv, const int32_t* cu_seqlens, T* out, int seque
                       cudaStream_t stream) {
     constexpr int KT = D > 64 ? 8 : 16;
     const float scale = rsqrtf(static_cast<float>(D));
+    if constexpr (!std::is_same_v<T, float>) {
+        if (max_len > 32) {
+            const dim3 grid(sequences, heads, (max_len + kMmaRows - 1) / kMmaRows);
+            attention_mma_kernel<T, D><<<grid, kMmaThreads, 0, stream>>>(qkv, cu_seqlens, out, heads,
+                                                                         scale * 1.4426950408889634f);
+            return;
+        }
+    }
     if (max_len <= 32) {  // a warp a head, four heads a block
         constexpr int HPB = 4;
         const dim3 grid(sequences, (heads + HPB - 1) / HPB, 1);

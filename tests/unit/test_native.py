@@ -30,7 +30,10 @@ from bertctl.runtime import device_index
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def random_model(directory: Path, hidden: int, heads: int, layers: int = 4, act: str = "gelu", seed: int = 0) -> Path:
+def random_model(directory: Path, hidden: int, heads: int, layers: int = 4, act: str = "gelu", seed: int = 0,
+                 sharpen: float = 1.0) -> Path:
+    """A random BERT; ``sharpen`` scales the query and key weights, so that attention is far from the uniform
+    average that BERT's initial weights give (where keys in the wrong order would not show)."""
     from bertctl.checkpoints.hf import save_pretrained
     from bertctl.model import BertModel
 
@@ -42,6 +45,8 @@ def random_model(directory: Path, hidden: int, heads: int, layers: int = 4, act:
         for name, p in model.named_parameters():
             if "LayerNorm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+            if name.endswith(("query.weight", "key.weight")):
+                p.mul_(sharpen)
     save_pretrained(model, directory)
     return directory
 
@@ -269,11 +274,12 @@ def test_minilm_features_every_pooling(gpu_native, minilm_dir, pooling):
 
 @cuda
 @pytest.mark.parametrize("hidden,heads,act", [(128, 2, "gelu"), (256, 2, "gelu_new"), (128, 4, "relu")])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_random_models_long_texts(gpu_native, tmp_path, hidden, heads, act, precision):
-    """Head sizes 64 and 32 over 2 query blocks and many key tiles, and 128 (its own tile size)."""
-    directory = random_model(tmp_path / "m", hidden=hidden, heads=heads, layers=2, act=act)
-    check_features(directory, [300, 129, 2, 64, 255], precision, "last", "mean,cls")
+    """Head sizes 64 and 32 over several query blocks and key tiles, and 128; in fp16 and bf16 the tensor-core
+    kernel, whose tiles of 64 queries and 64 keys the lengths straddle (one token, 33, 63 to 65, 512)."""
+    directory = random_model(tmp_path / "m", hidden=hidden, heads=heads, layers=2, act=act, sharpen=4.0)
+    check_features(directory, [300, 129, 2, 64, 255, 1, 33, 63, 65, 512], precision, "last", "mean,cls")
 
 
 @cuda
