@@ -28,6 +28,16 @@ def timed(argv: list[str], log: Path) -> float:
     return time.perf_counter() - t0
 
 
+def phases(run_dir: Path, wall: float | None = None) -> dict:
+    """Where a run's seconds went, from its metrics.json: the process's age at the end, its training steps, its
+    evaluations, the rest (start-up, featurising, saving), and the command's wall time when known."""
+    seconds = json.loads((run_dir / "metrics.json").read_text()).get("seconds", {})
+    age, steps, evals = (seconds.get(k) for k in ("since_process_start", "training_steps", "evaluations"))
+    out = {"process": age, "training_steps": steps, "evaluations": evals,
+           "rest": round(age - steps - evals, 3) if None not in (age, steps, evals) else None}
+    return out | ({"command": round(wall, 3)} if wall is not None else {})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, type=Path)
@@ -69,7 +79,8 @@ def main() -> None:
     for seed in seeds if args.separate else seeds[:1]:
         out = work / f"alone-seed{seed}"
         seconds = timed(base + ["--seed", str(seed), "--output", str(out)], work / f"alone-seed{seed}.log")
-        alone[seed] = {"seconds": seconds, "metrics": json.loads((out / "metrics.json").read_text())}
+        alone[seed] = {"seconds": seconds, "metrics": json.loads((out / "metrics.json").read_text()),
+                       "phases": phases(out, seconds)}
         print(f"seed {seed} alone: {seconds:.1f} s", file=sys.stderr)
     suite_out = work / "suite"
     suite_seconds = timed(base + ["--seed", str(args.seed), "--restarts", str(args.restarts), "--output",
@@ -79,10 +90,12 @@ def main() -> None:
     one = alone[seeds[0]]["seconds"]
     per_seed = []
     for run in task["runs"]:
-        row = {"seed": run["seed"], "score": run["score"], "metrics": run["metrics"]}
+        row = {"seed": run["seed"], "score": run["score"], "metrics": run["metrics"],
+               "phases": phases(suite_out / task_spec(args.task).folder / "runs" / run["run"])}
         if run["seed"] in alone:
             mine = alone[run["seed"]]["metrics"]
             row["alone"] = {k: mine[k] for k in run["metrics"] if k in mine and not isinstance(mine[k], dict)}
+            row["alone_phases"] = alone[run["seed"]]["phases"]
             row["largest_difference"] = max((abs(v - mine[k]) for k, v in run["metrics"].items()
                                              if k in mine and isinstance(mine[k], float) and "second" not in k),
                                             default=0.0)
@@ -92,7 +105,8 @@ def main() -> None:
                                          ("cuda" if __import__("torch").cuda.is_available() else "cpu")),
               "task": args.task, "model": str(args.model), "epochs": args.epochs, "restarts": args.restarts, "one_run_seconds": one,
               "suite_seconds": suite_seconds, "ratio": suite_seconds / one, "target_ratio": 1.5,
-              "suite_plan": launched, "per_seed": per_seed,
+              "suite_plan": launched, "suite_beyond_longest_run_seconds": round(suite_seconds - max(
+                  (r["phases"]["process"] or 0.0) for r in per_seed), 3), "per_seed": per_seed,
               "mean": task["grid"][0]["mean"], "std": task["grid"][0]["std"], "chosen": task["chosen"]["run"]}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
