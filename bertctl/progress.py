@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
+import os
 import queue
 import threading
 import time
@@ -29,6 +30,18 @@ from rich.progress import (
 from bertctl.errors import BertctlError
 
 stderr = Console(stderr=True)
+
+
+def process_age() -> float | None:
+    """Wall seconds since this process started, from the kernel's clock (Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def progress(disable: bool = False) -> Progress:

@@ -25,7 +25,7 @@ from bertctl.inference.backends import BACKEND_CHOICES, device_type
 from bertctl.inference.encoder import Encoder, Tokens
 from bertctl.inference.pooling import PoolingSpec, normalize_rows
 from bertctl.io import atomic_open, atomic_path, parse_json_line
-from bertctl.progress import stderr, track
+from bertctl.progress import process_age, stderr, track
 from bertctl.runtime import PRECISION_CHOICES
 from bertctl.text.files import iter_lines, read_lines
 from bertctl.workers import worker_pool
@@ -537,9 +537,12 @@ def run_embed(inputs: list[Path], model: Path, output: Path, *, field: str | Non
         with Tokenizing(tokenizer, prepare_texts(texts, config), limit, config.workers, config.long,
                         windows_stride) as tokenizing:
             encoder = open_encoder(encoder_dir, config, onnx, lengths=lambda: tokenizing.result().lengths)
+            ages = {"encoder_ready": process_age()}
             result = embed(encoder, tokenizer, texts, config, progress=progress, summary=True, tokenizing=tokenizing,
                            where=locate, between_batches=lambda: faults.point("batch"))
+            ages["embedded"] = process_age()
         write_embeddings(result.vectors.astype(np.float32, copy=False), output)
+        ages["written"] = process_age()
     except KeyboardInterrupt as e:
         terminated = isinstance(e, _Terminated)
         print(f"bertctl: {'terminated' if terminated else 'interrupted'}: {kept}", file=sys.stderr)
@@ -550,7 +553,9 @@ def run_embed(inputs: list[Path], model: Path, output: Path, *, field: str | Non
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    summary = {"output": str(output), **result.summary}
+    # Where the command's seconds went: the process's age once the model was loaded (start-up, reading and
+    # tokenising the texts meanwhile), once every text was embedded, and once the output was written.
+    summary = {"output": str(output), **result.summary, "since_process_start": ages}
     print(json.dumps(summary))
     return summary
 

@@ -20,7 +20,7 @@ import torch
 from bertctl import faults, rundir
 from bertctl.config import FinetuneConfig
 from bertctl.errors import BertctlError, Stopped
-from bertctl.progress import MetricsLog, stderr
+from bertctl.progress import MetricsLog, process_age, stderr
 from bertctl.runtime import Runtime
 from bertctl.tasks import common
 from bertctl.tasks.trainer import TrainResult, device_info, fine_tune, label_loss, runtime_of
@@ -335,17 +335,5 @@ def run_seconds(r: TrainResult) -> dict:
     """Where the run's wall time went, for ``metrics.json``: since this process started (None where
     /proc is not there), in training steps (CUDA-graph captures included) and in the epoch-end
     evaluations."""
-    return {"since_process_start": _process_age(), "training_steps": round(r.train_seconds, 3),
+    return {"since_process_start": process_age(), "training_steps": round(r.train_seconds, 3),
             "evaluations": round(r.eval_seconds, 3)}
-
-
-def _process_age() -> float | None:
-    """Wall seconds since this process started, from the kernel's clock (Linux)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)

@@ -187,6 +187,8 @@ def test_command_warns_of_truncation_with_line_numbers_and_counts_in_the_summary
     assert "".join(want.split()) in squeezed and "--longchunk" in squeezed, r.stderr
     summary = json.loads(r.stdout)
     assert summary["truncated"] == 8 and summary["chunked"] == 0 and summary["output"] == str(tmp_path / "a.npy")
+    ages = summary["since_process_start"]  # this process's age (the test runner's): only their order is known
+    assert 0 < ages["encoder_ready"] <= ages["embedded"] <= ages["written"], ages
     r = invoke("embed", "--model", model_dir, "--backend", "torch", "--no-progress", "--long", "chunk", "--stride", "5",
                "-o", tmp_path / "b.npy", src)
     assert r.exit_code == 0, r.output
