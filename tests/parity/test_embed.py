@@ -136,7 +136,7 @@ def test_tokenizing_in_workers_gives_the_same_ids(shared_data, minilm_dir, tmp_p
     np.testing.assert_array_equal(one[0], two[0])
     np.testing.assert_array_equal(one[1], two[1])
 
-    monkeypatch.setattr(bertctl.inference.embed, "PARALLEL_TEXTS", 10)  # the dev set goes through the workers too
+    monkeypatch.setattr(bertctl.inference.embed, "PARALLEL_CHARACTERS", 10)  # the dev set goes through the workers too
     (tmp_path / "in.txt").write_text("\n".join(sst2_dev[:300]) + "\n", encoding="utf-8")
     outs = []
     for k, flag in enumerate(([], ["--workers", "1"])):
@@ -239,7 +239,7 @@ def test_tokenizing_workers_stop_when_the_model_fails_to_load(tmp_path, minilm_d
 
     import bertctl.inference.embed
 
-    monkeypatch.setattr(bertctl.inference.embed, "PARALLEL_TEXTS", 10)
+    monkeypatch.setattr(bertctl.inference.embed, "PARALLEL_CHARACTERS", 10)
     broken = tmp_path / "broken"
     shutil.copytree(minilm_dir, broken)
     for weights in broken.glob("*.safetensors"):

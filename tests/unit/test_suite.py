@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
 import time
 import zipfile
@@ -344,6 +345,7 @@ def test_the_suite_refuses_torchrun(monkeypatch, tmp_path):
 def test_slots_one_at_a_time_on_the_cpu_and_only_gpus_that_are_there(tmp_path):
     import torch
 
+    assert suite._visible_gpus() == torch.cuda.device_count()
     assert suite.plan_slots("cpu", None, None, tmp_path, 32, 128, runs=5) == [suite.Slot("cpu", 1)]
     if torch.cuda.device_count() == 0:  # this machine: auto is the CPU; a GPU asked for is an error
         assert suite.plan_slots("auto", None, None, tmp_path, 32, 128, runs=5) == [suite.Slot("cpu", 1)]
@@ -357,17 +359,27 @@ def test_slots_one_at_a_time_on_the_cpu_and_only_gpus_that_are_there(tmp_path):
 def test_a_gpu_holds_the_runs_that_fit_its_memory(tmp_path, monkeypatch):
     """BERT-Base at batch 32 and 128 tokens needs about 5 GB a run (weights, gradients, AdamW's moments,
     activations, CUDA context): an H200's 141 GB holds all 5 restarts, a 12 GB GPU two."""
-    import torch
-
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 768, "num_hidden_layers": 12,
                                                       "intermediate_size": 3072, "num_attention_heads": 12,
                                                       "vocab_size": 30522, "max_position_embeddings": 512}))
     need = suite._model_bytes(tmp_path, 32, 128)
     params = 109_482_240 + 768 * 2  # BERT-Base's encoder and pooler (transformers' count) and the 2-label head
     assert 16 * params < need < 16 * params + 4e9
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(suite, "_visible_gpus", lambda: 1)
     monkeypatch.setattr(suite.os, "cpu_count", lambda: 16)
     for free, runs, expect in ((141e9, 5, 5), (12e9, 5, 2), (3e9, 5, 1), (141e9, 40, 16)):
         monkeypatch.setattr(suite, "_free_gpu_bytes", lambda d, free=free: free)
         assert suite.plan_slots("cuda", None, None, tmp_path, 32, 128, runs=runs) == [suite.Slot("0", expect)]
     assert suite.plan_slots("cuda", None, 3, tmp_path, 32, 128, runs=5) == [suite.Slot("0", 3)]  # --parallel
+
+
+def test_planning_imports_no_torch(tmp_path):
+    """The suite's own process plans its runs without torch, whose import its runs each pay already."""
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 384, "num_hidden_layers": 6,
+                                                      "intermediate_size": 1536, "num_attention_heads": 12,
+                                                      "vocab_size": 30522, "max_position_embeddings": 512}))
+    code = ("import sys; from pathlib import Path; from bertctl.tasks import suite; "
+            f"slots = suite.plan_slots('auto', None, None, Path({str(tmp_path)!r}), 32, 128, runs=5); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(slots)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
