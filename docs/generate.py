@@ -284,6 +284,12 @@ EMBED_FILES = ["embed-vs-st-h200-fp16-d02edce.json", "embed-vs-st-h200-fp32-d02e
                "embed-vs-st-cpu-f6c588f.json"]
 
 
+# Before and after the native encoder's tensor-core attention (e81bcf9) and tokenising by characters (3499d68).
+EMBED_LENGTH_FILES = ["embed-vs-st-h200-fp16-passages-all-0d0c13c.json", "embed-vs-st-h200-fp16-passages-all-e81bcf9.json",
+                      "embed-vs-st-h200-fp16-long-all-0d0c13c.json", "embed-vs-st-h200-fp16-long-all-e81bcf9.json",
+                      "embed-vs-st-h200-fp16-long-all-3499d68.json"]
+
+
 def embed_vs_st() -> list[str]:
     out = ["## `bertctl embed` against sentence-transformers", "",
            "The whole `bertctl embed` command (process start to the written file) against a warm "
@@ -299,6 +305,19 @@ def embed_vs_st() -> list[str]:
                      short(d["commit"]), link(name)])
     out += table(["device", "run", "bertctl s", "sentence-transformers s", "speed-up", "commit", "file"],
                  rows, right_from=2)
+    out += ["Passages and long texts: every text of the trajectory's files (20,000 ~180-token passages on "
+            "all-MiniLM-L6-v2 at 256 tokens; 10,000 ~330-token texts on a BERT-Base-shaped model at 512), fp16, "
+            "one H200; medians of two runs a side, and against sentence-transformers' faster run.", ""]
+    rows = []
+    for name in EMBED_LENGTH_FILES:
+        d = load(name)
+        rows.append([name.split("-")[5], f"{d['bertctl_median_s']:.2f}",
+                     f"{d['sentence_transformers_median_s']:.2f}", f"{d['speedup_median']:.2f}×",
+                     f"{min(d['sentence_transformers_encode_s']) / d['bertctl_median_s']:.2f}×",
+                     f"{min(d['bertctl_embedding_s']):.2f}", f"{d['least_cosine_vs_fp32']['bertctl']:.7f}",
+                     short(d["commit"]), link(name)])
+    out += table(["texts", "bertctl s", "sentence-transformers s", "speed-up", "against its faster run",
+                  "embedding loop s", "cosine to fp32", "commit", "file"], rows, right_from=1)
     d = load("embed-backends-cpu-f6c588f.json")
     r = d["results"]
     out += ["`embed` inside one process on the 2-core CPU, all-MiniLM-L6-v2 over 4,000 SST-2 sentences, "

@@ -4,13 +4,18 @@ measurements, and write the coefficients, with the workloads they were fitted on
 
 The measurements (``benchmarks/results/``):
 
-- GPU (one H200, fp16), the whole ``bertctl embed`` command:
-  ``trajectory-h200-d8b6c0f.json`` and ``trajectory-h200-e9ca66b.json`` (their ``embed`` rows: SST-2's
-  training sentences four times over, on ``auto``, which ran the native encoder; passages and long
-  texts from ``benchmarks/trajectory.py``'s ``texts``, on torch and native), and
+- GPU (one H200, fp16), the whole ``bertctl embed`` command, with the native encoder's tensor-core
+  attention (e81bcf9 on):
+  ``trajectory-h200-9c81767.json`` (its ``embed`` rows: SST-2's training sentences four times over, on
+  ``auto``, which ran the native encoder; passages and long texts from ``benchmarks/trajectory.py``'s
+  ``texts``, on auto (native), torch and native; its long texts were still tokenised in the process, 2.3 s
+  more than since 3499d68, on every backend alike), ``embed-vs-st-h200-fp16-passages-all-e81bcf9.json`` and
+  ``embed-vs-st-h200-fp16-long-all-3499d68.json`` (native, every passage and long text), and
   ``embed-vs-st-h200-fp16-d02edce.json`` (native), ``embed-vs-st-h200-fp16-torch-d02edce.json`` (torch)
   and ``embed-vs-st-h200-fp16-40c77c7.json`` (native): SST-2's 67,349 training sentences on
-  all-MiniLM-L6-v2 (its 256-token limit).
+  all-MiniLM-L6-v2 (its 256-token limit; most of its texts are 32 tokens or fewer, whose attention kernel
+  is unchanged since). Runs before e81bcf9 of the native encoder on longer texts measured its CUDA-core
+  attention and are not used.
 - CPU (the 2-core machine, fp32): ``embed-backends-cpu-f6c588f.json`` (``embed_texts`` alone on 4,000
   SST-2 sentences, torch against onnxruntime, in one run) and ``embed-vs-st-cpu-f6c588f.json`` (the
   whole command on onnxruntime, whose start-up is its wall less its embedding).
@@ -57,8 +62,9 @@ def texts(data: Path) -> dict[str, list[str]]:
                      sorted((data / "corpus" / "gutenberg").glob("*.txt"))).split()
     out = {"sst2": sst2, "sst2x4": sst2 * 4, "sst2-4000": sst2[:4000]}
     for name, n_words, count in (("passages", 140, 20_000), ("long", 260, 10_000)):
-        # As the trajectory cut them: past the corpus's end the slices are empty, so those lines are empty texts.
-        out[name] = [" ".join(words[i:i + n_words]) for i in range(0, n_words * count, n_words)]
+        # As the trajectory cuts them (since b3e74ec): the books read round again where they run out.
+        words_needed = words * -(-n_words * count // len(words))
+        out[name] = [" ".join(words_needed[i:i + n_words]) for i in range(0, n_words * count, n_words)]
     return out
 
 
@@ -73,20 +79,21 @@ def best(walls) -> float:
 def runs(data: Path) -> list[dict]:
     """Every measured run: its workload's name, device, backend, wall seconds and source file."""
     out = []
-    for commit in ("d8b6c0f", "e9ca66b"):
-        source = f"trajectory-h200-{commit}.json"
-        for row in json.loads((RESULTS / source).read_text())["raw"]["embed"]:
-            backend = "native" if row["backend"] == "auto" else row["backend"]  # auto ran native on short texts
-            out.append({"workload": {"short": "sst2x4", "passages": "passages", "long": "long"}[row["case"]],
-                        "device": "cuda", "backend": backend, "seconds": best(row["walls"]), "source": source})
-    for source, backend in (("embed-vs-st-h200-fp16-d02edce.json", "native"),
-                            ("embed-vs-st-h200-fp16-torch-d02edce.json", "torch"),
-                            ("embed-vs-st-h200-fp16-40c77c7.json", "native")):
+    source = "trajectory-h200-9c81767.json"
+    for row in json.loads((RESULTS / source).read_text())["raw"]["embed"]:
+        backend = "native" if row["backend"] == "auto" else row["backend"]  # auto ran native on each of them
+        out.append({"workload": {"short": "sst2x4", "passages-180tok": "passages", "long-330tok": "long"}[row["case"]],
+                    "device": "cuda", "backend": backend, "seconds": best(row["walls"]), "source": source})
+    for source, backend, workload in (("embed-vs-st-h200-fp16-d02edce.json", "native", "sst2-minilm"),
+                                      ("embed-vs-st-h200-fp16-torch-d02edce.json", "torch", "sst2-minilm"),
+                                      ("embed-vs-st-h200-fp16-40c77c7.json", "native", "sst2-minilm"),
+                                      ("embed-vs-st-h200-fp16-passages-all-e81bcf9.json", "native", "passages"),
+                                      ("embed-vs-st-h200-fp16-long-all-3499d68.json", "native", "long")):
         result = json.loads((RESULTS / source).read_text())
-        out.append({"workload": "sst2-minilm", "device": "cuda", "backend": backend,
+        out.append({"workload": workload, "device": "cuda", "backend": backend,
                     "seconds": best(result["bertctl_runs_s"]), "source": source})
         # The same runs less their embedding (the summary line's seconds): start-up, reading and writing.
-        out.append({"workload": "sst2-minilm", "device": "cuda", "backend": backend, "outside_embedding": True,
+        out.append({"workload": workload, "device": "cuda", "backend": backend, "outside_embedding": True,
                     "seconds": best(np.subtract(result["bertctl_runs_s"], result["bertctl_embedding_s"])),
                     "source": source})
     cpu = json.loads((RESULTS / "embed-backends-cpu-f6c588f.json").read_text())["results"]
