@@ -504,6 +504,7 @@ def readme_summary() -> list[str]:
     case_ratios = [r["seq_per_s"] / hf_cases[r["case"]] for r in cases["train"]
                    if r["provider"] in ("bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl/unpadded/graphs")]
     gpu_embed = load(EMBED_FILES[0])
+    passages, long = load(EMBED_LENGTH_FILES[1]), load(EMBED_LENGTH_FILES[-1])
     cpu_embed = [load(f)["speedup_median"] for f in EMBED_FILES if "-cpu-" in f]
     conv = load("convergence-seeds-h200-f29cc4e.json")
     gaps = ", ".join(f"{task} {f['gap_pretrained_minus_scratch']:+.1f}" for task, f in conv["finetune"].items())
@@ -520,8 +521,12 @@ def readme_summary() -> list[str]:
          f"({min(case_ratios):.1f}× to {max(case_ratios):.1f}× over lengths and step modes)",
          f"[tables]({m}the-training-step-against-transformers)"],
         ["`bertctl embed` against sentence-transformers' `encode`",
-         f"{gpu_embed['speedup_median']:.1f}× on an H200 (fp16), {min(cpu_embed):.1f}× to {max(cpu_embed):.1f}× on "
-         "the 2-core CPU", f"[tables]({m}bertctl-embed-against-sentence-transformers)"],
+         f"on an H200 (fp16) {gpu_embed['speedup_median']:.1f}× on SST-2's sentences, "
+         f"{passages['speedup_median']:.1f}× on ~180-token passages, {long['speedup_median']:.1f}× on ~330-token texts "
+         f"(medians; {min(passages['sentence_transformers_encode_s']) / passages['bertctl_median_s']:.1f}× and "
+         f"{min(long['sentence_transformers_encode_s']) / long['bertctl_median_s']:.1f}× against its faster run); "
+         f"{min(cpu_embed):.1f}× to {max(cpu_embed):.1f}× on the 2-core CPU",
+         f"[tables]({m}bertctl-embed-against-sentence-transformers)"],
         [f"pretraining for {conv['settings']['minutes']} minutes on one H200",
          f"fine-tuned gaps over random initialisation: {gaps} points",
          f"[tables]({m}pretraining-that-works-benchmarksconvergencerunpy), [method](docs/pretraining.md)"],
