@@ -105,7 +105,8 @@ def main() -> None:
                                          ("cuda" if __import__("torch").cuda.is_available() else "cpu")),
               "task": args.task, "model": str(args.model), "epochs": args.epochs, "restarts": args.restarts, "one_run_seconds": one,
               "suite_seconds": suite_seconds, "ratio": suite_seconds / one, "target_ratio": 1.5,
-              "suite_plan": launched, "suite_beyond_longest_run_seconds": round(suite_seconds - max(
+              "suite_plan": launched, "suite_since_start": summary.get("since_start"),
+              "suite_beyond_longest_run_seconds": round(suite_seconds - max(
                   (r["phases"]["process"] or 0.0) for r in per_seed), 3), "per_seed": per_seed,
               "mean": task["grid"][0]["mean"], "std": task["grid"][0]["std"], "chosen": task["chosen"]["run"]}
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -392,6 +392,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
         plans = [TaskPlan(s, cfg.output / s.folder, list(points)) for s in specs]
         slots = plan_slots(cfg.device, cfg.devices, cfg.parallel, cfg.model, max(cfg.batch_sizes),
                            cfg.max_seq_length, len(plans) * len(points))
+        marks = {"planned": time.monotonic() - started}  # where the suite's own seconds go, for summary.json
         child_device = "cpu" if slots[0].device == "cpu" else "cuda"
         where = "the CPU, one run at a time" if child_device == "cpu" else ", ".join(
             f"GPU {s.device} ({s.capacity} at once)" for s in slots)
@@ -419,7 +420,9 @@ def run_suite(cfg: SuiteConfig) -> dict:
 
         shared = [s.device for s in slots if s.device != "cpu" and s.capacity > 1 and len(jobs) > 1]
         gpu_env = stack.enter_context(mps.sharing(shared))
+        marks["gpu_sharing_ready"] = time.monotonic() - started
         run_jobs(jobs, slots, on_done=done, gpu_env=gpu_env)
+        marks["runs_done"] = time.monotonic() - started
         results = [collect_task(plan) for plan in plans]
         predict_jobs = []
         for plan, result in zip(plans, results):
@@ -434,9 +437,11 @@ def run_suite(cfg: SuiteConfig) -> dict:
                 stderr.print(f"{job.name}: failed ({_tail(job.log)}); see {job.log}")
 
         run_jobs(predict_jobs, slots, on_done=predicted, gpu_env=gpu_env)
+        marks["predictions_done"] = time.monotonic() - started
         submission = leaderboard.write_submission(cfg.output, [(p.spec, p.folder) for p in plans])
         summary = summarise(cfg, results, submission)
         summary["seconds"] = round(time.monotonic() - started, 1)  # this invocation's wall time, runs skipped too
+        summary["since_start"] = {k: round(v, 2) for k, v in marks.items()}
         write_json(cfg.output / "summary.json", summary)
         with atomic_open(cfg.output / "summary.md", "w", encoding="utf-8") as f:
             f.write(summary_markdown(summary))

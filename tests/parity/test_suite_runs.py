@@ -91,6 +91,9 @@ def test_suite_over_every_task_present(tiny, tmp_path):
         assert [(g["lr"], g["batch_size"], g["epochs"]) for g in r["grid"]] == [(2e-3, 8, 1.0)]
     assert summary["average"] == pytest.approx(sum(summary["table1"].values()) / 3)
     assert json.loads((out / "summary.json").read_text())["table1"] == summary["table1"]
+    marks = summary["since_start"]  # the suite's own seconds: planning, the GPU's sharing, the runs, the predictions
+    assert 0 <= marks["planned"] <= marks["gpu_sharing_ready"] <= marks["runs_done"] <= marks["predictions_done"] \
+        <= summary["seconds"] + 0.05, (marks, summary["seconds"])  # seconds: rounded to 0.1
     # The submission: the chosen models' predictions of each test file, in the server's format.
     with zipfile.ZipFile(out / "submission.zip") as z:
         assert sorted(z.namelist()) == ["CoLA.tsv", "RTE.tsv", "SST-2.tsv"]
