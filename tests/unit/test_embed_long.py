@@ -210,3 +210,22 @@ def test_bad_long_flags_are_one_line_before_any_work(model_dir, tmp_path, args, 
     r = invoke("embed", "--model", model_dir, *args, "-o", tmp_path / "o.npy", src)
     assert r.exit_code == 2 and message in r.stderr and "Traceback" not in r.output, r.output
     assert not (tmp_path / "o.npy").exists()
+
+
+def test_workers_tokenise_by_the_texts_characters_not_their_count(model_dir, monkeypatch):
+    """A few long texts go to the workers as many short ones do (10,000 long documents were tokenised in the
+    process, before the model could load); either way the result is the same ids, in order."""
+    import bertctl.inference.embed as embed_module
+
+    tokenizer = BertTokenizer.from_pretrained(model_dir)
+    monkeypatch.setattr(embed_module, "PARALLEL_CHARACTERS", 2000)
+    rng = np.random.default_rng(5)
+    few_long, many_short = texts_of(rng, [400] * 4), texts_of(rng, [1] * 300)
+    assert sum(map(len, few_long)) >= 2000 > sum(map(len, many_short))
+    for texts, in_workers in ((few_long, True), (many_short, False)):
+        with embed_module.Tokenizing(tokenizer, texts, LIMIT, workers=2, long="chunk", stride=3) as tokenizing:
+            assert (tokenizing._pool is not None) == in_workers
+            got = tokenizing.result()
+        want = _tokenize_chunk(tokenizer, texts, LIMIT, "chunk", 3)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
