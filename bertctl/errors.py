@@ -1,4 +1,7 @@
-"""The one exception type that the CLI turns into a one-line message and exit code 2."""
+"""The exceptions the CLI turns into a one-line message and exit code 2: bad input (``BertctlError``), and a
+worker process that died (``WorkerDied``, an operating-system event: the inputs are good, and finished work is kept)."""
+
+import errno
 
 
 class BertctlError(Exception):
@@ -23,3 +26,11 @@ class Stopped(SystemExit):
 
     def __init__(self):
         super().__init__(0)
+
+
+class WorkerDied(ChildProcessError):
+    """A worker process of a parallel stage ended while the command waited on it (the out-of-memory killer's
+    KILL, any signal, or a worker that could not start): its task would never finish."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ECHILD, message)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool
 import os
-from typing import Callable, Sequence
+import signal
+from typing import Callable, Iterator, Sequence
+
+from bertctl.errors import WorkerDied
+
+#: Seconds between checks that every worker lives, while a result is waited for.
+POLL = 0.5
 
 
 def usable_cpus() -> int:
@@ -12,12 +19,54 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def worker_pool(workers: int, initializer: Callable, initargs: tuple):
+class WorkerPool(multiprocessing.pool.Pool):
+    """multiprocessing's Pool, whose results are waited for through ``wait`` and ``imap_in_order``: they raise
+    ``WorkerDied`` once a worker has ended, where the Pool would replace the worker and wait forever for the
+    task it took with it (or, for a worker whose start fails, start new ones forever)."""
+
+    def __init__(self, workers: int, initializer: Callable, initargs: tuple, context):
+        super().__init__(workers, initializer, initargs, context=context)
+        self._first = list(self._pool)  # no worker ends before terminate(): there is no maxtasksperchild
+
+    def _check(self) -> None:
+        for worker in self._first:
+            code = worker.exitcode  # the pool's own thread reaps it, through this same Process
+            if code is None:
+                continue
+            if code < 0:
+                name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+                how = f"was killed by {name}" + (" (as the out-of-memory killer does)" if -code == signal.SIGKILL else "")
+            else:
+                how = f"exited with status {code}"
+            raise WorkerDied(f"worker process {worker.pid} {how}, and its task with it; fewer worker processes "
+                             "(--workers, where the command has it) need less memory")
+
+    def wait(self, pending: multiprocessing.pool.AsyncResult):
+        """``pending.get()``, or ``WorkerDied`` once a worker has ended."""
+        while True:
+            try:
+                return pending.get(timeout=POLL)
+            except multiprocessing.TimeoutError:
+                self._check()
+
+    def imap_in_order(self, fn: Callable, items: Sequence) -> Iterator:
+        """``imap(fn, items)``, or ``WorkerDied`` once a worker has ended."""
+        results = self.imap(fn, items)
+        while True:
+            try:
+                yield results.next(timeout=POLL)
+            except StopIteration:
+                return
+            except multiprocessing.TimeoutError:
+                self._check()
+
+
+def worker_pool(workers: int, initializer: Callable, initargs: tuple) -> WorkerPool:
     """A pool of ``workers`` processes, each set up by ``initializer(*initargs)``: forked where the
     platform can (the workers inherit the tokenizer and tables without pickling them), else spawned.
     Start it before any progress bar, whose thread a fork would not carry."""
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    return ctx.Pool(workers, initializer=initializer, initargs=initargs)
+    return WorkerPool(workers, initializer, initargs, ctx)
 
 
 _worker_fn: Callable | None = None
@@ -51,7 +100,7 @@ def map_in_order(fn: Callable, items: Sequence, *, workers: int, label: str, pro
     try:
         out = []
         with track(label, len(items), disable=not progress) as advance:
-            for part in pool.imap(_apply_to_chunk, [items[i:i + size] for i in range(0, len(items), size)]):
+            for part in pool.imap_in_order(_apply_to_chunk, [items[i:i + size] for i in range(0, len(items), size)]):
                 out += part
                 advance(len(part))
         return out

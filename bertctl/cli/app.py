@@ -20,7 +20,7 @@ from typing import get_args
 import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from bertctl.errors import BertctlError
+from bertctl.errors import BertctlError, WorkerDied
 
 _state = {"debug": False}
 
@@ -152,6 +152,8 @@ def _one_line(e: BaseException) -> str | None:
 
     if isinstance(e, BertctlError):
         return str(e)
+    if isinstance(e, WorkerDied):
+        return e.strerror
     if isinstance(e, OSError) and (e.filename is not None or e.errno in OS_ERROR_FIXES):
         return describe_os_error(e)
     return None

@@ -748,9 +748,9 @@ def _build(files: list[Path], output_dir: Path, tokenizer, cfg: DataConfig, stat
                     continue
                 in_flight.append(pool.apply_async(_run_chunk, (chunk,)))
                 while len(in_flight) >= 2 * workers:
-                    finish(in_flight.popleft().get())
+                    finish(pool.wait(in_flight.popleft()))
             while in_flight:
-                finish(in_flight.popleft().get())
+                finish(pool.wait(in_flight.popleft()))
             if total_bytes is not None:
                 advance(max(total_bytes - sum(r["bytes"] for r in records), 0))
     finally:

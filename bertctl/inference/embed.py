@@ -200,7 +200,7 @@ class Tokenizing:
 
     def result(self) -> Tokenized:
         if self._done is None:
-            parts = self._pending.get()
+            parts = self._pool.wait(self._pending)
             self.close()
             self._done = Tokenized(*(np.concatenate(column) for column in zip(*parts)))
         return self._done

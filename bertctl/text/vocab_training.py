@@ -158,10 +158,10 @@ def count_words(files: Sequence[Path], config: VocabConfig, tokenizer: BertToken
             in_flight.append((lines, pool.apply_async(_count_in_worker, (lines,))))
             while len(in_flight) >= 2 * workers:
                 lines, pending = in_flight.popleft()
-                add(lines, pending.get())
+                add(lines, pool.wait(pending))
         while in_flight:
             lines, pending = in_flight.popleft()
-            add(lines, pending.get())
+            add(lines, pool.wait(pending))
     finally:
         if pool is not None:
             pool.terminate()

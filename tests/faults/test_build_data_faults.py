@@ -190,3 +190,16 @@ def test_a_second_build_into_the_folder_is_refused_while_the_first_lives(tmp_pat
     assert not (out / ".bertctl.lock").exists()
     run(corpus["files"], corpus["vocab"], out, "--resume")
     assert outputs(out) == outputs(corpus["reference"])
+
+
+def test_a_worker_killed_mid_build_ends_the_build_and_a_rerun_completes_it(tmp_path, corpus):
+    """The out-of-memory killer takes a worker as it writes a shard: the build ends at once with one line
+    naming the worker and the signal (the pool would have waited forever for the lost unit), keeps what
+    finished, and the same command (with --resume where a partial build was kept) completes it."""
+    out = tmp_path / "data"
+    p = run(corpus["files"], corpus["vocab"], out, fault="write@2:SIGKILL", check=False, workers=2)
+    assert p.returncode == 2, p.stderr
+    assert "bertctl: error: worker process" in p.stderr and "was killed by SIGKILL" in p.stderr, p.stderr
+    run(corpus["files"], corpus["vocab"], out, *(["--resume"] if out.exists() else []), workers=2)
+    assert outputs(out) == outputs(corpus["reference"])
+    assert not (out / ".build").exists() and not any(p.name.endswith(".tmp") for p in out.iterdir())

@@ -1,0 +1,69 @@
+"""The worker pool of the parallel stages: a worker that dies (the out-of-memory killer's KILL) or cannot start
+is an error, not a wait forever for the task it took with it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from bertctl.errors import WorkerDied
+from bertctl.workers import map_in_order, worker_pool
+
+
+def _nothing() -> None:
+    pass
+
+
+def _square_or_die(x: int) -> int:
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * x
+
+
+def _fail_to_start() -> None:
+    raise SystemExit(3)
+
+
+def test_results_come_back_in_order_while_every_worker_lives():
+    pool = worker_pool(2, _nothing, ())
+    try:
+        assert [pool.wait(pool.apply_async(_square_or_die, (x,))) for x in (1, 2)] == [1, 4]
+        assert list(pool.imap_in_order(_square_or_die, [5, 6, 7])) == [25, 36, 49]
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+@pytest.mark.parametrize("how", ["wait", "imap"])
+def test_a_killed_worker_is_an_error_naming_it(how):
+    pool = worker_pool(2, _nothing, ())
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerDied, match=r"worker process \d+ was killed by SIGKILL \(as the out-of-memory "
+                                             r"killer does\), and its task with it"):
+            if how == "wait":
+                pool.wait(pool.apply_async(_square_or_die, (3,)))
+            else:
+                list(pool.imap_in_order(_square_or_die, [1, 2, 3, 4]))
+    finally:
+        pool.terminate()
+        pool.join()
+    assert time.monotonic() - start < 30
+
+
+def test_a_worker_that_cannot_start_is_an_error():
+    pool = worker_pool(2, _fail_to_start, ())
+    try:
+        with pytest.raises(WorkerDied, match="exited with status 3"):
+            pool.wait(pool.apply_async(_square_or_die, (1,)))
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def test_map_in_order_raises_for_a_killed_worker():
+    with pytest.raises(WorkerDied):
+        map_in_order(_square_or_die, list(range(8)), workers=2, label="squares")
+    assert map_in_order(_square_or_die, [1, 2, 4], workers=2, label="squares") == [1, 4, 16]
