@@ -1,7 +1,10 @@
 """Atomic file output: write to a temporary name beside the target, then rename.
 
 A reader never sees a half-written file under its final name, and an
-interrupted writer leaves only ``*.tmp*`` debris that later runs ignore.
+interrupted writer leaves only ``*.tmp`` debris, named with its host and
+process id: the next write of the same target on that host removes the debris
+of writers that no longer run (a KILLed run's half-written embeddings can be
+gigabytes), and leaves a live writer's, or another host's, alone.
 What a failed write leaves is removed: the temporary file or folder, and the
 parent folders it created.  Published files and folders get the permissions a
 plain ``open``/``mkdir`` would give under the caller's umask (``mkstemp`` and
@@ -16,6 +19,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
@@ -132,7 +136,8 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     created = make_parents(target.parent)
     published = False
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        remove_debris(target)
+        fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(target), suffix=".tmp", dir=target.parent)
         os.close(fd)
         tmp = Path(tmp)
         try:
@@ -169,6 +174,47 @@ def write_json(target: str | os.PathLike, obj, indent: int = 2) -> None:
         f.write("\n")
 
 
+def _temporary_prefix(target: Path) -> str:
+    """The start of ``target``'s temporary names for this process: ``.<name>.<host>-<pid>.`` (then mkstemp's
+    random part and ``.tmp``)."""
+    host = socket.gethostname().replace(os.sep, "_") or "host"
+    return f".{target.name}.{host}-{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_debris(target: Path) -> None:
+    """Remove the temporary files and folders that writers of ``target`` on this host left when they were
+    killed (their process is gone); a running writer's, another host's and unparsable names stay."""
+    head = f".{target.name}."
+    host = socket.gethostname().replace(os.sep, "_") or "host"
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(head) and name.endswith(".tmp")):
+            continue
+        owner = name[len(head):-len(".tmp")].rpartition(".")[0]  # <host>-<pid>, before mkstemp's part
+        their_host, _, pid = owner.rpartition("-")
+        if their_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces ``target`` (an old one is removed).
@@ -180,7 +226,8 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     created = make_parents(target.parent)
     published = False
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+        remove_debris(target)
+        tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(target), suffix=".tmp", dir=target.parent))
         try:
             yield tmp
             _as_if_made_under_umask(tmp)

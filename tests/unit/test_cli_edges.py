@@ -176,6 +176,37 @@ def test_written_files_follow_the_callers_umask(tmp_path, umask):
     assert stat.S_IMODE(model.stat().st_mode) == dir_mode
 
 
+def test_a_killed_writers_debris_goes_at_the_next_write_of_its_target(tmp_path):
+    """A KILLed writer leaves its temporary file or folder; the next write of the same target removes those
+    of writers on this host that no longer run, and leaves a running writer's, another host's, another
+    target's and names it cannot read alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from bertctl.io import atomic_dir, atomic_open
+
+    host = socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead = int(gone.stdout)  # that process has ended: its pid is free
+    debris = [tmp_path / f".x.npy.{host}-{dead}.abc123.tmp", tmp_path / f".model.{host}-{dead}.def456.tmp"]
+    kept = [tmp_path / f".x.npy.{host}-{os.getpid()}.zzz.tmp", tmp_path / f".x.npy.otherhost-{dead}.q.tmp",
+            tmp_path / f".y.npy.{host}-{dead}.r.tmp", tmp_path / ".x.npy.s0m3th1ng.tmp"]
+    debris[0].write_bytes(b"half the vectors")
+    debris[1].mkdir()
+    (debris[1] / "model.safetensors").write_bytes(b"half a model")
+    for path in kept:
+        path.write_bytes(b"not ours to remove")
+    with atomic_open(tmp_path / "x.npy", "wb") as f:
+        np.save(f, np.zeros(3))
+    with atomic_dir(tmp_path / "model") as d:
+        (d / "config.json").write_text("{}")
+    assert not any(p.exists() for p in debris)
+    assert all(p.exists() for p in kept)
+    assert np.load(tmp_path / "x.npy").shape == (3,) and (tmp_path / "model" / "config.json").exists()
+
+
 # ----------------------------------------------------------------------------- vocabulary vs model (item 10)
 
 
