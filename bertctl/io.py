@@ -174,11 +174,14 @@ def write_json(target: str | os.PathLike, obj, indent: int = 2) -> None:
         f.write("\n")
 
 
+def _host() -> str:
+    return socket.gethostname().replace(os.sep, "_") or "host"
+
+
 def _temporary_prefix(target: Path) -> str:
     """The start of ``target``'s temporary names for this process: ``.<name>.<host>-<pid>.`` (then mkstemp's
     random part and ``.tmp``)."""
-    host = socket.gethostname().replace(os.sep, "_") or "host"
-    return f".{target.name}.{host}-{os.getpid()}."
+    return f".{target.name}.{_host()}-{os.getpid()}."
 
 
 def _alive(pid: int) -> bool:
@@ -194,8 +197,7 @@ def _alive(pid: int) -> bool:
 def remove_debris(target: Path) -> None:
     """Remove the temporary files and folders that writers of ``target`` on this host left when they were
     killed (their process is gone); a running writer's, another host's and unparsable names stay."""
-    head = f".{target.name}."
-    host = socket.gethostname().replace(os.sep, "_") or "host"
+    head, host = f".{target.name}.", _host()
     try:
         entries = list(os.scandir(target.parent))
     except OSError:
