@@ -246,9 +246,9 @@ def _free_gpu_bytes(device: str) -> float | None:
 
 
 def _visible_gpus() -> int:
-    """The CUDA GPUs visible here, counted without importing torch where it can be (its import was a tenth of
-    a suite of five short runs): none where torch cannot use a GPU, else the CUDA runtime's count through the
-    native encoder's module (no context is made), else torch's."""
+    """The CUDA GPUs visible here, counted without importing torch where it can be (the suite's own process
+    trains nothing; its runs import torch themselves): none where torch cannot use a GPU, else the CUDA
+    runtime's count through the native encoder's module (no context is made), else torch's."""
     from bertctl.inference.backends import native
     from bertctl.runtime import cuda_possible
 
