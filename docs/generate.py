@@ -119,6 +119,33 @@ def padding_free() -> list[str]:
     return out + table(["case", "model", "real tokens/s", "mixed against 128 tokens"], rows, right_from=2)
 
 
+PROFILE_FILE = "profile-step-mixed-vs-128-h200-a20850c.json"
+VARLEN_FILES = ["varlen-attention-mixed128-h200-a20850c.json", "varlen-attention-mixed512-h200-a20850c.json"]
+
+
+def mixed_step() -> list[str]:
+    """Where the mixed-length step's time goes, and what each attention kernel costs on its lengths."""
+    prof = load(PROFILE_FILE)["cases"]
+    out = ["### Where the mixed-length step goes", "",
+           f"The eager step's kernels, by kind, in ms a step ({link(PROFILE_FILE)}):", ""]
+    rows = [[f"`{case}`", f"{c['kernel_ms']:.2f}"] + [f"{c['by_kind_ms_attention_apart'].get(k, 0.0):.2f}" for k in
+            ("matmuls", "attention", "fused ops", "copies, casts, fills", "optimizer, clipping", "other")]
+            for case, c in prof.items() if "PDL" not in case]
+    out += table(["case", "kernels ms", "matmuls", "attention", "fused ops", "copies", "optimizer", "other"], rows)
+    out += ["One layer's attention alone, forward and backward with dropout, on the same lengths "
+            "(`benchmarks/model/varlen_attention.py`). FlashAttention's variable-length kernel works in tiles of "
+            "128 queries and keys, so a sequence shorter than 128 costs a whole tile: on mixed lengths up to 128 it "
+            "costs about what cuDNN does on the batch padded.", ""]
+    rows = []
+    for name in VARLEN_FILES:
+        d = load(name)
+        for c in d["cases"]:
+            if "fwd_bwd_ms" in c:
+                rows.append([f"{d['batch']} x up to {d['seq']}", f"`{c['kernel']}`", str(c.get("max_seqlen", "")),
+                             f"{c['fwd_bwd_ms']:.3f}", link(name)])
+    return out + table(["batch", "kernel", "max_seqlen", "ms", "file"], rows, right_from=2)
+
+
 def model_history() -> list[str]:
     out = ["### Every committed `bench model` run", "",
            "BERT-Base at 128 tokens (batch 256), the eager step, bertctl against `transformers` in the same run; "
@@ -539,7 +566,7 @@ def readme_with_summary(readme: str) -> str:
     return readme[:start] + "\n".join(readme_summary()) + readme[end:]
 
 
-SECTIONS = [model_step, padding_free, model_history, model_scaling, trajectory, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
+SECTIONS = [model_step, padding_free, mixed_step, model_history, model_scaling, trajectory, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
 
 
 def render() -> str:
