@@ -193,6 +193,43 @@ def environment(tree: Path) -> dict:
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
 
+# A fixed piece of pure-Python work: how fast this host runs the interpreter, which the eagerly stepped figures,
+# the whole commands' start-up and the embed runs' tokenising depend on as much as on the GPU.
+HOST_LOOP = "t = 0\nfor i in range(3_000_000):\n    t += i * i"
+
+
+def host_probe(repeats: int = 3) -> dict:
+    """The host's speed where the GPU plays no part: ``import torch`` in a fresh interpreter and a fixed Python
+    loop, each the best of ``repeats``; so that a run on a slower host can be told from a regression."""
+    def best(fn) -> float:
+        return min(fn() for _ in range(repeats))
+
+    def torch_import() -> float:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True, capture_output=True)
+        return time.perf_counter() - t0
+
+    def loop() -> float:
+        t0 = time.perf_counter()
+        exec(HOST_LOOP, {})
+        return time.perf_counter() - t0
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    return {"cpu": cpu, "cpus": os.cpu_count(), "torch_import_seconds": round(best(torch_import), 3),
+            "python_loop_seconds": round(best(loop), 3)}
+
+
+def host_line(now: dict | None, ref: dict | None) -> str:
+    """One line comparing the two runs' hosts (``host_probe``), or saying that one of them has no probe."""
+    if not now or not ref:
+        return "host: " + ("no probe in the reference run" if now else "no probe in this run")
+    parts = [f"{label} {now[key]:.2f} s against {ref[key]:.2f} s ({now[key] / ref[key] - 1:+.0%})"
+             for key, label in (("torch_import_seconds", "import torch"), ("python_loop_seconds", "Python loop"))]
+    return ("host: " + ", ".join(parts) + "; host-bound figures (eager steps, whole commands, embed) move with "
+            "these")
+
+
 def reference(gpu: str, spec: str) -> Path | None:
     """The run to compare with: a file, none, or the newest committed trajectory of this GPU kind that may serve
     as one."""
@@ -254,7 +291,7 @@ def main() -> None:
     env = environment(Path(args.tree))
     log_path = args.log or (args.output.with_suffix(".log") if args.output else None)
     log = open(log_path, "w") if log_path else sys.stderr
-    result = {"benchmark": "trajectory", **env, **measure(args, log)}
+    result = {"benchmark": "trajectory", **env, "host": host_probe(), **measure(args, log)}
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=1) + "\n")
@@ -265,6 +302,7 @@ def main() -> None:
         return
     ref = json.loads(ref_path.read_text())
     print(f"against {ref_path.name} ({ref.get('commit')}, {ref.get('device')}):")
+    print(host_line(result["host"], ref.get("host")))
     worse = compare(result["figures"], ref["figures"], args.tolerance)
     if worse and args.rechecks:
         print(f"re-measuring {len(worse)} figure(s), best of {args.rechecks + 1} runs:")

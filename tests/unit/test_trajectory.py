@@ -1,5 +1,6 @@
-"""The performance trajectory's reference: the newest run of the GPU kind that may serve as one, by its recorded
-date where there is no git history; a run marked "reference": false is never the reference."""
+"""The performance trajectory: its reference (the newest run of the GPU kind that may serve as one, by its recorded
+date where there is no git history; a run marked "reference": false is never the reference), and the probe of
+its host's own speed."""
 from __future__ import annotations
 
 import importlib.util
@@ -33,3 +34,15 @@ def test_the_newest_run_that_may_serve_is_the_reference(tmp_path, monkeypatch):
     assert t.reference("a100", "auto") is None
     assert t.reference("h200", "none") is None
     assert t.reference("h200", str(results / "trajectory-h200-ccc.json")).name == "trajectory-h200-ccc.json"
+
+
+def test_the_host_probe_measures_and_compares(tmp_path, monkeypatch):
+    """A run records how fast its host imports torch and runs Python, and the comparison says how the two hosts
+    differ, or that the reference has no probe."""
+    t, _ = load(tmp_path, monkeypatch)
+    probe = t.host_probe(repeats=1)
+    assert probe["torch_import_seconds"] > 0.05 and probe["python_loop_seconds"] > 0.01 and probe["cpus"] >= 1
+    slower = {**probe, "torch_import_seconds": 2 * probe["torch_import_seconds"]}
+    line = t.host_line(slower, probe)
+    assert "import torch" in line and "+100%" in line and "Python loop" in line and "+0%" in line
+    assert t.host_line(probe, None) == "host: no probe in the reference run"
