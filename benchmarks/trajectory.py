@@ -11,6 +11,9 @@ same way):
   passages (MiniLM, 256 max) and on ~330-token texts (a BERT-Base, 512 max), with each backend;
 - one whole fine-tuning run (SST-2, one epoch, a MiniLM-shaped model).
 
+Each run also probes its host (``host_probe``: ``import torch`` and a fixed Python loop), since the eagerly
+stepped figures and the whole commands move with the host as much as with the code.
+
 The models' weights are drawn at random (seeded): speed does not depend on them, and no checkpoint has to
 travel to the GPU machine. Quality is guarded elsewhere (the parity tests, ``benchmarks/convergence/ab_trajectory.py``).
 
