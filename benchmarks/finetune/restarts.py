@@ -2,7 +2,9 @@
 side on the GPU) against one run alone, and each seed's dev metrics against the same seed run alone.
 
 The target: N = 5 restarts of MiniLM on SST-2 in at most 1.5 times one run's wall time, with the same
-per-seed metrics as separate runs (``--separate`` runs every seed alone; by default only the first).
+per-seed metrics as separate runs (``--separate`` runs every seed alone; by default only the first). Where
+nvidia-smi is present, the GPU's SM and memory utilisation is sampled once a second over the run alone and
+over the suite, to tell a GPU the runs keep busy from one they leave waiting.
 
     python benchmarks/finetune/restarts.py --model MINILM --data-dir ../shared/data/glue/SST-2 -o OUT.json
     python benchmarks/finetune/restarts.py --model MINILM --data-dir ../shared/data/glue/SST-2 --device cpu \\
@@ -17,6 +19,52 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+class GpuUtilisation:
+    """``nvidia-smi dmon``'s once-a-second SM and memory-bandwidth utilisation over a block, to tell a GPU that
+    the runs side by side keep busy from one they leave idle; ``summary()`` is None where there is no
+    nvidia-smi."""
+
+    def __init__(self, argv: tuple[str, ...] = ("nvidia-smi", "dmon", "-s", "u", "-d", "1")):
+        self.argv = list(argv)
+        self.proc = None
+        self.text = ""
+
+    def __enter__(self) -> "GpuUtilisation":
+        try:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.text = self.proc.communicate(timeout=10)[0]
+
+    def summary(self) -> dict | None:
+        """Per GPU: the samples of SM and memory utilisation (%) and their means; None without samples."""
+        columns, rows = None, {}
+        for line in self.text.splitlines():
+            fields = line.split()
+            if line.startswith("#"):
+                if columns is None and "sm" in fields:
+                    columns = fields[1:]  # "# gpu sm mem ...": the names, "#" dropped
+                continue
+            if columns is None or len(fields) != len(columns) or not all(f.isdigit() or f == "-" for f in fields):
+                continue
+            row = dict(zip(columns, fields))
+            gpu = rows.setdefault(row["gpu"], {"sm": [], "mem": []})
+            for key in ("sm", "mem"):
+                if row.get(key, "-").isdigit():
+                    gpu[key].append(int(row[key]))
+        if not any(g["sm"] for g in rows.values()):
+            return None
+        return {gpu: {"sm_percent": g["sm"], "mem_percent": g["mem"],
+                      "sm_mean": round(sum(g["sm"]) / len(g["sm"]), 1) if g["sm"] else None,
+                      "mem_mean": round(sum(g["mem"]) / len(g["mem"]), 1) if g["mem"] else None}
+                for gpu, g in rows.items()}
 
 
 def timed(argv: list[str], log: Path) -> float:
@@ -78,13 +126,15 @@ def main() -> None:
     alone = {}
     for seed in seeds if args.separate else seeds[:1]:
         out = work / f"alone-seed{seed}"
-        seconds = timed(base + ["--seed", str(seed), "--output", str(out)], work / f"alone-seed{seed}.log")
+        with GpuUtilisation() as gpu:
+            seconds = timed(base + ["--seed", str(seed), "--output", str(out)], work / f"alone-seed{seed}.log")
         alone[seed] = {"seconds": seconds, "metrics": json.loads((out / "metrics.json").read_text()),
-                       "phases": phases(out, seconds)}
+                       "phases": phases(out, seconds), "gpu_utilisation": gpu.summary()}
         print(f"seed {seed} alone: {seconds:.1f} s", file=sys.stderr)
     suite_out = work / "suite"
-    suite_seconds = timed(base + ["--seed", str(args.seed), "--restarts", str(args.restarts), "--output",
-                                  str(suite_out)], work / "suite.log")
+    with GpuUtilisation() as suite_gpu:
+        suite_seconds = timed(base + ["--seed", str(args.seed), "--restarts", str(args.restarts), "--output",
+                                      str(suite_out)], work / "suite.log")
     summary = json.loads((suite_out / "summary.json").read_text())
     task = summary["tasks"][task_spec(args.task).name]
     one = alone[seeds[0]]["seconds"]
@@ -96,6 +146,7 @@ def main() -> None:
             mine = alone[run["seed"]]["metrics"]
             row["alone"] = {k: mine[k] for k in run["metrics"] if k in mine and not isinstance(mine[k], dict)}
             row["alone_phases"] = alone[run["seed"]]["phases"]
+            row["alone_gpu_utilisation"] = alone[run["seed"]]["gpu_utilisation"]
             row["largest_difference"] = max((abs(v - mine[k]) for k, v in run["metrics"].items()
                                              if k in mine and isinstance(mine[k], float) and "second" not in k),
                                             default=0.0)
@@ -106,6 +157,7 @@ def main() -> None:
               "task": args.task, "model": str(args.model), "epochs": args.epochs, "restarts": args.restarts, "one_run_seconds": one,
               "suite_seconds": suite_seconds, "ratio": suite_seconds / one, "target_ratio": 1.5,
               "suite_plan": launched, "suite_since_start": summary.get("since_start"),
+              "suite_gpu_utilisation": suite_gpu.summary(),
               "suite_beyond_longest_run_seconds": round(suite_seconds - max(
                   (r["phases"]["process"] or 0.0) for r in per_seed), 3), "per_seed": per_seed,
               "mean": task["grid"][0]["mean"], "std": task["grid"][0]["std"], "chosen": task["chosen"]["run"]}
