@@ -217,8 +217,9 @@ def host_probe(repeats: int = 3) -> dict:
         exec(HOST_LOOP, {})
         return time.perf_counter() - t0
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.processor())
     return {"cpu": cpu, "cpus": os.cpu_count(), "torch_import_seconds": round(best(torch_import), 3),
             "python_loop_seconds": round(best(loop), 3)}
 

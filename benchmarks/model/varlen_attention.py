@@ -1,11 +1,15 @@
-"""Attention on packed mixed-length batches, by kernel: FlashAttention's variable-length kernel (what
-``unpadded`` runs), cuDNN's ragged (THD) attention, and cuDNN on the padded batch, forward and backward
-of one BERT-Base layer's attention (12 heads of 64) with dropout, bf16, on ``bench model``'s mixed lengths.
+"""Attention on packed mixed-length batches, by kernel, forward and backward of one BERT-Base layer's
+attention (12 heads of 64) with dropout, bf16, on ``bench model``'s mixed lengths: FlashAttention's
+variable-length kernel (what ``unpadded`` runs), the same with ``max_seqlen`` bounded by the batch's length,
+the sequences bin-packed into rows under a block-diagonal mask (memory-efficient and cuDNN kernels), and
+cuDNN and the memory-efficient kernel on the padded batch.
 
     python benchmarks/model/varlen_attention.py -o OUT.json
 
-Also checks each packed kernel against FlashAttention without dropout (output and gradients), and that
-each replays from a CUDA graph (no host sync inside).
+Each packed kernel is checked against FlashAttention without dropout (output and gradients, on the real
+rows); so is cuDNN's ragged (THD) attention, which is checked only: it runs two orders of magnitude slower
+(``varlen-attention-cudnn-ragged-h200-a20850c.json``). The FlashAttention cases are also captured and
+replayed as a CUDA graph (no host sync inside). Times are ``bertctl.bench.harness.measure``'s medians.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bertctl.bench import harness
 from bertctl.bench.model import synthetic_batches
@@ -32,17 +37,9 @@ def flash(q, k, v, cu, max_seqlen, dropout_p, scale):
     return VarlenAttention.apply(q, k, v, cu, max_seqlen, dropout_p, scale)
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+def time_ms(fn) -> float:
+    """The harness's median milliseconds of ``fn()``."""
+    return harness.measure(fn, [()], "cuda", warmup=3, reps=20).median_ms
 
 
 def main() -> None:
@@ -139,7 +136,6 @@ def main() -> None:
         out = t.new_zeros(nb * S, nh, hs).index_copy(0, slot, t)
         return out.view(nb, S, nh, hs).transpose(1, 2)
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
         row = {"kernel": f"binned-{backend.lower()}", "bins": nb}
         try:
@@ -167,8 +163,6 @@ def main() -> None:
     gop = torch.randn_like(qp)
     am = mask.cuda()[:, None, None, :]
     for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         with sdpa_kernel(getattr(SDPBackend, backend)):
             def run():
                 F.scaled_dot_product_attention(qp, kp, vp, attn_mask=am, dropout_p=args.dropout).backward(gop)

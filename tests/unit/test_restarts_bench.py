@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 RESTARTS = Path(__file__).resolve().parents[2] / "benchmarks" / "finetune" / "restarts.py"
@@ -29,12 +30,13 @@ def load():
 def test_dmon_samples_are_read_per_gpu(tmp_path):
     r = load()
     (tmp_path / "dmon.txt").write_text(DMON)
+    printed = tmp_path / "printed"
     stand_in = [sys.executable, "-c", f"import sys, time; sys.stdout.write(open({str(tmp_path / 'dmon.txt')!r}).read()); "
-                "sys.stdout.flush(); time.sleep(60)"]
+                f"sys.stdout.flush(); open({str(printed)!r}, 'w').close(); time.sleep(60)"]
     with r.GpuUtilisation(tuple(stand_in)) as gpu:
-        import time
-
-        time.sleep(1.0)  # the stand-in prints at once, then waits to be stopped as dmon does
+        deadline = time.monotonic() + 60
+        while not printed.exists() and time.monotonic() < deadline:  # it prints, then runs on until stopped, as dmon
+            time.sleep(0.05)
     s = gpu.summary()
     assert s["0"] == {"sm_percent": [12, 40, 68], "mem_percent": [3, 20, 31], "sm_mean": 40.0, "mem_mean": 18.0}
     assert s["1"]["sm_percent"] == [90] and s["1"]["sm_mean"] == 90.0  # the "-" row (no sample) is skipped
