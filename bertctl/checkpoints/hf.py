@@ -33,6 +33,27 @@ IGNORED_SUFFIXES = ("position_ids", "token_type_ids")
 # safe (loading a fine-tuned or pretraining checkpoint as a plain encoder, say).
 ALL_HEAD_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
 
+#: Where a fine-tuning run writes its model in its output folder.
+MODEL_SUBDIR = "model"
+
+
+def model_dir_of(path: str | Path) -> Path:
+    """A fine-tuning output folder holds the model in ``model/``, and an older sentence-transformers
+    checkpoint its encoder in the folder its ``modules.json`` names (``0_Transformer/``); accept each."""
+    from bertctl.inference.sentence_transformers import encoder_dir
+
+    path = Path(path)
+    if not (path / "config.json").exists() and (path / MODEL_SUBDIR / "config.json").exists():
+        return path / MODEL_SUBDIR
+    encoder = encoder_dir(path) if path.is_dir() and not (path / "config.json").exists() else None
+    if encoder is not None and (encoder / "config.json").exists():
+        return encoder
+    if not path.is_dir():
+        raise BertctlError(f"{path}: model directory not found")
+    if not (path / "config.json").exists():
+        raise BertctlError(f"{path}: no config.json (not a model directory)")
+    return path
+
 
 def load_config(directory: str | Path, **overrides) -> BertConfig:
     """The directory's ``config.json``; an error if its tokenizer holds more tokens than the model has embeddings."""

@@ -192,6 +192,18 @@ def _guard(typer_app: typer.Typer) -> None:
 
 
 
+def _cuda_context_started() -> bool:
+    """Whether this process made a CUDA context (the native encoder's or torch's) and holds no process group
+    (torchrun's ranks leave through torch.distributed's own teardown)."""
+    native = sys.modules.get("bertctl.inference.backends.native")
+    if native is not None and native.context_started:
+        return True
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
@@ -199,10 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         build_app([command] if command else None)(args=args, standalone_mode=True)
     except SystemExit as e:  # how click's standalone mode ends every run
-        native = sys.modules.get("bertctl.inference.backends.native")
-        if e.code in (0, None) and native is not None and native.context_started:
-            # The work is done and written; CUDA's teardown of the native encoder's context at exit (its
-            # memory freed, the context destroyed) is slow and nothing needs it: leave without it.
+        if e.code in (0, None) and _cuda_context_started():
+            # The work is done and written; CUDA's teardown at exit (its memory freed, the context destroyed)
+            # takes about a second and nothing needs it: leave without it.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

@@ -11,29 +11,9 @@ import torch
 
 from bertctl.errors import BertctlError
 from bertctl.io import write_json
+from bertctl.checkpoints.hf import MODEL_SUBDIR, model_dir_of  # noqa: F401 (the tasks' names for them)
 from bertctl.runtime import Runtime
 from bertctl.tasks.trainer import FinetuneConfig, runtime_of
-
-MODEL_SUBDIR = "model"
-
-
-def model_dir_of(path: str | Path) -> Path:
-    """A fine-tuning output folder holds the model in ``model/``, and an older sentence-transformers
-    checkpoint its encoder in the folder its ``modules.json`` names (``0_Transformer/``); accept each."""
-    from bertctl.inference.sentence_transformers import encoder_dir
-
-    path = Path(path)
-    if not (path / "config.json").exists() and (path / MODEL_SUBDIR / "config.json").exists():
-        return path / MODEL_SUBDIR
-    encoder = encoder_dir(path) if path.is_dir() and not (path / "config.json").exists() else None
-    if encoder is not None and (encoder / "config.json").exists():
-        return encoder
-    if not path.is_dir():
-        raise BertctlError(f"{path}: model directory not found")
-    if not (path / "config.json").exists():
-        raise BertctlError(f"{path}: no config.json (not a model directory)")
-    return path
-
 
 def load_tokenizer(model_dir: str | Path):
     from bertctl.text import load_tokenizer

@@ -215,7 +215,7 @@ def _model_bytes(model_dir: Path, batch_size: int, seq: int) -> float:
     """About what one fine-tuning process holds on a GPU: fp32 weights, gradients and AdamW's two moments
     (16 bytes a parameter), the activations kept for backward (Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes
     a layer in 16-bit), and 1.5 GB of CUDA context and allocator slack."""
-    from bertctl.tasks.common import model_dir_of
+    from bertctl.checkpoints.hf import model_dir_of  # torch-free: the suite's own process never imports torch
 
     try:
         c = json.loads((model_dir_of(model_dir) / "config.json").read_text())

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from bertctl import faults
 from bertctl.checkpoints import training
+from bertctl.checkpoints.hf import MODEL_SUBDIR
 from bertctl.config import IGNORE_INDEX, FinetuneConfig
 from bertctl.data.batching import (BATCH_TOKENS, Prefetcher, collate, feature_length, length_batches,
                                    median_step_length, steps_per_epoch, task_batches)
@@ -226,10 +227,6 @@ def total_steps(num_features: int, cfg: FinetuneConfig, world_size: int = 1) -> 
     per_epoch = steps_per_epoch(num_features, cfg.train.batch_size, world_size)
     steps = math.ceil(per_epoch * cfg.epochs)
     return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
-
-
-#: Where the driver writes the fine-tuned model in the output folder (``bertctl.tasks.common.MODEL_SUBDIR``).
-MODEL_SUBDIR = "model"
 
 
 def kept_state(run_dir: Path | None) -> str:

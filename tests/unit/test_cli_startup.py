@@ -98,3 +98,25 @@ def test_suite_refuses_bad_flags_before_torch(tmp_path, args, message):
     r = run_main("finetune", "glue", "--model", str(tmp_path), "-o", str(tmp_path / "out"), *args)
     assert r["code"] == 2 and message in r["stderr"], r["stderr"]
     assert not r["torch"]
+
+
+def test_leaves_without_cuda_teardown_only_when_no_process_group_is_held(monkeypatch):
+    """A finished command that made a CUDA context skips CUDA's teardown at exit, except a torchrun rank still
+    holding its process group (torch.distributed tears that down itself)."""
+    import types
+
+    from bertctl.cli import app
+
+    monkeypatch.delitem(sys.modules, "bertctl.inference.backends.native", raising=False)
+    state = {"cuda": False, "group": False}
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(is_initialized=lambda: state["cuda"]),
+        distributed=types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: state["group"]))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert not app._cuda_context_started()  # no CUDA context: an ordinary exit
+    state["cuda"] = True
+    assert app._cuda_context_started()
+    state["group"] = True
+    assert not app._cuda_context_started()
+    monkeypatch.delitem(sys.modules, "torch")
+    assert not app._cuda_context_started()  # torch never imported (embed on ONNX Runtime)

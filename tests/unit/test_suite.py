@@ -380,6 +380,9 @@ def test_planning_imports_no_torch(tmp_path):
                                                       "vocab_size": 30522, "max_position_embeddings": 512}))
     code = ("import sys; from pathlib import Path; from bertctl.tasks import suite; "
             f"slots = suite.plan_slots('auto', None, None, Path({str(tmp_path)!r}), 32, 128, runs=5); "
+            # a GPU's plan sizes the runs from the model's config too, which a CPU-only plan never reads
+            "suite._visible_gpus = lambda: 1; suite._free_gpu_bytes = lambda d: 141e9; "
+            f"slots += suite.plan_slots('cuda', None, None, Path({str(tmp_path)!r}), 32, 128, runs=5); "
             "assert 'torch' not in sys.modules, 'torch imported'; print(slots)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
