@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -285,6 +286,33 @@ def finetune_gpus() -> list[str]:
                         "file"], rows, right_from=1)
 
 
+# The suite's random restarts side by side on one GPU, through its CUDA MPS daemon; the later runs time more phases.
+RESTART_FILES = ["restarts-sst2-minilm-mps-h200-0d0c13c.json", "restarts-sst2-minilm-mps-h200-9c81767.json",
+                 "restarts-sst2-minilm-mps-h200-3499d68.json", "restarts-sst2-minilm-mps-h200-fa2d700.json",
+                 "restarts-sst2-minilm-mps-separate-h200-fa2d700.json", "restarts-sst2-base-mps-h200-0d0c13c.json"]
+
+
+def finetune_restarts() -> list[str]:
+    out = ["## Random restarts side by side", "",
+           "`finetune glue --restarts 5` on SST-2 for one epoch, its five runs side by side on one H200, against "
+           "one run alone (`benchmarks/finetune/restarts.py`); the target is 1.5× one run's wall time. Where every "
+           "seed also ran alone, the suite is set against the median alone run too. The suite's own seconds are "
+           "its planning (before any run starts) and its time beyond its longest run.", ""]
+    rows = []
+    for name in RESTART_FILES:
+        d = load(name)
+        alone = d.get("alone_seconds_all_seeds")
+        median = f"{d['suite_seconds'] / statistics.median(alone):.2f}×" if alone else "–"
+        plan = (d.get("suite_since_start") or {}).get("planned")
+        beyond = d.get("suite_beyond_longest_run_seconds")
+        rows.append(["BERT-Base-shaped" if "-base-" in name else "MiniLM-shaped", f"{d['one_run_seconds']:.1f}",
+                     f"{d['suite_seconds']:.1f}", f"{d['ratio']:.2f}×", median,
+                     "–" if plan is None else f"{plan:.2f}", "–" if beyond is None else f"{beyond:.1f}",
+                     short(d["environment"]["commit"]), link(name)])
+    return out + table(["model", "one run s", "5 restarts s", "ratio", "against the median alone", "planning s",
+                        "beyond the longest run s", "commit", "file"], rows, right_from=1)
+
+
 def finetune_graphs() -> list[str]:
     name = "finetune-graphs-h100.json"
     d = load(name)
@@ -319,7 +347,8 @@ EMBED_FILES = ["embed-vs-st-h200-fp16-d02edce.json", "embed-vs-st-h200-fp32-d02e
 
 
 # Before and after the native encoder's tensor-core attention (e81bcf9) and tokenising by characters (3499d68).
-EMBED_LENGTH_FILES = ["embed-vs-st-h200-fp16-passages-all-0d0c13c.json", "embed-vs-st-h200-fp16-passages-all-e81bcf9.json",
+EMBED_LENGTH_FILES = ["embed-vs-st-h200-fp16-short-all-fa2d700.json",
+                      "embed-vs-st-h200-fp16-passages-all-0d0c13c.json", "embed-vs-st-h200-fp16-passages-all-e81bcf9.json",
                       "embed-vs-st-h200-fp16-long-all-0d0c13c.json", "embed-vs-st-h200-fp16-long-all-e81bcf9.json",
                       "embed-vs-st-h200-fp16-long-all-3499d68.json"]
 
@@ -339,8 +368,8 @@ def embed_vs_st() -> list[str]:
                      short(d["commit"]), link(name)])
     out += table(["device", "run", "bertctl s", "sentence-transformers s", "speed-up", "commit", "file"],
                  rows, right_from=2)
-    out += ["Passages and long texts: every text of the trajectory's files (20,000 ~180-token passages on "
-            "all-MiniLM-L6-v2 at 256 tokens; 10,000 ~330-token texts on a BERT-Base-shaped model at 512), fp16, "
+    out += ["Short sentences, passages and long texts: every text of the trajectory's files (269,396 SST-2 "
+            "sentences, its training set four times, and 20,000 ~180-token passages on all-MiniLM-L6-v2 at 256 tokens; 10,000 ~330-token texts on a BERT-Base-shaped model at 512), fp16, "
             "one H200; medians of two runs a side, and against sentence-transformers' faster run.", ""]
     rows = []
     for name in EMBED_LENGTH_FILES:
@@ -538,7 +567,7 @@ def readme_summary() -> list[str]:
     case_ratios = [r["seq_per_s"] / hf_cases[r["case"]] for r in cases["train"]
                    if r["provider"] in ("bertctl", "bertctl/graphs", "bertctl/unpadded", "bertctl/unpadded/graphs")]
     gpu_embed = load(EMBED_FILES[0])
-    passages, long = load(EMBED_LENGTH_FILES[1]), load(EMBED_LENGTH_FILES[-1])
+    passages, long = load("embed-vs-st-h200-fp16-passages-all-e81bcf9.json"), load(EMBED_LENGTH_FILES[-1])
     cpu_embed = [load(f)["speedup_median"] for f in EMBED_FILES if "-cpu-" in f]
     conv = load("convergence-seeds-h200-f29cc4e.json")
     gaps = ", ".join(f"{task} {f['gap_pretrained_minus_scratch']:+.1f}" for task, f in conv["finetune"].items())
@@ -573,7 +602,7 @@ def readme_with_summary(readme: str) -> str:
     return readme[:start] + "\n".join(readme_summary()) + readme[end:]
 
 
-SECTIONS = [model_step, padding_free, mixed_step, model_history, model_scaling, trajectory, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
+SECTIONS = [model_step, padding_free, mixed_step, model_history, model_scaling, trajectory, finetune_quality, finetune_speed, finetune_graphs, finetune_gpus, finetune_restarts, embed_vs_st, default_job, convergence, convergence_runs, convergence_race, presets, fused_ops, data_path]
 
 
 def render() -> str:
