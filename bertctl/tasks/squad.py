@@ -29,7 +29,7 @@ from bertctl.progress import stderr, track
 from bertctl.tasks.base import Task
 from bertctl.tasks.metrics import squad_v1_evaluate, squad_v2_evaluate
 from bertctl.tasks.trainer import FinetuneConfig, predict, span_loss
-from bertctl.workers import map_in_order, usable_cpus
+from bertctl.workers import PARALLEL_CHARS, map_in_order, usable_cpus
 
 NULL_THRESHOLD_KEY = "squad_null_score_diff_threshold"
 
@@ -216,11 +216,6 @@ def char_to_token_span(offsets: Sequence[tuple[int, int]] | np.ndarray, start_ch
 class ContextTokens:
     ids: np.ndarray  # (n,) int32
     offsets: np.ndarray  # (n, 2) character offsets into the context
-
-
-#: Characters of context below which tokenising stays in this process (starting workers costs more
-#: than it saves): the SQuAD v1.1 train set is about 14 M, the shared split's halves 0.7 M each.
-PARALLEL_CHARS = 2_000_000
 
 
 def _context_tokens(tokenizer, context: str) -> ContextTokens:

@@ -587,3 +587,23 @@ def test_the_output_folder_rule_keeps_every_run(tiny, sst2, tmp_path):
     from bertctl.checkpoints import training
 
     assert training.latest_checkpoint(cut).step == step
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_features_equal_transformers_tokenizer_in_and_out_of_workers(minilm_dir, shared_data, monkeypatch, workers):
+    """Each example's ids and segment ids are BertTokenizerFast's for the pair, truncated longest-first, in this
+    process or in worker processes (whose features travel back packed a chunk at a time)."""
+    import transformers
+
+    monkeypatch.setattr(glue, "PARALLEL_CHARS", 0)  # workers even for these few texts
+    rows = [l.split("\t") for l in (shared_data / "glue" / "SST-2" / "dev.tsv").read_text().splitlines()[1:301]]
+    examples = [glue.Example(guid=f"dev-{i}", text_a=a[0], text_b=b[0] if i % 3 else None, label=a[1])
+                for i, (a, b) in enumerate(zip(rows, rows[1:] + rows[:1]))]
+    tokenizer = glue.common.load_tokenizer(minilm_dir)
+    features = glue.featurize(examples, tokenizer, glue.task_spec("sst2"), max_seq_length=24, workers=workers)
+    reference = transformers.BertTokenizerFast.from_pretrained(minilm_dir)
+    for e, f in zip(examples, features, strict=True):
+        want = reference(e.text_a, e.text_b, truncation="longest_first", max_length=24)
+        assert f["input_ids"].tolist() == want["input_ids"]
+        assert f["token_type_ids"].tolist() == want["token_type_ids"]
+        assert f["labels"] == int(e.label)
