@@ -65,12 +65,23 @@ class WorkerPool(multiprocessing.pool.Pool):
                 self._check()
 
 
+def _start_worker(initializer: Callable, initargs: tuple) -> None:
+    """A worker's signals, then ``initializer(*initargs)``. The main process answers a Ctrl-C (which the
+    terminal sends to every worker too) and stops the pool; a worker keeps the default TERM, which is how the
+    pool stops it. A fork copies the parent's handlers: under a command's stop guard a worker would note a
+    TERM and wait on its queue, and the pool's join would never return."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)  # the guard's wake-up socket belongs to the parent
+    initializer(*initargs)
+
+
 def worker_pool(workers: int, initializer: Callable, initargs: tuple) -> WorkerPool:
     """A pool of ``workers`` processes, each set up by ``initializer(*initargs)``: forked where the
     platform can (the workers inherit the tokenizer and tables without pickling them), else spawned.
     Start it before any progress bar, whose thread a fork would not carry."""
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-    return WorkerPool(workers, initializer, initargs, ctx)
+    return WorkerPool(workers, _start_worker, (initializer, initargs), ctx)
 
 
 _worker_fn: Callable | None = None

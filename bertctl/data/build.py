@@ -449,10 +449,6 @@ _worker: ChunkWorker | None = None
 def _init_worker(tokenizer, cfg: DataConfig, output_dir: Path) -> None:
     global _worker
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # The main process answers a Ctrl-C (which the terminal sends to every worker too) and stops the
-    # pool; a worker keeps the default TERM, which is how the pool stops it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker = ChunkWorker(tokenizer, cfg, output_dir)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -67,3 +69,23 @@ def test_map_in_order_raises_for_a_killed_worker():
     with pytest.raises(WorkerDied):
         map_in_order(_square_or_die, list(range(8)), workers=2, label="squares")
     assert map_in_order(_square_or_die, [1, 2, 4], workers=2, label="squares") == [1, 4, 16]
+
+
+def test_workers_under_a_runs_stop_guard_neither_hang_nor_signal_the_run():
+    """A run's stop guard notes a TERM and goes on, and wakes its watcher through a socket. Forked workers must
+    inherit neither: a pool stopped before its workers take their end-of-work marks (here they are still
+    starting) stops them with TERM, which would leave them waiting on their queue, the pool's join never
+    returning, and would reach the run's watcher as a TERM sent to the run."""
+    code = ("import time\n"
+            "from bertctl.train.engine import StopSignal\n"
+            "from bertctl.workers import worker_pool\n"
+            "with StopSignal() as stop:\n"
+            "    pool = worker_pool(2, time.sleep, (2.0,))\n"
+            "    time.sleep(0.5)\n"
+            "    pool.terminate()\n"
+            "    pool.join()\n"
+            "    time.sleep(0.5)  # the watcher thread's time to read what the workers' handlers wrote\n"
+            "    print(stop.requested)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["None"], r.stdout + r.stderr
