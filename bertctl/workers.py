@@ -23,6 +23,13 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def cpus_per_rank() -> int:
+    """The usable CPUs shared among the processes torchrun started on this host (``LOCAL_WORLD_SIZE``): each
+    rank of a fine-tuning run tokenises its sets itself, and 8 ranks each starting a worker a CPU would start
+    8 a CPU."""
+    return max(1, usable_cpus() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 class WorkerPool(multiprocessing.pool.Pool):
     """multiprocessing's Pool, whose results are waited for through ``wait`` and ``imap_in_order``: they raise
     ``WorkerDied`` once a worker has ended, where the Pool would replace the worker and wait forever for the

@@ -9,9 +9,9 @@ from typing import Sequence
 
 import torch
 
+from bertctl.checkpoints.hf import MODEL_SUBDIR, model_dir_of  # noqa: F401 (the task modules use them from here)
 from bertctl.errors import BertctlError
 from bertctl.io import write_json
-from bertctl.checkpoints.hf import MODEL_SUBDIR, model_dir_of  # noqa: F401 (the tasks' names for them)
 from bertctl.runtime import Runtime
 from bertctl.tasks.trainer import FinetuneConfig, runtime_of
 

@@ -37,7 +37,7 @@ from bertctl.tasks.base import Task
 from bertctl.tasks.glue_tasks import GLUE_TASKS, TASK_ALIASES, GlueTask, find_task_files, task_spec  # noqa: F401
 from bertctl.tasks.metrics import GLUE_METRICS, glue_metrics
 from bertctl.tasks.trainer import FinetuneConfig, predict
-from bertctl.workers import PARALLEL_CHARS, map_in_order, usable_cpus
+from bertctl.workers import PARALLEL_CHARS, cpus_per_rank, map_in_order
 
 
 @dataclass
@@ -252,10 +252,11 @@ def featurize(examples: Sequence[Example], tokenizer, task: GlueTask, max_seq_le
               progress: bool = False, label_names: Sequence[str] | None = None,
               workers: int | None = None) -> list[dict]:
     """[CLS] A [SEP] (B [SEP]), truncated longest-first to ``max_seq_length`` (paper §3, Figure 2); in
-    ``workers`` processes (default: the usable CPUs) once there is enough text to pay for starting them."""
+    ``workers`` processes (default: the usable CPUs, shared among the ranks on this host) once there is enough
+    text to pay for starting them."""
     label_index = {l: i for i, l in enumerate(label_names or task.labels or ())}
     pairs = [(e.text_a, e.text_b) for e in examples]
-    workers = usable_cpus() if workers is None else workers
+    workers = cpus_per_rank() if workers is None else workers
     if sum(len(a) + len(b or "") for a, b in pairs) < PARALLEL_CHARS:
         workers = 1
     size = max(1, -(-len(pairs) // (16 * workers)))

@@ -29,7 +29,7 @@ from bertctl.progress import stderr, track
 from bertctl.tasks.base import Task
 from bertctl.tasks.metrics import squad_v1_evaluate, squad_v2_evaluate
 from bertctl.tasks.trainer import FinetuneConfig, predict, span_loss
-from bertctl.workers import PARALLEL_CHARS, map_in_order, usable_cpus
+from bertctl.workers import PARALLEL_CHARS, cpus_per_rank, map_in_order
 
 NULL_THRESHOLD_KEY = "squad_null_score_diff_threshold"
 
@@ -227,8 +227,8 @@ def _context_tokens(tokenizer, context: str) -> ContextTokens:
 def tokenize_contexts(contexts: Sequence[str], tokenizer, progress: bool = False,
                       workers: int | None = None) -> list[ContextTokens]:
     """Each context's token ids and character offsets, in ``workers`` processes (default: the usable
-    CPUs) once there is enough text to pay for starting them."""
-    workers = usable_cpus() if workers is None else workers
+    CPUs, shared among the ranks on this host) once there is enough text to pay for starting them."""
+    workers = cpus_per_rank() if workers is None else workers
     if sum(map(len, contexts)) < PARALLEL_CHARS:
         workers = 1
     return map_in_order(functools.partial(_context_tokens, tokenizer), contexts, workers=workers,

@@ -89,3 +89,15 @@ def test_workers_under_a_runs_stop_guard_neither_hang_nor_signal_the_run():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["None"], r.stdout + r.stderr
+
+
+def test_ranks_on_one_host_share_its_cpus(monkeypatch):
+    """Each of torchrun's ranks tokenises its own sets: together they start a worker a usable CPU, not one each."""
+    from bertctl import workers
+
+    monkeypatch.setattr(workers, "usable_cpus", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert workers.cpus_per_rank() == 16
+    for ranks, each in (("1", 16), ("2", 8), ("3", 5), ("32", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert workers.cpus_per_rank() == each
