@@ -116,7 +116,8 @@ def main() -> distributed.Dist:
     per_epoch = steps_per_epoch(len(feats), a.batch_size, dist.world_size)
     batches = Prefetcher(task_batches(feats, a.batch_size, seed=0, start_step=0, steps_per_epoch=per_epoch,
                                       group_by_length=False, rank=dist.rank, world_size=dist.world_size,
-                                      max_steps=total, min_shape_steps=MIN_SHAPE_STEPS if a.cuda_graphs else None),
+                                      max_steps=total, min_shape_steps=MIN_SHAPE_STEPS if a.cuda_graphs else None,
+                                      pack=a.attn == "unpadded", fixed_length=a.cuda_graphs),
                          lambda sb: sb, pin=cuda)
     stats = torch.zeros(1, device=device)
     shapes = contextlib.nullcontext() if a.cudnn_attention else varied_shapes()

@@ -474,7 +474,10 @@ class Engine:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm, foreach=True)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)  # graphs keep gradients at fixed addresses
+        # Gradients go at the end of every step, so the next backward writes them rather than adding to zeros
+        # (under graphs, a whole pass over the weights less); several processes under graphs keep theirs in the
+        # reducer's flat buffer, which must stay.
+        self.optimizer.zero_grad(set_to_none=self._flat_grad is None)
 
     # ----------------------------------------------------------------- checkpoints
 

@@ -17,10 +17,11 @@ How, and what stays exact:
   that rare up to the next common length (``batching.common_lengths``), which attention and the
   losses mask: eager steps are bound by the host, and do not get faster with more GPUs.
 - Inputs are copied into static buffers; the learning rate is a device tensor the scheduler fills
-  in place; gradients, AdamW's moments and step counts live at fixed addresses, allocated before the
-  first capture; everything the graph allocates comes from one shared memory pool and is dead when a
+  in place; AdamW's moments and step counts live at fixed addresses, allocated before the first
+  capture; everything the graph allocates comes from one shared memory pool and is dead when a
   replay ends (the graph writes its results into tensors allocated outside it), so any graph may
-  replay after any other.
+  replay after any other. The gradients are among those: the step drops them at its end, so each
+  backward writes them afresh instead of adding to zeros.
 - Dropout: each replay reads the CUDA generator's seed and offset at launch, so the engine's
   per-step reseeding (seed, step, rank) gives the masks of the eager step: resume stays exact.
 - Capture needs the kernels' lazy set-up (cuBLAS workspaces, cuDNN attention plans) done first, so a
