@@ -98,12 +98,13 @@ def _names(config, folder: Path) -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "long: a test of minutes, started before the others (nothing is skipped or "
-                                       "deselected), so that the workers of pytest -n 2 end together")
+                                       "deselected), so that the workers of pytest -n 2 end together; so are "
+                                       "the exhaustive sweeps")
 
 
 def pytest_collection_modifyitems(config, items):
     # The longest tests first (a stable sort: the rest keep their order), rather than one started last on a worker.
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    items.sort(key=lambda item: item.get_closest_marker("long") is None and item.get_closest_marker("exhaustive") is None)
     if "exhaustive" not in (config.getoption("markexpr") or "") and not _names(config, EXHAUSTIVE):
         sweeps = [item for item in items if item.get_closest_marker("exhaustive")]
         if sweeps:
@@ -140,3 +141,28 @@ def pytest_runtest_makereport(item, call):
 def pytest_make_collect_report(collector):
     outcome = yield
     _skip_is_a_failure(outcome.get_result())
+
+
+# CI names its tiers in one command: a folder named there whose tests did not run (moved, emptied, deselected)
+# fails it. Counted from the reports, which reach the main process under xdist too.
+_ran: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or report.outcome != "passed":
+        _ran.add(report.nodeid.split("::")[0])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workerinput") or exitstatus != pytest.ExitCode.OK:  # a worker; or it fails already
+        return
+    root = Path(str(config.rootpath))
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if not path.is_dir():
+            continue
+        folder = path.relative_to(root).as_posix() if path.is_relative_to(root) else None
+        if folder is not None and not any(f == folder or f.startswith(folder + "/") for f in _ran):
+            config.get_terminal_writer().line(f"ERROR: {arg}: no test of this folder ran", red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED

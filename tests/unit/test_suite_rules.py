@@ -1,6 +1,7 @@
 """The suite's own rules (tests/conftest.py), run on a scratch suite with the same conftest: a skip
 fails unless it is a CUDA test without a GPU (or a two-GPU test with fewer), a missing shared data set fails, and the
-exhaustive sweeps run only when -m names them or the command line names their folder."""
+exhaustive sweeps run only when -m names them or the command line names their folder, and a folder named on the
+command line none of whose tests ran fails the run."""
 from __future__ import annotations
 
 import os
@@ -87,3 +88,9 @@ def test_skips_fail_and_exhaustive_runs_only_when_named(tmp_path):
     assert out.returncode == 0 and "1 passed" in out.stdout and "deselected" not in out.stdout, out.stdout
     out = pytest_("-m", "exhaustive and cuda")
     assert out.returncode == 5, out.stdout  # what .ci/run treats as a failure
+    # CI names its tiers in one command: one whose tests are gone fails it, though the others pass.
+    (tmp_path / "tests" / "emptied").mkdir()
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/exhaustive",
+                          "tests/emptied"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1 and "1 passed" in out.stdout, out.stdout
+    assert "tests/emptied: no test of this folder ran" in out.stdout + out.stderr
