@@ -176,6 +176,7 @@ def main() -> None:
               "suite_seconds": statistics.median(r["suite_seconds"] for r in rounds), "ratio": middle,
               "rounds": rounds, "same_scores_every_round": all(s == scores[0] for s in scores), "target_ratio": 1.5,
               "suite_plan": launched, "suite_since_start": summary.get("since_start"),
+              "suite_runs_started": summary.get("runs_started"),
               "suite_gpu_utilisation": suite_gpu.summary(),
               "suite_beyond_longest_run_seconds": round(suite_seconds - max(
                   (r["phases"]["process"] or 0.0) for r in per_seed), 3), "per_seed": per_seed,

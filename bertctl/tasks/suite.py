@@ -1,8 +1,9 @@
 """The paper's GLUE protocol as one command: every task, random restarts, the hyperparameter grid,
 selection on dev, the Table 1 summary and the GLUE server's submission files.
 
-Each fine-tuning run is its own ``bertctl finetune glue`` process writing its own folder, so one engine
-trains every run, runs go side by side (several on a GPU, one per slot, together through CUDA MPS:
+Each fine-tuning run is its own ``bertctl finetune glue`` process writing its own folder (forked from the
+suite's process once torch is imported, where that is safe: ``bertctl.tasks.launch``), so one engine trains
+every run, runs go side by side (several on a GPU, one per slot, together through CUDA MPS:
 ``bertctl.tasks.mps``) and an interrupted suite resumes
 run by run: a finished run is skipped, an unfinished one continues from its checkpoint. The output folder
 follows ``bertctl.rundir``'s rule with one difference: a suite is never marked finished as a whole (its runs
@@ -26,12 +27,10 @@ whole grid).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from bertctl import rundir
 from bertctl.errors import BertctlError
 from bertctl.io import atomic_open, write_json
 from bertctl.progress import stderr
-from bertctl.tasks import mps
+from bertctl.tasks import launch, mps
 from bertctl.tasks.glue_tasks import GLUE_TASKS, GlueTask, task_spec
 from bertctl.tasks.grid import parse_list
 
@@ -121,7 +120,6 @@ class Job:
     argv: list[str]
     log: Path
     resume_dir: Path | None = None
-    cwd: Path | None = None
     returncode: int | None = None
     seconds: float = 0.0
     tries: int = 0
@@ -136,14 +134,6 @@ class Slot:
     running: int = 0
 
 
-def _die_with_parent() -> None:
-    """A run must not outlive its suite (a killed suite would leave it writing a folder the rerun resumes)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _out_of_memory(log: Path) -> bool:
     try:
         tail = log.read_bytes()[-20000:].decode("utf-8", "replace")
@@ -153,12 +143,14 @@ def _out_of_memory(log: Path) -> bool:
 
 
 def run_jobs(jobs: Sequence[Job], slots: Sequence[Slot], *, on_done: Callable[[Job], None] | None = None,
-             poll: float = 0.2, gpu_env: dict[str, str] | None = None) -> None:
+             poll: float = 0.2, gpu_env: dict[str, str] | None = None, launcher: launch.Launcher | None = None) -> None:
     """Run ``jobs`` in order, each slot holding up to its capacity at once, GPU processes with ``gpu_env``
-    added to their environment (``mps.sharing``'s). A GPU process that runs out of memory beside others is
-    tried again once fewer share its GPU (the slot's capacity drops by one)."""
+    added to their environment (``mps.sharing``'s), each started by ``launcher`` (default: as a new process).
+    A GPU process that runs out of memory beside others is tried again once fewer share its GPU (the slot's
+    capacity drops by one)."""
+    launcher = launcher or launch.Launcher(preload=False)
     pending = list(jobs)
-    running: list[tuple[Job, Slot, subprocess.Popen, float]] = []
+    running: list[tuple[Job, Slot, subprocess.Popen | launch.Forked, float]] = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d.strip() for d in visible.split(",")] if visible else None
     try:
@@ -177,8 +169,7 @@ def run_jobs(jobs: Sequence[Job], slots: Sequence[Slot], *, on_done: Callable[[J
                     with open(job.log, "ab") as log:
                         log.write(f"$ {' '.join(argv)}\n".encode())
                         log.flush()
-                        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=job.cwd,
-                                             preexec_fn=_die_with_parent)
+                        p = launcher.start(argv, env=env, log=log)
                     job.tries += 1
                     slot.running += 1
                     running.append((job, slot, p, time.monotonic()))
@@ -246,19 +237,30 @@ def _free_gpu_bytes(device: str) -> float | None:
 
 
 def _visible_gpus() -> int:
-    """The CUDA GPUs visible here, counted without importing torch where it can be (the suite's own process
-    trains nothing; its runs import torch themselves): none where torch cannot use a GPU, else the CUDA
-    runtime's count through the native encoder's module (no context is made), else torch's."""
-    from bertctl.inference.backends import native
+    """The CUDA GPUs visible here, counted without starting CUDA in this process (its runs are forked from it:
+    ``bertctl.tasks.launch``): none where torch cannot use a GPU, else nvidia-smi's count narrowed by
+    CUDA_VISIBLE_DEVICES as CUDA narrows it (up to its first entry that names no GPU), else torch's."""
     from bertctl.runtime import cuda_possible
 
     if not cuda_possible():
         return 0
-    if native.built():
-        return native.device_count()
-    import torch
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        import torch
 
-    return torch.cuda.device_count()
+        return torch.cuda.device_count()
+    present = len(out.split())
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    count = 0
+    for entry in (e.strip() for e in visible.split(",")):
+        if not (entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < present)):
+            break
+        count += 1
+    return count
 
 
 def plan_slots(device: str, devices: Sequence[str] | None, parallel: int | None, model: Path, batch_size: int,
@@ -389,6 +391,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
     points = grid_points(cfg.lrs, cfg.batch_sizes, cfg.epochs, cfg.restarts, cfg.seed)
     with rundir.claim(cfg.output, command=COMMAND, resume=cfg.resume, started=_started), \
             contextlib.ExitStack() as stack:
+        launcher = launch.Launcher()  # torch's import for the runs starts now, beside the planning below
         plans = [TaskPlan(s, cfg.output / s.folder, list(points)) for s in specs]
         slots = plan_slots(cfg.device, cfg.devices, cfg.parallel, cfg.model, max(cfg.batch_sizes),
                            cfg.max_seq_length, len(plans) * len(points))
@@ -421,7 +424,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
         shared = [s.device for s in slots if s.device != "cpu" and s.capacity > 1 and len(jobs) > 1]
         gpu_env = stack.enter_context(mps.sharing(shared))
         marks["gpu_sharing_ready"] = time.monotonic() - started
-        run_jobs(jobs, slots, on_done=done, gpu_env=gpu_env)
+        run_jobs(jobs, slots, on_done=done, gpu_env=gpu_env, launcher=launcher)
         marks["runs_done"] = time.monotonic() - started
         results = [collect_task(plan) for plan in plans]
         predict_jobs = []
@@ -436,12 +439,13 @@ def run_suite(cfg: SuiteConfig) -> dict:
             if job.returncode != 0:
                 stderr.print(f"{job.name}: failed ({_tail(job.log)}); see {job.log}")
 
-        run_jobs(predict_jobs, slots, on_done=predicted, gpu_env=gpu_env)
+        run_jobs(predict_jobs, slots, on_done=predicted, gpu_env=gpu_env, launcher=launcher)
         marks["predictions_done"] = time.monotonic() - started
         submission = leaderboard.write_submission(cfg.output, [(p.spec, p.folder) for p in plans])
         summary = summarise(cfg, results, submission)
         summary["seconds"] = round(time.monotonic() - started, 1)  # this invocation's wall time, runs skipped too
         summary["since_start"] = {k: round(v, 2) for k, v in marks.items()}
+        summary["runs_started"] = "forked" if launcher.why_not is None else f"as new processes ({launcher.why_not})"
         write_json(cfg.output / "summary.json", summary)
         with atomic_open(cfg.output / "summary.md", "w", encoding="utf-8") as f:
             f.write(summary_markdown(summary))

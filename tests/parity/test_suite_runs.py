@@ -186,3 +186,27 @@ def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     assert (first / "metrics.json").stat().st_mtime_ns == finished_at
     seeds = json.loads((out / "summary.json").read_text())["tasks"]["sst2"]["grid"][0]["seeds"]
     assert seeds.keys() == {"42", "43", "44"}
+
+
+@pytest.mark.long
+def test_a_run_forked_from_the_suite_trains_what_the_run_alone_trains(tiny, tmp_path):
+    """The suite forks its runs from its own process once torch is imported (``bertctl.tasks.launch``): the
+    model, predictions and metrics are those of the same ``finetune glue`` run as a process of its own."""
+    data = glue_folder(tmp_path / "GLUE", tasks=("SST-2",))
+    common = ["--data-dir", str(data), "--model", str(tiny), "--batch-size", "8", "--lr", "1e-3", "--epochs", "1",
+              "--seed", "42", "--device", "cpu", "--max-seq-length", "128", "--no-progress"]
+    bertctl = [sys.executable, "-m", "bertctl", "finetune", "glue"]
+    r = subprocess.run(bertctl + ["--task", "all", "--output", str(tmp_path / "out"), "--restarts", "1"] + common,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["runs_started"] == "forked"
+    r = subprocess.run(bertctl + ["--task", "sst2", "--output", str(tmp_path / "alone")] + common,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    forked, alone = tmp_path / "out" / "SST-2" / "runs" / "lr0.001-bs8-ep1-seed42", tmp_path / "alone"
+    for name in ("model/model.safetensors", "predictions_sst2.tsv"):
+        assert (forked / name).read_bytes() == (alone / name).read_bytes(), name
+    timing = ("seconds", "device", "train_examples_per_second")
+    a, b = (json.loads((f / "metrics.json").read_text()) for f in (forked, alone))
+    assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+    assert "epoch 1: accuracy" in (tmp_path / "out" / "SST-2" / "logs" / "lr0.001-bs8-ep1-seed42.log").read_text()

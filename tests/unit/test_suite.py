@@ -374,7 +374,8 @@ def test_a_gpu_holds_the_runs_that_fit_its_memory(tmp_path, monkeypatch):
 
 
 def test_planning_imports_no_torch(tmp_path):
-    """The suite's own process plans its runs without torch, whose import its runs each pay already."""
+    """The suite's own process plans its runs without torch (its launcher imports torch meanwhile, in a thread,
+    for the runs it forks: ``bertctl.tasks.launch``)."""
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 384, "num_hidden_layers": 6,
                                                       "intermediate_size": 1536, "num_attention_heads": 12,
                                                       "vocab_size": 30522, "max_position_embeddings": 512}))

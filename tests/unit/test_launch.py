@@ -1,0 +1,109 @@
+"""The suite's launcher: a bertctl run forked from the suite's process runs with its own environment, log,
+threads and exit handlers (the suite's folder lock survives it), a run that cannot be forked starts as a new
+process, and a forked run answers poll, wait and terminate as a new process does."""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bertctl import rundir
+from bertctl.tasks import launch
+
+BERTCTL = [sys.executable, "-m", "bertctl"]
+
+
+def env_of_child(launcher, tmp_path, **extra):
+    log_path = tmp_path / f"env{len(list(tmp_path.glob('env*.log')))}.log"
+    env = dict(os.environ, BERTCTL_NO_EXT="1", OMP_NUM_THREADS="1", **extra)
+    with open(log_path, "ab") as log:
+        p = launcher.start(BERTCTL + ["env", "--json"], env=env, log=log)
+    assert p.wait(timeout=120) == 0, log_path.read_text()
+    return p, json.loads(log_path.read_text())
+
+
+def in_a_fresh_process(body: str, tmp_path) -> None:
+    """Run ``body`` (with this module's helpers) as a script of its own: a test process may hold other tests'
+    threads, from which nothing is forked."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      f"from test_launch import *\ntmp_path = Path({str(tmp_path)!r})\n{textwrap.dedent(body)}")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_bertctl_run_is_forked_with_its_own_environment_threads_and_log(tmp_path):
+    in_a_fresh_process("""
+        launcher = launch.Launcher()
+        assert "BERTCTL_NO_EXT" not in os.environ and launcher.forkable(), launcher.why_not
+        p, report = env_of_child(launcher, tmp_path)
+        assert isinstance(p, launch.Forked) and p.args == BERTCTL + ["env", "--json"]
+        # The child read its own environment: without the extension (BERTCTL_NO_EXT=1), on one thread.
+        assert report["compiled_module"] is None and report["cpu_threads"] == 1
+        assert report["native_encoder"] == "unavailable: BERTCTL_NO_EXT=1"
+        assert "torch" in sys.modules  # preloaded here, so the child had it
+        """, tmp_path)
+
+
+def test_the_suites_exit_handlers_and_folder_lock_are_not_the_childs(tmp_path):
+    """A child that ran the suite's exit handlers would release the suite's folder while the suite runs on."""
+    in_a_fresh_process("""
+        launcher = launch.Launcher()
+        marker = tmp_path / "handler-ran"
+        atexit.register(lambda: marker.write_text("ran"))
+        claim = rundir.claim(tmp_path / "suite-out", command="test suite", started=lambda f: None)
+        lock = tmp_path / "suite-out" / rundir.LOCK
+        before = lock.read_text()
+        p, _ = env_of_child(launcher, tmp_path)
+        assert isinstance(p, launch.Forked)
+        assert not marker.exists()
+        assert lock.read_text() == before and json.loads(before)["pid"] == os.getpid()
+        claim.release()
+        """, tmp_path)
+
+
+def test_runs_that_cannot_be_forked_start_as_new_processes(tmp_path):
+    launcher = launch.Launcher()
+    with open(tmp_path / "x.log", "ab") as log:  # not a bertctl command: always a new process
+        p = launcher.start([sys.executable, "-c", "print('hi')"], env=os.environ, log=log)
+    assert isinstance(p, subprocess.Popen) and p.wait(timeout=60) == 0
+    assert (tmp_path / "x.log").read_text() == "hi\n"
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:  # a second thread: a fork could copy a lock it holds, so a new process
+        p, report = env_of_child(launch.Launcher(), tmp_path)
+        assert isinstance(p, subprocess.Popen) and report["cpu_threads"] == 1
+    finally:
+        stop.set()
+        other.join()
+    off = launch.Launcher(preload=False)
+    p, _ = env_of_child(off, tmp_path)
+    assert isinstance(p, subprocess.Popen) and off.why_not == "preloading is off"
+
+
+def test_a_forked_process_answers_as_popen_does():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    p = launch.Forked(pid, ["sleeper"])
+    assert p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=0.1)
+    p.terminate()
+    assert p.wait(timeout=10) == -signal.SIGTERM and p.poll() == -signal.SIGTERM
+    p.kill()  # ended and reaped: nothing is signalled
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    assert launch.Forked(pid, ["exits"]).wait(timeout=10) == 3
