@@ -10,6 +10,7 @@ training code, nor torch when ONNX Runtime embeds); ``bertctl --help``, an unkno
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import os
@@ -214,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
         if e.code in (0, None) and _cuda_context_started():
             # The work is done and written; CUDA's teardown at exit (its memory freed, the context destroyed)
             # takes about a second and nothing needs it: leave without it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        if e.code in (0, None) and getattr(sys.modules.get("bertctl.tasks.launch"), "preloaded", False):
+            # A suite loaded torch only for the runs it forked; unloading it again takes about a second.
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)

@@ -99,6 +99,7 @@ class Launcher:
     def __init__(self, preload: bool = True):
         self._thread = None
         self.why_not: str | None = None  # why runs start as new processes, once known
+        self.first_start: float | None = None  # time.monotonic() when the first process started
         if not sys.platform.startswith("linux"):
             self.why_not = "forking is only done on Linux"
         elif preload:
@@ -121,7 +122,9 @@ class Launcher:
     def start(self, argv: Sequence[str], *, env: Mapping[str, str], log: IO[bytes]):
         """Start ``argv`` with ``log`` as its stdout and stderr; returns a ``Popen`` or a ``Forked``."""
         argv = list(argv)
-        if argv[:3] != [sys.executable, "-m", "bertctl"] or not self.forkable():
+        fork = argv[:3] == [sys.executable, "-m", "bertctl"] and self.forkable()
+        self.first_start = self.first_start or time.monotonic()
+        if not fork:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(env),
                                     preexec_fn=die_with_parent)
         for stream in (sys.stdout, sys.stderr, log):  # or the child would write their buffers again
@@ -133,9 +136,15 @@ class Launcher:
         return Forked(pid, argv)
 
 
+preloaded = False  # whether this process imported PRELOAD for its runs (so its own exit may skip their teardown)
+
+
 def _preload() -> None:
     import importlib
     import importlib.util
+
+    global preloaded
+    preloaded = True
 
     for name in PRELOAD:
         importlib.import_module(name)

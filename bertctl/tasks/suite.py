@@ -426,6 +426,8 @@ def run_suite(cfg: SuiteConfig) -> dict:
         marks["gpu_sharing_ready"] = time.monotonic() - started
         run_jobs(jobs, slots, on_done=done, gpu_env=gpu_env, launcher=launcher)
         marks["runs_done"] = time.monotonic() - started
+        if launcher.first_start is not None:
+            marks["first_run_started"] = launcher.first_start - started
         results = [collect_task(plan) for plan in plans]
         predict_jobs = []
         for plan, result in zip(plans, results):
