@@ -289,12 +289,14 @@ def finetune_gpus() -> list[str]:
 # The suite's random restarts side by side on one GPU, through its CUDA MPS daemon; the later runs time more phases.
 RESTART_FILES = ["restarts-sst2-minilm-mps-h200-0d0c13c.json", "restarts-sst2-minilm-mps-h200-9c81767.json",
                  "restarts-sst2-minilm-mps-h200-3499d68.json", "restarts-sst2-minilm-mps-h200-fa2d700.json",
-                 "restarts-sst2-minilm-mps-separate-h200-fa2d700.json", "restarts-sst2-base-mps-h200-0d0c13c.json"]
+                 "restarts-sst2-minilm-mps-separate-h200-fa2d700.json", "restarts-sst2-minilm-mps-h200-68920a3.json",
+                 "restarts-sst2-minilm-mps-h200-a5b8d50.json", "restarts-sst2-minilm-mps-h200-3epochs-a5b8d50.json",
+                 "restarts-sst2-base-mps-h200-0d0c13c.json"]
 
 
 def finetune_restarts() -> list[str]:
     out = ["## Random restarts side by side", "",
-           "`finetune glue --restarts 5` on SST-2 for one epoch, its five runs side by side on one H200, against "
+           "`finetune glue --restarts 5` on SST-2 for the epochs shown, its five runs side by side on one H200, against "
            "one run alone (`benchmarks/finetune/restarts.py`); the target is 1.5× one run's wall time. Where every "
            "seed also ran alone, the suite is set against the median alone run too. The suite's own seconds are "
            "its planning and its wall time outside its runs (its start, torch's import for the runs it forks "
@@ -306,11 +308,12 @@ def finetune_restarts() -> list[str]:
         median = f"{d['suite_seconds'] / statistics.median(alone):.2f}×" if alone else "–"
         plan = (d.get("suite_since_start") or {}).get("planned")
         beyond = d.get("suite_beyond_runs_seconds", d.get("suite_beyond_longest_run_seconds"))
-        rows.append(["BERT-Base-shaped" if "-base-" in name else "MiniLM-shaped", f"{d['one_run_seconds']:.1f}",
+        rows.append(["BERT-Base-shaped" if "-base-" in name else "MiniLM-shaped", f"{d.get('epochs') or 3:g}",
+                     f"{d['one_run_seconds']:.1f}",
                      f"{d['suite_seconds']:.1f}", f"{d['ratio']:.2f}×", median,
                      "–" if plan is None else f"{plan:.2f}", "–" if beyond is None else f"{beyond:.1f}",
                      short(d["environment"]["commit"]), link(name)])
-    return out + table(["model", "one run s", "5 restarts s", "ratio", "against the median alone", "planning s",
+    return out + table(["model", "epochs", "one run s", "5 restarts s", "ratio", "against the median alone", "planning s",
                         "outside its runs s", "commit", "file"], rows, right_from=1)
 
 

@@ -210,3 +210,25 @@ def test_a_run_forked_from_the_suite_trains_what_the_run_alone_trains(tiny, tmp_
     a, b = (json.loads((f / "metrics.json").read_text()) for f in (forked, alone))
     assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
     assert "epoch 1: accuracy" in (tmp_path / "out" / "SST-2" / "logs" / "lr0.001-bs8-ep1-seed42.log").read_text()
+
+
+@pytest.mark.cuda
+def test_restarts_on_a_gpu_are_forked_side_by_side_and_train_what_a_run_alone_trains(tiny, tmp_path):
+    """On a GPU the suite plans without starting CUDA, so its runs fork (CUDA cannot be used in the child of a
+    process that started it) and run side by side; the first seed's run is the run alone's."""
+    data = glue_folder(tmp_path / "GLUE", tasks=("SST-2",))
+    common = ["--data-dir", str(data), "--model", str(tiny), "--batch-size", "8", "--lr", "1e-3", "--epochs", "2",
+              "--seed", "42", "--device", "cuda", "--max-seq-length", "128", "--no-progress"]
+    bertctl = [sys.executable, "-m", "bertctl", "finetune", "glue"]
+    r = subprocess.run(bertctl + ["--task", "all", "--output", str(tmp_path / "out"), "--restarts", "3"] + common,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["runs_started"] == "forked" and "(3 at once)" in r.stderr, r.stderr
+    r = subprocess.run(bertctl + ["--task", "sst2", "--output", str(tmp_path / "alone")] + common,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    forked, alone = tmp_path / "out" / "SST-2" / "runs" / "lr0.001-bs8-ep2-seed42", tmp_path / "alone"
+    a, b = (json.loads((f / "metrics.json").read_text()) for f in (forked, alone))
+    assert a["accuracy"] == b["accuracy"] and a["device"]["device"] == b["device"]["device"]
+    assert (forked / "predictions_sst2.tsv").read_text() == (alone / "predictions_sst2.tsv").read_text()

@@ -107,3 +107,17 @@ def test_a_forked_process_answers_as_popen_does():
     if pid == 0:
         os._exit(3)
     assert launch.Forked(pid, ["exits"]).wait(timeout=10) == 3
+
+
+@pytest.mark.cuda
+def test_planning_on_a_gpu_starts_no_cuda_so_runs_fork(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 384, "num_hidden_layers": 6,
+                                                      "intermediate_size": 1536, "num_attention_heads": 12,
+                                                      "vocab_size": 30522, "max_position_embeddings": 512}))
+    in_a_fresh_process("""
+        from bertctl.tasks import suite
+        launcher = launch.Launcher()
+        slots = suite.plan_slots("auto", None, None, tmp_path, 32, 128, runs=5)
+        assert slots[0].device == "0" and slots[0].capacity > 1, slots
+        assert launcher.forkable(), launcher.why_not
+        """, tmp_path)
