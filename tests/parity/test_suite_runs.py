@@ -188,47 +188,42 @@ def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     assert seeds.keys() == {"42", "43", "44"}
 
 
+def suite_and_alone(tiny, tmp_path, device: str, restarts: int):
+    """``finetune glue --restarts N`` on an SST-2 slice and seed 42's run alone: the suite's stderr, and the
+    two runs' folders."""
+    data = glue_folder(tmp_path / "GLUE", tasks=("SST-2",))
+    common = ["--data-dir", str(data), "--model", str(tiny), "--batch-size", "8", "--lr", "1e-3", "--epochs", "2",
+              "--seed", "42", "--device", device, "--max-seq-length", "128", "--no-progress"]
+    bertctl = [sys.executable, "-m", "bertctl", "finetune", "glue"]
+    r = subprocess.run(bertctl + ["--task", "all", "--output", str(tmp_path / "out"), "--restarts", str(restarts)]
+                       + common, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["runs_started"] == "forked"
+    alone = subprocess.run(bertctl + ["--task", "sst2", "--output", str(tmp_path / "alone")] + common,
+                           capture_output=True, text=True)
+    assert alone.returncode == 0, alone.stderr
+    return r.stderr, tmp_path / "out" / "SST-2" / "runs" / "lr0.001-bs8-ep2-seed42", tmp_path / "alone"
+
+
 @pytest.mark.long
 def test_a_run_forked_from_the_suite_trains_what_the_run_alone_trains(tiny, tmp_path):
     """The suite forks its runs from its own process once torch is imported (``bertctl.tasks.launch``): the
     model, predictions and metrics are those of the same ``finetune glue`` run as a process of its own."""
-    data = glue_folder(tmp_path / "GLUE", tasks=("SST-2",))
-    common = ["--data-dir", str(data), "--model", str(tiny), "--batch-size", "8", "--lr", "1e-3", "--epochs", "1",
-              "--seed", "42", "--device", "cpu", "--max-seq-length", "128", "--no-progress"]
-    bertctl = [sys.executable, "-m", "bertctl", "finetune", "glue"]
-    r = subprocess.run(bertctl + ["--task", "all", "--output", str(tmp_path / "out"), "--restarts", "1"] + common,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["runs_started"] == "forked"
-    r = subprocess.run(bertctl + ["--task", "sst2", "--output", str(tmp_path / "alone")] + common,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    forked, alone = tmp_path / "out" / "SST-2" / "runs" / "lr0.001-bs8-ep1-seed42", tmp_path / "alone"
+    _, forked, alone = suite_and_alone(tiny, tmp_path, "cpu", 1)
     for name in ("model/model.safetensors", "predictions_sst2.tsv"):
         assert (forked / name).read_bytes() == (alone / name).read_bytes(), name
     timing = ("seconds", "device", "train_examples_per_second")
     a, b = (json.loads((f / "metrics.json").read_text()) for f in (forked, alone))
     assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
-    assert "epoch 1: accuracy" in (tmp_path / "out" / "SST-2" / "logs" / "lr0.001-bs8-ep1-seed42.log").read_text()
+    assert "epoch 2: accuracy" in (tmp_path / "out" / "SST-2" / "logs" / "lr0.001-bs8-ep2-seed42.log").read_text()
 
 
 @pytest.mark.cuda
 def test_restarts_on_a_gpu_are_forked_side_by_side_and_train_what_a_run_alone_trains(tiny, tmp_path):
     """On a GPU the suite plans without starting CUDA, so its runs fork (CUDA cannot be used in the child of a
     process that started it) and run side by side; the first seed's run is the run alone's."""
-    data = glue_folder(tmp_path / "GLUE", tasks=("SST-2",))
-    common = ["--data-dir", str(data), "--model", str(tiny), "--batch-size", "8", "--lr", "1e-3", "--epochs", "2",
-              "--seed", "42", "--device", "cuda", "--max-seq-length", "128", "--no-progress"]
-    bertctl = [sys.executable, "-m", "bertctl", "finetune", "glue"]
-    r = subprocess.run(bertctl + ["--task", "all", "--output", str(tmp_path / "out"), "--restarts", "3"] + common,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["runs_started"] == "forked" and "(3 at once)" in r.stderr, r.stderr
-    r = subprocess.run(bertctl + ["--task", "sst2", "--output", str(tmp_path / "alone")] + common,
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    forked, alone = tmp_path / "out" / "SST-2" / "runs" / "lr0.001-bs8-ep2-seed42", tmp_path / "alone"
+    said, forked, alone = suite_and_alone(tiny, tmp_path, "cuda", 3)
+    assert "(3 at once)" in said, said
     a, b = (json.loads((f / "metrics.json").read_text()) for f in (forked, alone))
     assert a["accuracy"] == b["accuracy"] and a["device"]["device"] == b["device"]["device"]
     assert (forked / "predictions_sst2.tsv").read_text() == (alone / "predictions_sst2.tsv").read_text()
