@@ -11,8 +11,8 @@ afresh (so none of the suite's state, its folder's lock included, carries over).
 
 A fork is safe only from a process that runs no other Python thread (the child would inherit the locks it
 held) and has not started CUDA (the CUDA driver cannot be used in the child of a process that initialised
-it). Where either is not so, or for a command that is not ``bertctl``, the run starts as a new process, as
-before. The one native thread these imports leave, numpy's OpenBLAS thread server, idles on a condition
+it). Where either is not so, for a command that is not ``bertctl``, and for runs on the CPU (``refuse``),
+the run starts as a new process, as before. The one native thread these imports leave, numpy's OpenBLAS thread server, idles on a condition
 variable, and OpenBLAS shuts it down around a fork itself (so Python 3.12's warning about forking a process
 with threads does not apply to it).
 """
@@ -111,8 +111,14 @@ class Launcher:
         else:
             self.why_not = "preloading is off"
 
+    def refuse(self, why: str) -> None:
+        """Start every later run as a new process, for the reason ``why`` (the imports, if begun, go on)."""
+        self.why_not = why
+
     def forkable(self) -> bool:
         """Whether the next bertctl run can be forked from here (waits for the imports)."""
+        if self.why_not is not None:
+            return False
         if self._thread is not None:
             self._thread.join()
         if self.why_not is None:

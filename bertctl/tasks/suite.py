@@ -391,12 +391,17 @@ def run_suite(cfg: SuiteConfig) -> dict:
     points = grid_points(cfg.lrs, cfg.batch_sizes, cfg.epochs, cfg.restarts, cfg.seed)
     with rundir.claim(cfg.output, command=COMMAND, resume=cfg.resume, started=_started), \
             contextlib.ExitStack() as stack:
-        launcher = launch.Launcher()  # torch's import for the runs starts now, beside the planning below
+        # torch's import for the runs on a GPU starts now, beside the planning below.
+        launcher = launch.Launcher(preload=cfg.device != "cpu")
         plans = [TaskPlan(s, cfg.output / s.folder, list(points)) for s in specs]
         slots = plan_slots(cfg.device, cfg.devices, cfg.parallel, cfg.model, max(cfg.batch_sizes),
                            cfg.max_seq_length, len(plans) * len(points))
         marks = {"planned": time.monotonic() - started}  # where the suite's own seconds go, for summary.json
         child_device = "cpu" if slots[0].device == "cpu" else "cuda"
+        if child_device == "cpu":
+            # One at a time, a run saves little by forking, and a child forked after torch's import has hung
+            # in MKL's allocator on the CPU.
+            launcher.refuse("runs on the CPU")
         where = "the CPU, one run at a time" if child_device == "cpu" else ", ".join(
             f"GPU {s.device} ({s.capacity} at once)" for s in slots)
         jobs, owner = [], {}

@@ -89,6 +89,10 @@ def test_runs_that_cannot_be_forked_start_as_new_processes(tmp_path):
     off = launch.Launcher(preload=False)
     p, _ = env_of_child(off, tmp_path)
     assert isinstance(p, subprocess.Popen) and off.why_not == "preloading is off"
+    refused = launch.Launcher()
+    refused.refuse("runs on the CPU")  # the suite's choice for CPU runs: no fork, whatever else holds
+    p, _ = env_of_child(refused, tmp_path)
+    assert isinstance(p, subprocess.Popen) and not refused.forkable() and refused.why_not == "runs on the CPU"
 
 
 def test_a_forked_process_answers_as_popen_does():
