@@ -149,12 +149,20 @@ def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     children: set[int] = set()
-    while not (suite.run_finished(first) and training.latest_checkpoint(second) is not None):
-        assert p.poll() is None, "the suite ended before it could be interrupted"
-        assert time.time() < deadline
+    try:
+        while not (suite.run_finished(first) and training.latest_checkpoint(second) is not None):
+            assert p.poll() is None, "the suite ended before it could be interrupted"
+            assert time.time() < deadline, "the suite's runs did not get there in 300 s"
+            children.update(_children(p.pid))
+            time.sleep(0.05)
         children.update(_children(p.pid))
-        time.sleep(0.05)
-    children.update(_children(p.pid))
+    except BaseException:  # a stuck run would go on taking the other tests' CPUs
+        for pid in [p.pid, *children]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise
     p.send_signal(signal.SIGKILL)
     p.wait()
     deadline = time.time() + 120
@@ -164,9 +172,9 @@ def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     assert not suite.run_finished(second)
     finished_at = (first / "metrics.json").stat().st_mtime_ns
 
-    r = subprocess.run(argv, capture_output=True, text=True)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "pass --resume to continue it" in " ".join(r.stderr.split()), r.stderr
-    r = subprocess.run(argv + ["--resume"], capture_output=True, text=True)
+    r = subprocess.run(argv + ["--resume"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "lr0.001-bs8-ep2-seed42: already finished" in " ".join(r.stderr.split())
     assert (first / "metrics.json").stat().st_mtime_ns == finished_at  # not redone
@@ -179,7 +187,7 @@ def test_an_interrupted_suite_resumes_where_it_stopped(tiny, tmp_path):
     # A complete suite resumed with one more restart runs only the new seed.
     more = list(argv)
     more[more.index("--restarts") + 1] = "3"
-    r = subprocess.run(more + ["--resume"], capture_output=True, text=True)
+    r = subprocess.run(more + ["--resume"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     said = " ".join(r.stderr.split())
     assert "seed42: already finished" in said and "seed43: already finished" in said and "1 to run" in said
