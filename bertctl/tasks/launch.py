@@ -12,9 +12,9 @@ afresh (so none of the suite's state, its folder's lock included, carries over).
 A fork is safe only from a process that runs no other Python thread (the child would inherit the locks it
 held) and has not started CUDA (the CUDA driver cannot be used in the child of a process that initialised
 it). Where either is not so, for a command that is not ``bertctl``, and for runs on the CPU (``refuse``),
-the run starts as a new process, as before. The one native thread these imports leave, numpy's OpenBLAS thread server, idles on a condition
-variable, and OpenBLAS shuts it down around a fork itself (so Python 3.12's warning about forking a process
-with threads does not apply to it).
+the run starts as a new process, as before. The one native thread these imports leave, numpy's OpenBLAS
+thread server, idles on a condition variable, and OpenBLAS shuts it down around a fork itself (so Python
+3.12's warning about forking a process with threads does not apply to it).
 """
 from __future__ import annotations
 
