@@ -45,6 +45,12 @@ def die_with_parent() -> None:
         pass
 
 
+def gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU's device node: what ``--device auto`` may use, known without
+    starting CUDA or nvidia-smi."""
+    return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
+
+
 def cuda_started() -> bool:
     """Whether this process has opened the NVIDIA driver (CUDA's initialisation does): a forked child then
     could not use CUDA."""
@@ -143,6 +149,12 @@ class Launcher:
         if pid == 0:
             _run_in_child(argv[3:], dict(env), log.fileno(), parent)  # does not return
         return Forked(pid, argv)
+
+
+def for_runs_on(device: str) -> Launcher:
+    """The suite's launcher for runs on ``device`` (its --device): it preloads only where they may go to a GPU,
+    since runs on the CPU are not forked (``refuse``)."""
+    return Launcher(preload=device != "cpu" and (device != "auto" or gpu_present()))
 
 
 preloaded = False  # whether this process imported PRELOAD for its runs (so its own exit may skip their teardown)

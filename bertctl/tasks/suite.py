@@ -392,7 +392,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
     with rundir.claim(cfg.output, command=COMMAND, resume=cfg.resume, started=_started), \
             contextlib.ExitStack() as stack:
         # torch's import for the runs on a GPU starts now, beside the planning below.
-        launcher = launch.Launcher(preload=cfg.device != "cpu")
+        launcher = launch.for_runs_on(cfg.device)
         plans = [TaskPlan(s, cfg.output / s.folder, list(points)) for s in specs]
         slots = plan_slots(cfg.device, cfg.devices, cfg.parallel, cfg.model, max(cfg.batch_sizes),
                            cfg.max_seq_length, len(plans) * len(points))

@@ -71,7 +71,14 @@ def test_the_suites_exit_handlers_and_folder_lock_are_not_the_childs(tmp_path):
         """, tmp_path)
 
 
-def test_runs_that_cannot_be_forked_start_as_new_processes(tmp_path):
+@pytest.fixture
+def preloading(monkeypatch):
+    """A launcher made in this process marks it preloaded, and ``bertctl.cli.app.main`` then ends a successful
+    command with ``os._exit``: a later test calling ``main`` in this process would end it."""
+    monkeypatch.setattr(launch, "preloaded", False)
+
+
+def test_runs_that_cannot_be_forked_start_as_new_processes(tmp_path, preloading):
     launcher = launch.Launcher()
     with open(tmp_path / "x.log", "ab") as log:  # not a bertctl command: always a new process
         p = launcher.start([sys.executable, "-c", "print('hi')"], env=os.environ, log=log)
@@ -93,6 +100,20 @@ def test_runs_that_cannot_be_forked_start_as_new_processes(tmp_path):
     refused.refuse("runs on the CPU")  # the suite's choice for CPU runs: no fork, whatever else holds
     p, _ = env_of_child(refused, tmp_path)
     assert isinstance(p, subprocess.Popen) and not refused.forkable() and refused.why_not == "runs on the CPU"
+
+
+def test_the_suite_preloads_only_where_its_runs_may_go_to_a_gpu(monkeypatch, preloading):
+    """Runs on the CPU start as new processes, so importing torch for them would only take the CPU from the first."""
+    monkeypatch.setattr(os, "listdir", lambda path: ["nvidiactl", "nvidia-uvm", "null"])
+    assert not launch.gpu_present()
+    assert launch.for_runs_on("auto")._thread is None and launch.for_runs_on("cpu")._thread is None
+    monkeypatch.setattr(os, "listdir", lambda path: ["nvidiactl", "nvidia0", "null"])
+    assert launch.gpu_present()
+    assert launch.for_runs_on("cpu")._thread is None
+    for device in ("auto", "cuda", "cuda:1"):
+        launcher = launch.for_runs_on(device)
+        assert launcher._thread is not None
+        launcher._thread.join()
 
 
 def test_a_forked_process_answers_as_popen_does():
