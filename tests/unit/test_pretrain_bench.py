@@ -69,7 +69,7 @@ def test_bench_model_runs_end_to_end_on_cpu():
     assert all(r["seq_per_s"] > 0 and r["mfu"] is None for r in out["train"])  # no MFU without a known peak
     assert [r["provider"] for r in out["inference"]] == providers
     assert "train tiny-64 bertctl / hf" in out["speedups"] and rows == [1, 2, 3, 4]
-    assert out["device"]["type"] == "cpu"
+    assert out["device"]["type"] == "cpu" and out["precision"] == "fp32"
 
 
 def test_mixed_lengths_case_has_fine_tunings_padding_and_unpadded_gives_hfs_loss():
