@@ -212,13 +212,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         build_app([command] if command else None)(args=args, standalone_mode=True)
     except SystemExit as e:  # how click's standalone mode ends every run
-        if e.code in (0, None) and _cuda_context_started():
+        # The quick exits below end the process, so they are taken only for the process's own command line:
+        # a caller of main(argv) (a test runner, the fault harness) goes on after it.
+        quick = e.code in (0, None) and argv is None
+        if quick and _cuda_context_started():
             # The work is done and written; CUDA's teardown at exit (its memory freed, the context destroyed)
             # takes about a second and nothing needs it: leave without it.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        if e.code in (0, None) and getattr(sys.modules.get("bertctl.tasks.launch"), "preloaded", False):
+        if quick and getattr(sys.modules.get("bertctl.tasks.launch"), "preloaded", False):
             # A suite loaded torch only for the runs it forked; unloading it again takes about a second.
             atexit._run_exitfuncs()
             sys.stdout.flush()

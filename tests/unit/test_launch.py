@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -73,9 +72,14 @@ def test_the_suites_exit_handlers_and_folder_lock_are_not_the_childs(tmp_path):
 
 @pytest.fixture
 def preloading(monkeypatch):
-    """A launcher made in this process marks it preloaded, and ``bertctl.cli.app.main`` then ends a successful
-    command with ``os._exit``: a later test calling ``main`` in this process would end it."""
+    """A launcher made in this test process imports in a thread and marks the process preloaded: the imports end
+    within the test (a thread importing torch's modules beside later tests could deadlock with them), and the
+    mark is taken off again."""
     monkeypatch.setattr(launch, "preloaded", False)
+    yield
+    for thread in threading.enumerate():
+        if thread.name == "bertctl-preload":
+            thread.join()
 
 
 def test_runs_that_cannot_be_forked_start_as_new_processes(tmp_path, preloading):
@@ -116,11 +120,14 @@ def test_the_suite_preloads_only_where_its_runs_may_go_to_a_gpu(monkeypatch, pre
         launcher._thread.join()
 
 
+def spawned(code: str) -> int:
+    """The pid of a new Python child running ``code``, which only ``os.waitpid`` reaps (a fork of a test runner
+    would carry the runner's state, and a child that ran any of its code would talk on the runner's pipes)."""
+    return os.posix_spawn(sys.executable, [sys.executable, "-c", code], os.environ)
+
+
 def test_a_forked_process_answers_as_popen_does():
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(60)
-        os._exit(0)
+    pid = spawned("import time; time.sleep(60)")
     p = launch.Forked(pid, ["sleeper"])
     assert p.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
@@ -128,10 +135,17 @@ def test_a_forked_process_answers_as_popen_does():
     p.terminate()
     assert p.wait(timeout=10) == -signal.SIGTERM and p.poll() == -signal.SIGTERM
     p.kill()  # ended and reaped: nothing is signalled
-    pid = os.fork()
-    if pid == 0:
-        os._exit(3)
-    assert launch.Forked(pid, ["exits"]).wait(timeout=10) == 3
+    assert launch.Forked(spawned("raise SystemExit(3)"), ["exits"]).wait(timeout=30) == 3
+
+
+def test_a_command_called_in_process_returns_in_a_preloaded_process(preloading, capsys):
+    """``main`` ends a preloaded process's own successful command at once; called with arguments, it returns."""
+    from bertctl.cli import app
+
+    launch.preloaded = True
+    with pytest.raises(SystemExit) as done:
+        app.main(["env", "--json"])
+    assert done.value.code in (0, None) and json.loads(capsys.readouterr().out)["bertctl"]
 
 
 @pytest.mark.cuda
