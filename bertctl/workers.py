@@ -6,6 +6,7 @@ import multiprocessing
 import multiprocessing.pool
 import os
 import signal
+import threading
 from typing import Callable, Iterator, Sequence
 
 from bertctl.errors import WorkerDied
@@ -60,6 +61,26 @@ class WorkerPool(multiprocessing.pool.Pool):
             except multiprocessing.TimeoutError:
                 self._check()
 
+    def terminate(self) -> None:
+        """Stop the workers and the pool's threads. CPython's ``terminate`` reads the task queue only while it
+        finds something there, so a task handler that was still pickling a task when the pool stopped writes it
+        afterwards and, with a task larger than the pipe holds and no worker left to read it, blocks forever
+        (and ``terminate`` with it, joining that thread). Here the handler's last write is read off first."""
+        handler = self._task_handler
+        if handler.is_alive():
+            handler._state = multiprocessing.pool.TERMINATE  # it starts writing no other task
+            passed = threading.Event()
+            self._taskqueue.put((_set_when_read(passed), None))  # the handler reads this once its write is done
+            while handler.is_alive() and not passed.wait(0.05):
+                # An idle worker holds the queue's read lock while it waits for a task; a busy one does not.
+                if self._inqueue._rlock.acquire(timeout=0.05):
+                    try:
+                        if self._inqueue._reader.poll(0):
+                            self._inqueue._reader.recv_bytes()  # a task no worker will run now
+                    finally:
+                        self._inqueue._rlock.release()
+        super().terminate()
+
     def imap_in_order(self, fn: Callable, items: Sequence) -> Iterator:
         """``imap(fn, items)``, or ``WorkerDied`` once a worker has ended."""
         results = self.imap(fn, items)
@@ -70,6 +91,12 @@ class WorkerPool(multiprocessing.pool.Pool):
                 return
             except multiprocessing.TimeoutError:
                 self._check()
+
+
+def _set_when_read(event: threading.Event) -> Iterator:
+    """An empty task list that sets ``event`` when the pool's task handler reads it."""
+    event.set()
+    yield from ()
 
 
 def _start_worker(initializer: Callable, initargs: tuple) -> None:

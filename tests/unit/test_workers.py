@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -101,3 +102,26 @@ def test_ranks_on_one_host_share_its_cpus(monkeypatch):
     for ranks, each in (("1", 16), ("2", 8), ("3", 5), ("32", 1)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
         assert workers.cpus_per_rank() == each
+
+
+class SlowToPickle:
+    """A task argument whose pickling takes a while and whose pickle is more than a pipe holds: the pool's task
+    handler is then still pickling it when the pool stops, and writes it afterwards."""
+
+    def __reduce__(self):
+        time.sleep(1)
+        return bytes, (b"x" * (1 << 20),)
+
+
+def _len(data: bytes) -> int:
+    return len(data)
+
+
+def test_a_pool_stopped_while_a_large_task_is_on_its_way_stops():
+    pool = worker_pool(1, _nothing, ())
+    pool.apply_async(time.sleep, (60,))  # the one worker is busy, so no worker reads the next task
+    pool.apply_async(_len, (SlowToPickle(),))
+    stopper = threading.Thread(target=lambda: (pool.terminate(), pool.join()), daemon=True)
+    stopper.start()
+    stopper.join(timeout=60)
+    assert not stopper.is_alive(), "terminate() blocked on the task handler's write"
