@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.pool
+import multiprocessing.reduction
 import os
 import signal
 import threading
@@ -67,8 +68,11 @@ class WorkerPool(multiprocessing.pool.Pool):
         afterwards and, with a task larger than the pipe holds and no worker left to read it, blocks forever
         (and ``terminate`` with it, joining that thread). Here the handler's last write is read off first."""
         handler = self._task_handler
+        stolen = 0  # the handler's end-of-work sentinels read here, which idle workers wait for
         if handler.is_alive():
-            handler._state = multiprocessing.pool.TERMINATE  # it starts writing no other task
+            # No new workers for those that read the handler's sentinels and end, then no new task for the pipe.
+            self._worker_handler._state = multiprocessing.pool.TERMINATE
+            handler._state = multiprocessing.pool.TERMINATE
             passed = threading.Event()
             self._taskqueue.put((_set_when_read(passed), None))  # the handler reads this once its write is done
             while handler.is_alive() and not passed.wait(0.05):
@@ -76,9 +80,12 @@ class WorkerPool(multiprocessing.pool.Pool):
                 if self._inqueue._rlock.acquire(timeout=0.05):
                     try:
                         if self._inqueue._reader.poll(0):
-                            self._inqueue._reader.recv_bytes()  # a task no worker will run now
+                            stolen += self._inqueue._reader.recv_bytes() == _SENTINEL  # else a task no one runs now
                     finally:
                         self._inqueue._rlock.release()
+        for _ in range(stolen):
+            # An idle worker holds the read lock until it reads one, and CPython's terminate waits for that lock.
+            self._inqueue.put(None)
         super().terminate()
 
     def imap_in_order(self, fn: Callable, items: Sequence) -> Iterator:
@@ -91,6 +98,10 @@ class WorkerPool(multiprocessing.pool.Pool):
                 return
             except multiprocessing.TimeoutError:
                 self._check()
+
+
+#: The pickled None that tells a worker there is no more work.
+_SENTINEL = bytes(multiprocessing.reduction.ForkingPickler.dumps(None))
 
 
 def _set_when_read(event: threading.Event) -> Iterator:

@@ -125,3 +125,18 @@ def test_a_pool_stopped_while_a_large_task_is_on_its_way_stops():
     stopper.start()
     stopper.join(timeout=60)
     assert not stopper.is_alive(), "terminate() blocked on the task handler's write"
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_pool_stopped_with_tasks_not_yet_handed_out_stops(attempt):
+    """The task handler stops at the next task and sends each worker its end-of-work mark; the workers that
+    read them end, and must not be replaced by new ones that would wait for a task with the queue's lock
+    held (CPython's terminate waits for that lock)."""
+    pool = worker_pool(2, _nothing, ())
+    assert pool.wait(pool.apply_async(_len, (b"ab",))) == 2  # the workers are up, idle, one holding the lock
+    for _ in range(4):
+        pool.apply_async(_len, (b"abc",))  # queued, and stopped before the handler hands them all out
+    stopper = threading.Thread(target=lambda: (pool.terminate(), pool.join()), daemon=True)
+    stopper.start()
+    stopper.join(timeout=30)
+    assert not stopper.is_alive(), "terminate() waited for a worker started after the pool stopped"
