@@ -184,7 +184,7 @@ def main() -> None:
               "suite_seconds": statistics.median(r["suite_seconds"] for r in rounds), "ratio": middle,
               "rounds": rounds, "same_scores_every_round": all(s == scores[0] for s in scores), "target_ratio": 1.5,
               "suite_plan": launched, "suite_since_start": summary.get("since_start"),
-              "suite_runs_started": summary.get("runs_started"),
+              "suite_runs_started": summary.get("runs_started"), "suite_preload_seconds": summary.get("preload_seconds"),
               "suite_gpu_utilisation": suite_gpu.summary(),
               "suite_beyond_runs_seconds": beyond_runs(suite_seconds, summary.get("since_start") or {}),
               "per_seed": per_seed,

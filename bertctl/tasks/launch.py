@@ -109,13 +109,19 @@ class Launcher:
         self._thread = None
         self.why_not: str | None = None  # why runs start as new processes, once known
         self.first_start: float | None = None  # time.monotonic() when the first process started
+        self.imports: dict[str, float] = {}  # seconds each preloaded module took, in import order
+        self.preloaded_at: float | None = None  # time.monotonic() when the imports ended
         if not sys.platform.startswith("linux"):
             self.why_not = "forking is only done on Linux"
         elif preload:
-            self._thread = threading.Thread(target=_preload, name="bertctl-preload", daemon=True)
+            self._thread = threading.Thread(target=self._preload, name="bertctl-preload", daemon=True)
             self._thread.start()
         else:
             self.why_not = "preloading is off"
+
+    def _preload(self) -> None:
+        _preload(self.imports)
+        self.preloaded_at = time.monotonic()
 
     def refuse(self, why: str) -> None:
         """Start every later run as a new process, for the reason ``why`` (the imports, if begun, go on)."""
@@ -160,21 +166,23 @@ def for_runs_on(device: str) -> Launcher:
 preloaded = False  # whether this process imported PRELOAD for its runs (so its own exit may skip their teardown)
 
 
-def _preload() -> None:
+def _preload(seconds: dict[str, float]) -> None:
+    """Import ``PRELOAD`` and what of ``OPTIONAL`` is installed, noting each one's seconds in ``seconds``."""
     import importlib
     import importlib.util
 
     global preloaded
     preloaded = True
 
-    for name in PRELOAD:
-        importlib.import_module(name)
-    for name in OPTIONAL:
+    for name in PRELOAD + OPTIONAL:
+        t0 = time.monotonic()
         try:
-            if importlib.util.find_spec(name.split(".")[0]) is not None:
+            if name in PRELOAD or importlib.util.find_spec(name.split(".")[0]) is not None:
                 importlib.import_module(name)
         except Exception:  # an optional writer that does not import is the run's to report, not the suite's
-            pass
+            if name in PRELOAD:
+                raise
+        seconds[name] = round(time.monotonic() - t0, 3)
 
 
 def _run_in_child(args: list[str], env: dict[str, str], log_fd: int, parent: int) -> None:

@@ -433,6 +433,8 @@ def run_suite(cfg: SuiteConfig) -> dict:
         marks["runs_done"] = time.monotonic() - started
         if launcher.first_start is not None:
             marks["first_run_started"] = launcher.first_start - started
+        if launcher.preloaded_at is not None:
+            marks["preloaded"] = launcher.preloaded_at - started
         results = [collect_task(plan) for plan in plans]
         predict_jobs = []
         for plan, result in zip(plans, results):
@@ -453,6 +455,7 @@ def run_suite(cfg: SuiteConfig) -> dict:
         summary["seconds"] = round(time.monotonic() - started, 1)  # this invocation's wall time, runs skipped too
         summary["since_start"] = {k: round(v, 2) for k, v in marks.items()}
         summary["runs_started"] = "forked" if launcher.why_not is None else f"as new processes ({launcher.why_not})"
+        summary["preload_seconds"] = dict(launcher.imports)
         write_json(cfg.output / "summary.json", summary)
         with atomic_open(cfg.output / "summary.md", "w", encoding="utf-8") as f:
             f.write(summary_markdown(summary))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,9 @@ def test_the_suite_preloads_only_where_its_runs_may_go_to_a_gpu(monkeypatch, pre
         launcher = launch.for_runs_on(device)
         assert launcher._thread is not None
         launcher._thread.join()
+        # What the suite's summary reports of them: each import's seconds, and when they ended.
+        assert set(launch.PRELOAD) <= set(launcher.imports) and all(s >= 0 for s in launcher.imports.values())
+        assert launcher.preloaded_at is not None and launcher.preloaded_at <= time.monotonic()
 
 
 def spawned(code: str) -> int:
