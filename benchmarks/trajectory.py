@@ -234,9 +234,9 @@ def host_line(now: dict | None, ref: dict | None) -> str:
             "these")
 
 
-def reference(gpu: str, spec: str) -> Path | None:
+def reference(gpu: str, spec: str, output: Path | None = None) -> Path | None:
     """The run to compare with: a file, none, or the newest committed trajectory of this GPU kind that may serve
-    as one."""
+    as one, never ``output`` (this run's own file, which a copy without git history would find newest)."""
     if spec == "none":
         return None
     if spec != "auto":
@@ -252,6 +252,8 @@ def reference(gpu: str, spec: str) -> Path | None:
         names = [str(f.relative_to(ROOT)) for f in reversed(runs)]
     for name in names:
         # A run marked "reference": false (its note says why, e.g. a slower host) is kept but never compared with.
+        if output is not None and (ROOT / name).resolve() == output.resolve():
+            continue
         if (ROOT / name).exists() and json.loads((ROOT / name).read_text()).get("reference", True):
             return ROOT / name
     return None
@@ -293,13 +295,13 @@ def main() -> None:
     args = p.parse_args()
     args.only = set(args.only.split(","))
     env = environment(Path(args.tree))
+    ref_path = reference(env["gpu"], args.compare, args.output)  # chosen before this run writes its own file
     log_path = args.log or (args.output.with_suffix(".log") if args.output else None)
     log = open(log_path, "w") if log_path else sys.stderr
     result = {"benchmark": "trajectory", **env, "host": host_probe(), **measure(args, log)}
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=1) + "\n")
-    ref_path = reference(env["gpu"], args.compare)
     if ref_path is None:
         for k, v in sorted(result["figures"].items()):
             print(f"{k:58} {v:>12}")

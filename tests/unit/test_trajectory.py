@@ -34,6 +34,11 @@ def test_the_newest_run_that_may_serve_is_the_reference(tmp_path, monkeypatch):
     assert t.reference("a100", "auto") is None
     assert t.reference("h200", "none") is None
     assert t.reference("h200", str(results / "trajectory-h200-ccc.json")).name == "trajectory-h200-ccc.json"
+    # This run's own file, newest of all once written, is never its reference (it would compare the run with itself).
+    own = results / "trajectory-h200-eee.json"
+    own.write_text(json.dumps({"date": "2026-12-04", "figures": {}}))
+    assert t.reference("h200", "auto", own).name == "trajectory-h200-bbb.json"
+    assert t.reference("h200", "auto").name == "trajectory-h200-eee.json"
 
 
 def test_the_host_probe_measures_and_compares(tmp_path, monkeypatch):
