@@ -291,7 +291,7 @@ RESTART_FILES = ["restarts-sst2-minilm-mps-h200-0d0c13c.json", "restarts-sst2-mi
                  "restarts-sst2-minilm-mps-h200-3499d68.json", "restarts-sst2-minilm-mps-h200-fa2d700.json",
                  "restarts-sst2-minilm-mps-separate-h200-fa2d700.json", "restarts-sst2-minilm-mps-h200-68920a3.json",
                  "restarts-sst2-minilm-mps-h200-a5b8d50.json", "restarts-sst2-minilm-mps-h200-3epochs-a5b8d50.json",
-                 "restarts-sst2-base-mps-h200-0d0c13c.json"]
+                 "restarts-sst2-minilm-mps-h200-b87521f.json", "restarts-sst2-base-mps-h200-0d0c13c.json"]
 
 
 def finetune_restarts() -> list[str]:
