@@ -76,3 +76,39 @@ def read_only_folder(folder: Path, monkeypatch) -> Path:
 
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
     return folder
+
+
+# ---------------------------------------------------------------- a toy pretraining task for tiny models
+# (tests/unit/test_fused_model.py, tests/parity/test_dropout_training.py); torch and bertctl are imported in the
+# functions, since tests that must not import torch import this module too.
+def tiny_config(**kw) -> BertConfig:
+    from bertctl.config import BertConfig
+
+    kw = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, **kw}
+    return BertConfig.preset("tiny", vocab_size=96, max_position_embeddings=64, **kw)
+
+
+def runtime(kernels: str, masks: str = "fused") -> Runtime:
+    """Explicit attention (the fused softmax's path) on ``kernels``, drawing ``masks``' dropout masks."""
+    from bertctl.runtime import resolve
+
+    return resolve("cpu", attn="explicit", kernels=kernels, dropout_masks=masks)
+
+
+def synthetic_batch(gen: torch.Generator, B: int = 8, S: int = 24, device="cpu") -> dict[str, torch.Tensor]:
+    """A learnable toy task: each sequence repeats one of 10 tokens with a few random ones mixed in;
+    predict 4 masked tokens (copy the dominant token) and a next-sentence label equal to its parity."""
+    import torch
+
+    token = torch.randint(5, 15, (B, 1), generator=gen)
+    noise = torch.randint(5, 96, (B, S), generator=gen)
+    ids = torch.where(torch.rand(B, S, generator=gen) < 0.8, token, noise)
+    lengths = torch.randint(S // 2, S + 1, (B,), generator=gen)
+    attention = (torch.arange(S)[None, :] < lengths[:, None]).long()
+    ids = ids * attention  # [PAD] = 0 after each length
+    positions = torch.stack([torch.randperm(int(n), generator=gen)[:4] for n in lengths])  # (B, 4), inside length
+    labels = ids.gather(1, positions)
+    masked = ids.scatter(1, positions, 4)  # 4 stands for [MASK]
+    batch = dict(input_ids=masked, token_type_ids=torch.zeros_like(ids), attention_mask=attention,
+                 masked_positions=positions, masked_lm_labels=labels, next_sentence_label=token[:, 0] % 2)
+    return {k: v.to(device) for k, v in batch.items()}
